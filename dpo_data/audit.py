@@ -1,0 +1,151 @@
+"""`dpo-data inspect` and `dpo-data verify`: what a built dataset holds, and whether it is intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from dpo_data.errors import DataError
+from dpo_data.manifest import MANIFEST_NAME, dataset_fingerprint, read_manifest
+from dpo_data.shards import SHARD_SCHEMA, open_shard
+from dpo_state.digest import sha256_file
+
+
+def inspect_dataset(data_dir: str | Path) -> dict[str, Any]:
+    """A summary of a dataset read from its manifest alone (no shard is opened)."""
+    m = read_manifest(data_dir)
+    totals = m["totals"]
+    return {
+        "path": str(data_dir),
+        "fingerprint": m["fingerprint"],
+        "tokenizer_fingerprint": m["tokenizer"]["fingerprint"],
+        "producer": m["producer"],
+        "pairs": totals["pairs"],
+        "rows_read": totals["rows_read"],
+        "rejected": totals["rejected"],
+        "tokens": {k: totals[k] for k in ("prompt_tokens", "chosen_tokens", "rejected_tokens", "input_tokens")},
+        "truncated_prompts": totals["truncated_prompts"],
+        "sources": m["sources"],
+        "lengths": m["lengths"],
+        "rejects_by_reason": m["rejects"]["by_reason"],
+        "shards": len(m["shards"]),
+    }
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    """The human-readable form of `inspect_dataset`."""
+    t = info["tokens"]
+    lines = [
+        f"dataset      {info['path']}",
+        f"fingerprint  {info['fingerprint']}",
+        f"tokenizer    {info['tokenizer_fingerprint']}",
+        f"pairs        {info['pairs']} kept of {info['rows_read']} rows read ({info['rejected']} rejected)",
+        f"tokens       prompt {t['prompt_tokens']}, chosen {t['chosen_tokens']}, rejected {t['rejected_tokens']}, "
+        f"input (both segments) {t['input_tokens']}",
+        f"shards       {info['shards']}",
+        "sources",
+        *(f"  {s['id']:>3}  {s['name']:<32} {s['pairs']} pairs" for s in info["sources"]),
+        "lengths      min    p50    p90    p99    max   mean",
+        *(
+            f"  {name:<10} {s['min']:>5} {s['p50']:>6} {s['p90']:>6} {s['p99']:>6} {s['max']:>6} {s['mean']:>6.1f}"
+            for name, s in info["lengths"].items()
+        ),
+        "rejects by reason" + ("" if info["rejects_by_reason"] else ": none"),
+        *(f"  {reason:<28} {n}" for reason, n in info["rejects_by_reason"].items()),
+    ]
+    if info["truncated_prompts"]:
+        lines.insert(5, f"truncated    {info['truncated_prompts']} prompts lost their oldest tokens (--overlength truncate-prompt)")
+    return "\n".join(lines)
+
+
+def verify_dataset(data_dir: str | Path, tokenizer_dir: str | None = None) -> list[str]:
+    """Every failure found: schema, shard bytes/sha256/rows/schema, rejects file, counts, fingerprint,
+    and with `tokenizer_dir` the tokenizer attestation. An empty list means the dataset is intact."""
+    root = Path(data_dir)
+    try:
+        m = read_manifest(root)
+    except DataError as e:
+        return [str(e)]
+    failures = []
+    for shard in m["shards"]:
+        failures += _check_shard(root, shard)
+    failures += _check_file(root, m["rejects"]["file"], m["rejects"]["bytes"], m["rejects"]["sha256"])
+    failures += _check_counts(root, m)
+    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"])
+    if expected != m["fingerprint"]:
+        failures.append(f"{MANIFEST_NAME}: fingerprint {m['fingerprint']} does not match its content ({expected})")
+    if tokenizer_dir is not None:
+        failures += _check_tokenizer(m, tokenizer_dir)
+    return failures
+
+
+def _check_file(root: Path, rel: str, size: int, digest: str) -> list[str]:
+    path = root / rel
+    if not path.is_file():
+        return [f"{rel}: missing"]
+    actual = path.stat().st_size
+    if actual != size:
+        return [f"{rel}: {actual} bytes, manifest says {size} (truncated or appended to)"]
+    if sha256_file(path) != digest:
+        return [f"{rel}: sha256 differs from the manifest (the content was changed)"]
+    return []
+
+
+def _check_shard(root: Path, shard: dict) -> list[str]:
+    failures = _check_file(root, shard["path"], shard["bytes"], shard["sha256"])
+    if failures and "missing" in failures[0]:
+        return failures
+    try:
+        table = open_shard(root / shard["path"])
+    except (pa.ArrowInvalid, OSError) as e:
+        return failures + [f"{shard['path']}: not a readable Arrow IPC file ({e})"]
+    if table.schema != SHARD_SCHEMA:
+        failures.append(f"{shard['path']}: columns {table.schema.names} differ from the shard schema")
+    if table.num_rows != shard["rows"]:
+        failures.append(f"{shard['path']}: {table.num_rows} rows, manifest says {shard['rows']}")
+    return failures
+
+
+def _check_counts(root: Path, m: dict) -> list[str]:
+    failures = []
+    totals = m["totals"]
+    shard_rows = sum(s["rows"] for s in m["shards"])
+    if shard_rows != totals["pairs"]:
+        failures.append(f"shards hold {shard_rows} rows, totals.pairs is {totals['pairs']}")
+    if sum(s["pairs"] for s in m["sources"]) != totals["pairs"]:
+        failures.append("the sources' pairs do not add up to totals.pairs")
+    for entry in m["inputs"]:
+        if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
+            failures.append(f"input {entry['path']}: pairs + rejected != rows_read")
+    if totals["pairs"] + totals["rejected"] != totals["rows_read"]:
+        failures.append("totals: pairs + rejected != rows_read")
+    rejects = root / m["rejects"]["file"]
+    if rejects.is_file():
+        with open(rejects, "rb") as f:
+            lines = sum(1 for _ in f)
+        if lines != m["rejects"]["count"]:
+            failures.append(f"{m['rejects']['file']}: {lines} records, manifest says {m['rejects']['count']}")
+    return failures
+
+
+def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from dpo_state.attestation import tokenizer_attestation
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        return [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"]
+    actual = tokenizer_attestation(tokenizer)
+    recorded = m["tokenizer"]
+    if actual["fingerprint"] == recorded["fingerprint"]:
+        return []
+    differ = [k for k in recorded["components"] if recorded["components"][k] != actual["components"].get(k)]
+    return [
+        f"tokenizer {tokenizer_dir}: fingerprint {actual['fingerprint']} differs from the dataset's "
+        f"{recorded['fingerprint']} (differing parts: {', '.join(differ) or 'unknown'}); "
+        "rebuild the dataset with this tokenizer or use the one it was built with"
+    ]

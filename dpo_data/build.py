@@ -1,0 +1,374 @@
+"""`dpo-data build`: raw preference rows -> tokenized pairs in Arrow shards, rejects, and a manifest written last."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import orjson
+
+from dpo_data import __version__
+from dpo_data.errors import DataError
+from dpo_data.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    REJECTS_NAME,
+    dataset_fingerprint,
+    fsync_dir,
+    length_histogram,
+    length_stats,
+    write_manifest,
+)
+from dpo_data.rows import RowReject, normalize_row
+from dpo_data.shards import ShardRow, ShardWriter
+from dpo_data.sources import InputFile, OversizedLine, iter_rows, open_input
+from dpo_data.tokenize import OVERLENGTH_MODES, EncodedPair, PairEncoder, TokenizeOptions
+from dpo_state.attestation import tokenizer_attestation
+from dpo_state.digest import sha256_file
+
+CHUNK_ROWS = 256  # rows per unit of work sent to a worker
+RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Options of one build. All but `num_proc`, `overwrite` and `progress` are recorded in the manifest."""
+
+    max_length: int | None = None
+    overlength: str = "reject"
+    append_eos: bool = True
+    source: str | None = None
+    max_reject_fraction: float | None = None
+    pairs_per_shard: int = 100_000
+    max_row_bytes: int = 8 << 20
+    num_proc: int = 1
+    overwrite: bool = False
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.max_length is not None and self.max_length < 2:
+            raise DataError(f"--max-length is {self.max_length}; it must be at least 2 (one prompt and one completion token)")
+        if self.overlength not in OVERLENGTH_MODES:
+            raise DataError(f"--overlength is {self.overlength!r}; allowed: {', '.join(OVERLENGTH_MODES)}")
+        if self.max_reject_fraction is not None and not 0.0 <= self.max_reject_fraction <= 1.0:
+            raise DataError(f"--max-reject-fraction is {self.max_reject_fraction}; it must lie in [0, 1]")
+        if self.pairs_per_shard < 1:
+            raise DataError(f"--pairs-per-shard is {self.pairs_per_shard}; it must be at least 1")
+        if self.max_row_bytes < 1024:
+            raise DataError(f"--max-row-bytes is {self.max_row_bytes}; it must be at least 1024")
+        if self.num_proc < 1:
+            raise DataError(f"--num-proc is {self.num_proc}; it must be at least 1")
+
+    def recorded(self) -> dict[str, Any]:
+        """The options that shape the output (recorded in the manifest; --num-proc never changes a byte)."""
+        skip = {"num_proc", "overwrite", "progress"}
+        return {k: v for k, v in asdict(self).items() if k not in skip}
+
+
+@dataclass
+class BuildResult:
+    """What a finished (or refused) build reports: the manifest when committed, and counts."""
+
+    out: Path
+    manifest: dict | None
+    rows_read: int
+    pairs: int
+    rejects_by_reason: dict[str, int]
+    seconds: float
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejects_by_reason.values())
+
+
+# -- worker side --------------------------------------------------------------------------------
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_dir: str, options: BuildOptions, inputs: list[InputFile]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos)
+    _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=inputs)
+
+
+def _process_chunk(chunk: list[tuple[int, int, Any]]) -> list[tuple]:
+    """Parse, validate and encode a chunk of rows; results in the same order, each a pair or a reject."""
+    inputs, options, encoder = _worker["inputs"], _worker["options"], _worker["encoder"]
+    results: list[Any] = [None] * len(chunk)
+    pairs, where = [], []
+    for k, (input_index, number, item) in enumerate(chunk):
+        inp = inputs[input_index]
+        row = None
+        try:
+            row = _parse(item, options.max_row_bytes)
+            pair = normalize_row(row)
+        except RowReject as reject:
+            results[k] = _reject(input_index, inp, number, _row_source(row, inp), reject, item)
+            continue
+        pairs.append(pair)
+        where.append(k)
+    for k, pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
+        input_index, number, item = chunk[k]
+        source = pair.source or inputs[input_index].source
+        if isinstance(encoded, RowReject):
+            results[k] = _reject(input_index, inputs[input_index], number, source, encoded, item)
+        else:
+            results[k] = ("pair", input_index, number, source, pair.id, encoded)
+    return results
+
+
+def _row_source(row: Any, inp: InputFile) -> str:
+    """The source a rejected row is counted under: its own valid 'source' field, else its input's."""
+    own = row.get("source") if isinstance(row, dict) else None
+    return own if isinstance(own, str) and own.strip() else inp.source
+
+
+def _parse(item: Any, max_row_bytes: int) -> Any:
+    if isinstance(item, OversizedLine):
+        raise RowReject("row_too_large", f"the row has {item.size} bytes, over --max-row-bytes {max_row_bytes}")
+    if not isinstance(item, bytes):  # .json / .parquet rows arrive parsed
+        size = len(orjson.dumps(item, default=str))
+        if size > max_row_bytes:
+            raise RowReject("row_too_large", f"the row has {size} bytes as JSON, over --max-row-bytes {max_row_bytes}")
+        return item
+    try:
+        item.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowReject("invalid_utf8", f"the line is not valid UTF-8 (byte {e.start}: {item[e.start:e.start + 1]!r})") from None
+    try:
+        return orjson.loads(item)
+    except orjson.JSONDecodeError as e:
+        raise RowReject("invalid_json", f"the line is not valid JSON: {e}") from None
+
+
+def _reject(input_index: int, inp: InputFile, number: int, source: str, reject: RowReject, item: Any) -> tuple:
+    record = {
+        "file": inp.path,
+        inp.locator: number,
+        "source": source,
+        "reason": reject.reason,
+        "message": reject.message,
+        "raw": _raw_text(item),
+    }
+    return ("reject", input_index, record)
+
+
+def _raw_text(item: Any) -> str:
+    if isinstance(item, OversizedLine):
+        text, total = item.head.decode("utf-8", "backslashreplace"), item.size
+    elif isinstance(item, bytes):
+        text, total = item.decode("utf-8", "backslashreplace"), len(item)
+    else:
+        text = orjson.dumps(item, default=str).decode()
+        total = len(text)
+    if len(text) > RAW_KEEP_CHARS or total > len(text):
+        return text[:RAW_KEEP_CHARS] + f"...[truncated; {total} in all]"
+    return text
+
+
+# -- main process -------------------------------------------------------------------------------
+
+
+def _chunks(inputs: list[InputFile], max_row_bytes: int, progress: Any) -> Iterator[list[tuple[int, int, Any]]]:
+    rows = ((i, n, item) for i, inp in enumerate(inputs) for n, item in iter_rows(inp, max_row_bytes))
+    while chunk := list(islice(rows, CHUNK_ROWS)):
+        progress.update(len(chunk))
+        yield chunk
+
+
+@dataclass
+class _Tally:
+    """Everything the manifest counts, accumulated in output order."""
+
+    inputs: list[dict]
+    sources: dict[str, int] = field(default_factory=dict)
+    source_pairs: Counter = field(default_factory=Counter)
+    source_rejects: Counter = field(default_factory=Counter)
+    by_reason: Counter = field(default_factory=Counter)
+    lengths: list[tuple[int, int, int]] = field(default_factory=list)
+    truncated_prompts: int = 0
+    truncated_prompt_tokens: int = 0
+
+    @property
+    def pairs(self) -> int:
+        return len(self.lengths)
+
+
+def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
+    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract."""
+    started = time.perf_counter()
+    out = Path(out)
+    files = _open_inputs(inputs, options)
+    if out.exists() and not options.overwrite:
+        raise DataError(f"--out {out} already exists; pass --overwrite to replace it, or choose another directory")
+    tokenizer = _load_tokenizer(tokenizer_dir)
+    attestation = tokenizer_attestation(tokenizer)
+    staging = out.with_name(out.name + ".incomplete")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tally = _Tally(inputs=[_input_entry(f) for f in files])
+    writer = ShardWriter(staging, options.pairs_per_shard)
+    with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
+        for results in _run(files, tokenizer_dir, tokenizer, options, bar):
+            for result in results:
+                _consume(result, tally, writer, rejects_file)
+    shards = [asdict(s) for s in writer.close()]
+    rows_read = sum(e["rows_read"] for e in tally.inputs)
+    result = BuildResult(out, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
+    result.error = _refusal(tally, rows_read, options)
+    if result.error is None:
+        manifest = _manifest(tally, shards, attestation, options, staging)
+        write_manifest(staging, manifest)
+        _commit(staging, out)
+        result.manifest = manifest
+        result.prompt_tokens = manifest["totals"]["prompt_tokens"]
+        result.completion_tokens = manifest["totals"]["completion_tokens"]
+        result.out = out
+    else:
+        result.out = staging
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
+    if not inputs:
+        raise DataError("no INPUT given; pass one or more .jsonl, .jsonl.zst, .json or .parquet files")
+    if options.source is not None and len(inputs) > 1:
+        raise DataError(
+            f"--source {options.source!r} names the source of a single input, but {len(inputs)} inputs were given; "
+            "drop --source (each input's file stem is its source) or set a 'source' field in the rows"
+        )
+    return [open_input(path, options.source) for path in inputs]
+
+
+def _load_tokenizer(tokenizer_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if not Path(tokenizer_dir).is_dir():
+        raise DataError(f"--tokenizer {tokenizer_dir}: not a directory; pass a local Hugging Face tokenizer directory")
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})") from None
+
+
+def _input_entry(f: InputFile) -> dict:
+    p = Path(f.path)
+    return {"path": f.path, "format": f.format, "default_source": f.source, "bytes": p.stat().st_size,
+            "sha256": sha256_file(p), "rows_read": 0, "pairs": 0, "rejected": 0}
+
+
+def _progress(enabled: bool):
+    from tqdm import tqdm
+
+    # disable=None lets tqdm switch itself off when stderr is not a TTY.
+    return tqdm(unit=" rows", desc="build", disable=None if enabled else True, smoothing=0.1)
+
+
+def _run(files, tokenizer_dir, tokenizer, options, bar) -> Iterator[list[tuple]]:
+    chunks = _chunks(files, options.max_row_bytes, bar)
+    if options.num_proc == 1:
+        _init_worker_from(tokenizer, options, files)
+        yield from map(_process_chunk, chunks)
+        return
+    # fork: workers inherit imported modules, and the parent never ran the Rust thread pool.
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(options.num_proc, _init_worker, (tokenizer_dir, options, files)) as pool:
+        yield from pool.imap(_process_chunk, chunks, chunksize=1)
+
+
+def _init_worker_from(tokenizer: Any, options: BuildOptions, files: list[InputFile]) -> None:
+    topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos)
+    _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=files)
+
+
+def _consume(result: tuple, tally: _Tally, writer: ShardWriter, rejects_file) -> None:
+    if result[0] == "reject":
+        _, input_index, record = result
+        entry = tally.inputs[input_index]
+        entry["rows_read"] += 1
+        entry["rejected"] += 1
+        tally.by_reason[record["reason"]] += 1
+        tally.source_rejects[record["source"]] += 1
+        rejects_file.write(orjson.dumps(record) + b"\n")
+        return
+    _, input_index, number, source, row_id, encoded = result
+    encoded: EncodedPair
+    entry = tally.inputs[input_index]
+    entry["rows_read"] += 1
+    entry["pairs"] += 1
+    source_id = tally.sources.setdefault(source, len(tally.sources))
+    tally.source_pairs[source] += 1
+    if encoded.truncated_prompt_tokens:
+        tally.truncated_prompts += 1
+        tally.truncated_prompt_tokens += encoded.truncated_prompt_tokens
+    tally.lengths.append((len(encoded.prompt), len(encoded.chosen), len(encoded.rejected)))
+    writer.add(ShardRow(tally.pairs - 1, source_id, encoded.prompt, encoded.chosen, encoded.rejected,
+                        input_index, number, row_id))
+
+
+def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None:
+    if tally.pairs == 0:
+        return f"no pair survived: all {rows_read} rows read were rejected" if rows_read else "the inputs hold no rows"
+    fraction = (rows_read - tally.pairs) / rows_read
+    if options.max_reject_fraction is not None and fraction > options.max_reject_fraction:
+        return (f"{rows_read - tally.pairs} of {rows_read} rows were rejected ({fraction:.1%}), over "
+                f"--max-reject-fraction {options.max_reject_fraction}")
+    return None
+
+
+def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: BuildOptions, staging: Path) -> dict:
+    lengths = np.asarray(tally.lengths, dtype=np.int64).reshape(-1, 3)
+    prompt, chosen, rejected = lengths[:, 0], lengths[:, 1], lengths[:, 2]
+    segments = np.concatenate([prompt + chosen, prompt + rejected])
+    sources = [{"id": sid, "name": name, "pairs": tally.source_pairs[name]} for name, sid in tally.sources.items()]
+    rejects_path = staging / REJECTS_NAME
+    return {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "kind": "dpo-dataset",
+        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards),
+        "producer": {"name": "dpo-toolkit", "version": __version__, "options": options.recorded()},
+        "tokenizer": attestation,
+        "inputs": tally.inputs,
+        "sources": sources,
+        "shards": shards,
+        "totals": {
+            "rows_read": int(sum(e["rows_read"] for e in tally.inputs)),
+            "pairs": tally.pairs,
+            "rejected": int(sum(tally.by_reason.values())),
+            "prompt_tokens": int(prompt.sum()),
+            "chosen_tokens": int(chosen.sum()),
+            "rejected_tokens": int(rejected.sum()),
+            "completion_tokens": int(chosen.sum() + rejected.sum()),
+            "input_tokens": int(segments.sum()),
+            "truncated_prompts": tally.truncated_prompts,
+            "truncated_prompt_tokens": tally.truncated_prompt_tokens,
+        },
+        "lengths": {"prompt": length_stats(prompt), "chosen": length_stats(chosen),
+                    "rejected": length_stats(rejected), "segment": length_stats(segments)},
+        "length_histogram": length_histogram(segments),
+        "rejects": {"file": REJECTS_NAME, "count": int(sum(tally.by_reason.values())),
+                    "bytes": rejects_path.stat().st_size, "sha256": sha256_file(rejects_path),
+                    "by_reason": dict(sorted(tally.by_reason.items())),
+                    "by_source": dict(sorted(tally.source_rejects.items()))},
+    }
+
+
+def _commit(staging: Path, out: Path) -> None:
+    """Move the finished staging directory into place (replacing `out` when --overwrite)."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    staging.rename(out)
+    fsync_dir(out.parent)

@@ -1,0 +1,172 @@
+"""Normalize one raw row into a preference pair (explicit or implicit prompt, text or conversation) or reject it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RowReject(Exception):
+    """A row that cannot become a pair: a documented reason code (docs/data-build.md) and a message."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A validated pair. For kind 'chat' the three parts are message lists, for 'text' strings."""
+
+    kind: str
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    source: str | None
+    id: str | None
+
+
+def normalize_row(row: Any) -> Pair:
+    """Validate a parsed row and return its pair; raise `RowReject` with the first problem found."""
+    if not isinstance(row, dict):
+        raise RowReject("not_an_object", f"a row must be a JSON object, got {_kind(row)}")
+    for field in ("chosen", "rejected"):
+        if field not in row or row[field] is None:
+            raise RowReject("missing_field", f"field '{field}' is missing; every row needs 'chosen' and 'rejected'")
+    source, row_id = _source(row), _row_id(row)
+    if row.get("prompt") is None:
+        prompt, chosen, rejected = _implicit(row["chosen"], row["rejected"])
+        return Pair("chat", prompt, chosen, rejected, source, row_id)
+    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    kinds = {f: _part_kind(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
+    if len(set(kinds.values())) > 1:
+        found = ", ".join(f"{f} is {k}" for f, k in kinds.items())
+        raise RowReject(
+            "mixed_formats",
+            f"prompt, chosen and rejected must all be text or all be message lists; here {found}",
+        )
+    if kinds["prompt"] == "text":
+        _check_text(prompt, chosen, rejected)
+        return Pair("text", prompt, chosen, rejected, source, row_id)
+    _check_chat(prompt, chosen, rejected)
+    return Pair("chat", prompt, chosen, rejected, source, row_id)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+def _part_kind(field: str, value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "messages"
+    raise RowReject("wrong_type", f"field '{field}' must be a string or a list of messages, got {_kind(value)}")
+
+
+def _source(row: dict) -> str | None:
+    source = row.get("source")
+    if source is None:
+        return None
+    if not isinstance(source, str) or not source.strip():
+        raise RowReject("wrong_type", f"field 'source' must be a non-empty string, got {source!r:.80}")
+    return source
+
+
+def _row_id(row: dict) -> str | None:
+    row_id = row.get("id")
+    if row_id is None:
+        return None
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise RowReject("wrong_type", f"field 'id' must be a string or an integer, got {_kind(row_id)}")
+    return str(row_id)
+
+
+def _check_text(prompt: str, chosen: str, rejected: str) -> None:
+    if not prompt.strip():
+        raise RowReject("empty_prompt", "field 'prompt' is empty; a pair needs a prompt to condition on")
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value.strip():
+            raise RowReject("empty_completion", f"field '{field}' is empty or whitespace only")
+    if chosen == rejected:
+        raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
+
+
+def _check_messages(field: str, messages: list) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RowReject("wrong_type", f"{field}[{i}] must be an object with 'role' and 'content', got {_kind(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "missing" if key not in m else _kind(m[key])
+                raise RowReject("wrong_type", f"{field}[{i}].{key} must be a string, got {got}")
+        if m["role"] not in ROLES:
+            raise RowReject(
+                "unknown_role", f"{field}[{i}].role is {m['role']!r:.40}; allowed roles are {', '.join(ROLES)}"
+            )
+
+
+def _check_chat(prompt: list, chosen: list, rejected: list) -> None:
+    for field, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        _check_messages(field, value)
+    if not prompt:
+        raise RowReject("empty_prompt", "field 'prompt' is an empty message list")
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value or not any(m["content"].strip() for m in value):
+            raise RowReject("empty_completion", f"field '{field}' has no message with content")
+    if chosen == rejected:
+        raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        _check_order(field, prompt, value)
+
+
+def _check_order(field: str, prompt: list, completion: list) -> None:
+    """System first only; no two user or two assistant turns in a row; the prompt ends on a user or tool
+    turn; the completion starts and ends with an assistant turn."""
+    roles = [m["role"] for m in prompt + completion]
+    where = f"prompt + {field} roles {roles}"
+    if "system" in roles[1:]:
+        raise RowReject("roles_out_of_order", f"{where}: a system message may only come first")
+    body = roles[1:] if roles[0] == "system" else roles
+    if not body or body[0] != "user":
+        raise RowReject("roles_out_of_order", f"{where}: the first non-system message must be from the user")
+    for a, b in zip(body, body[1:]):
+        if a == b and a in ("user", "assistant"):
+            raise RowReject("roles_out_of_order", f"{where}: two '{a}' messages in a row")
+    if prompt[-1]["role"] not in ("user", "tool"):
+        raise RowReject("roles_out_of_order", f"{where}: the prompt must end with a user or tool message")
+    if completion[0]["role"] != "assistant" or completion[-1]["role"] != "assistant":
+        raise RowReject("roles_out_of_order", f"{where}: the {field} completion must start and end with an assistant message")
+
+
+def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
+    """Split two full conversations into (shared prompt, chosen turn, rejected turn)."""
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, list):
+            raise RowReject(
+                "missing_field" if isinstance(value, str) else "wrong_type",
+                f"without 'prompt', field '{field}' must be a full conversation (a list of messages), "
+                f"got {_kind(value)}; plain-text rows need an explicit 'prompt'",
+            )
+        _check_messages(field, value)
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == len(chosen) == len(rejected):
+        raise RowReject("identical_completions", "chosen and rejected are identical conversations")
+    if shared == 0:
+        raise RowReject("history_diverges", "chosen and rejected share no first message, so there is no prompt")
+    if shared != len(chosen) - 1 or shared != len(rejected) - 1:
+        raise RowReject(
+            "history_diverges",
+            f"chosen ({len(chosen)} messages) and rejected ({len(rejected)} messages) differ from message "
+            f"{shared} on; they may differ only in their final assistant turn",
+        )
+    prompt = chosen[:shared]
+    _check_chat(prompt, chosen[shared:], rejected[shared:])
+    return prompt, chosen[shared:], rejected[shared:]

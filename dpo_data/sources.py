@@ -1,0 +1,204 @@
+"""Read input files (.jsonl, .jsonl.zst, .json, .parquet) into numbered raw rows; a broken file is a named error."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+import zstandard
+
+from dpo_data.errors import DataError, InputFileError
+
+FORMATS = {".jsonl": "jsonl", ".jsonl.zst": "jsonl.zst", ".jsonl.zstd": "jsonl.zst", ".json": "json", ".parquet": "parquet"}
+_READ_CHUNK = 1 << 20
+_HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input of a build: the path as given, its format and the source name its rows default to."""
+
+    path: str
+    format: str
+    source: str
+
+    @property
+    def locator(self) -> str:
+        """'line' for line-oriented formats, 'row' for the others: what a reject's number counts."""
+        return "line" if self.format in ("jsonl", "jsonl.zst") else "row"
+
+
+def detect_format(path: str) -> str:
+    """The input format named by the file's suffix."""
+    name = Path(path).name.lower()
+    for suffix in sorted(FORMATS, key=len, reverse=True):
+        if name.endswith(suffix):
+            return FORMATS[suffix]
+    raise DataError(
+        f"input {path}: unknown file type; allowed suffixes are {', '.join(sorted(FORMATS))}. "
+        "Fix: rename the file or convert it to one of these formats"
+    )
+
+
+def source_name(path: str) -> str:
+    """Default source name of an input: its file name without the format suffix."""
+    name = Path(path).name
+    lowered = name.lower()
+    for suffix in sorted(FORMATS, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def open_input(path: str, source: str | None = None) -> InputFile:
+    """Check that `path` is a readable file of a known format and describe it."""
+    fmt = detect_format(path)
+    p = Path(path)
+    if not p.is_file():
+        raise InputFileError(path, "no such file" if not p.exists() else "not a regular file")
+    try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise InputFileError(path, f"cannot be opened ({e.strerror})") from None
+    return InputFile(path=path, format=fmt, source=source or source_name(path))
+
+
+def iter_rows(inp: InputFile, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
+    """Yield (number, item) for every row of `inp`, in file order, numbers 1-based.
+
+    For line formats the item is the line's bytes (parsed later, in a worker) or, for a line over
+    `max_row_bytes`, an `OversizedLine`; for .json and .parquet it is the parsed row.
+    """
+    try:
+        if inp.format == "jsonl":
+            with open(inp.path, "rb") as f:
+                yield from _lines(inp.path, f, max_row_bytes)
+        elif inp.format == "jsonl.zst":
+            with open(inp.path, "rb") as f:
+                reader = io.BufferedReader(_ZstdFrames(inp.path, f), buffer_size=_READ_CHUNK)
+                yield from _lines(inp.path, reader, max_row_bytes)
+        elif inp.format == "json":
+            yield from _json_array(inp.path)
+        else:
+            yield from _parquet(inp.path)
+    except InputFileError:
+        raise
+    except (OSError, zstandard.ZstdError) as e:
+        raise InputFileError(inp.path, f"read failed: {e}") from None
+
+
+@dataclass(frozen=True)
+class OversizedLine:
+    """A line longer than the row-size limit: only its size and head are kept, never the whole line."""
+
+    size: int
+    head: bytes
+
+
+def _lines(path: str, f: Any, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
+    number = 0
+    while True:
+        line = f.readline(max_row_bytes + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > max_row_bytes and not line.endswith(b"\n"):
+            size, head = len(line), line[:_HEAD_BYTES]
+            while not line.endswith(b"\n"):  # skip the rest of the line without holding it
+                line = f.readline(_READ_CHUNK)
+                if not line:
+                    break
+                size += len(line)
+            yield number, OversizedLine(size=size, head=head)
+            continue
+        if not line.endswith(b"\n"):
+            _check_last_line(path, number, line)
+        stripped = line.strip()
+        if stripped:  # blank lines are not rows; they still count so later rows report their true line
+            yield number, stripped
+
+
+def _check_last_line(path: str, number: int, line: bytes) -> None:
+    """A final line without newline that does not parse is a cut-off file, not a bad row."""
+    if not line.strip():
+        return
+    try:
+        orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise InputFileError(
+            path, f"truncated: line {number} has no newline and is not valid JSON (the file was cut off)"
+        ) from None
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Raw stream over every frame of a zstd file that fails on a cut-off frame.
+
+    `ZstdDecompressor().decompress()` stops after the first frame and `stream_reader` ends silently
+    inside a truncated one; this reader does neither.
+    """
+
+    def __init__(self, path: str, f: Any):
+        self._path, self._f = path, f
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = self._f.read(_READ_CHUNK)
+            if not chunk:
+                if self._in_frame:
+                    raise InputFileError(self._path, "truncated: the last zstd frame is incomplete")
+                return 0
+            self._pending = self._feed(chunk)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def _feed(self, chunk: bytes) -> bytes:
+        out = []
+        while chunk:
+            out.append(self._obj.decompress(chunk))
+            self._in_frame = True
+            if self._obj.eof:
+                chunk = self._obj.unused_data
+                self._obj = self._dctx.decompressobj()
+                self._in_frame = False
+            else:
+                chunk = b""
+        return b"".join(out)
+
+
+def _json_array(path: str) -> Iterator[tuple[int, Any]]:
+    data = Path(path).read_bytes()
+    try:
+        rows = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise InputFileError(path, f"not valid JSON ({e}); a .json input is one array of rows") from None
+    if not isinstance(rows, list):
+        raise InputFileError(path, f"top-level value is {type(rows).__name__}; a .json input must be an array of rows")
+    yield from enumerate(rows, start=1)
+
+
+def _parquet(path: str) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+        number = 0
+        for batch in reader.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+    except (pa.ArrowException, UnicodeDecodeError) as e:
+        raise InputFileError(path, f"corrupt or unreadable parquet ({e})") from None

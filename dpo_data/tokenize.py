@@ -1,0 +1,184 @@
+"""The tokenization contract: prompt and completion ids per pair, prefix-checked, never guessed or silently cut."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from dpo_data.rows import Pair, RowReject
+
+OVERLENGTH_MODES = ("reject", "truncate-prompt")
+_SENTINEL = "\uE000DPO{}\uE001"  # private-use code points: never in a real template's own text
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """How pairs become ids; part of the build options recorded in the manifest."""
+
+    max_length: int | None = None
+    overlength: str = "reject"
+    append_eos: bool = True
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Token ids of one pair: the prompt once, then each completion (which includes its end-of-turn token)."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    truncated_prompt_tokens: int = 0
+
+
+class PairEncoder:
+    """Encodes validated pairs with one tokenizer under `TokenizeOptions`.
+
+    Conversations: prompt = chat template over the history with the generation prompt; completion =
+    what follows it in the template over history + completion. The prompt ids must be an exact prefix
+    of both full renderings (text and ids), else the row is rejected as not prefix-stable.
+    Plain text: prompt and completion are encoded separately and joined (no BPE merge across the join),
+    plus EOS on each completion. Special-token text inside content is encoded as ordinary text.
+    """
+
+    def __init__(self, tokenizer: Any, options: TokenizeOptions):
+        self.tokenizer = tokenizer
+        self.options = options
+        backend = tokenizer.backend_tokenizer
+        # Two copies of the Rust tokenizer: one matches special tokens (for template text), one never
+        # does (for user content). Copies, because encode_special_tokens is state on the object.
+        self._template = type(backend).from_str(backend.to_str())
+        self._content = type(backend).from_str(backend.to_str())
+        self._content.encode_special_tokens = True
+        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._eos = tokenizer.eos_token_id
+        if options.append_eos and self._eos is None:
+            raise ValueError("the tokenizer has no eos_token; pass --no-eos or use a tokenizer with one")
+
+    def encode_many(self, pairs: Sequence[Pair]) -> list[EncodedPair | RowReject]:
+        """Encode pairs in order; each result is an `EncodedPair` or the `RowReject` that stopped it."""
+        results: list[Any] = [None] * len(pairs)
+        fast: list[tuple[int, tuple[str, str, str]]] = []
+        for i, pair in enumerate(pairs):
+            try:
+                if pair.kind == "text":
+                    results[i] = self._finish(*self._encode_text(pair))
+                elif self._has_control_text(pair):
+                    results[i] = self._finish(*self._encode_chat_piecewise(pair))
+                else:
+                    fast.append((i, self._render(pair)))
+            except RowReject as reject:
+                results[i] = reject
+        if fast:
+            texts = [text for _, rendered in fast for text in rendered]
+            ids = [e.ids for e in self._template.encode_batch_fast(texts, add_special_tokens=False)]
+            for k, (i, _) in enumerate(fast):
+                try:
+                    results[i] = self._finish(*self._split_prefix(ids[3 * k], ids[3 * k + 1], ids[3 * k + 2]))
+                except RowReject as reject:
+                    results[i] = reject
+        return results
+
+    # -- conversations -------------------------------------------------------------------------
+
+    def _render(self, pair: Pair) -> tuple[str, str, str]:
+        prompt = self._apply(pair.prompt, add_generation_prompt=True)
+        chosen = self._apply(pair.prompt + pair.chosen, add_generation_prompt=False)
+        rejected = self._apply(pair.prompt + pair.rejected, add_generation_prompt=False)
+        for field, full in (("chosen", chosen), ("rejected", rejected)):
+            if not full.startswith(prompt):
+                raise RowReject(
+                    "template_not_prefix_stable",
+                    f"the chat template renders the prompt differently alone than before the {field} completion "
+                    f"(prompt ends {prompt[-40:]!r}, full rendering has {full[len(prompt) - 40:len(prompt)]!r} there)",
+                )
+        return prompt, chosen, rejected
+
+    def _apply(self, messages: list, add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # a template's raise_exception() or a jinja error: the row's fault
+            raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
+
+    def _split_prefix(self, prompt: list[int], chosen: list[int], rejected: list[int]):
+        n = len(prompt)
+        for field, full in (("chosen", chosen), ("rejected", rejected)):
+            if full[:n] != prompt:
+                at = next((j for j, (a, b) in enumerate(zip(prompt, full)) if a != b), min(n, len(full)))
+                raise RowReject(
+                    "template_not_prefix_stable",
+                    f"the prompt's {n} tokens are not a prefix of the tokenized prompt + {field}: they differ at "
+                    f"token {at} (tokens merge across the prompt/completion boundary)",
+                )
+        return prompt, chosen[n:], rejected[n:]
+
+    def _has_control_text(self, pair: Pair) -> bool:
+        if self._special_re is None:
+            return False
+        return any(self._special_re.search(m["content"]) for m in (*pair.prompt, *pair.chosen, *pair.rejected))
+
+    def _encode_chat_piecewise(self, pair: Pair):
+        """Encode template text with special tokens and content without, for rows whose content holds
+        special-token text; the template is rendered around sentinels to find where content goes."""
+        self._render(pair)  # the same prefix-stability check on the real text
+        prompt = self._pieces(pair.prompt, add_generation_prompt=True)
+        chosen = self._pieces(pair.prompt + pair.chosen, add_generation_prompt=False)
+        rejected = self._pieces(pair.prompt + pair.rejected, add_generation_prompt=False)
+        return self._split_prefix(prompt, chosen, rejected)
+
+    def _pieces(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        rendered = self._apply(marked, add_generation_prompt)
+        parts = re.split("\uE000DPO(\\d+)\uE001", rendered)
+        real = self._apply(messages, add_generation_prompt)
+        contents = [messages[int(j)]["content"] for j in parts[1::2]]
+        if "".join(p for pair in zip(parts[0::2], contents + [""]) for p in pair) != real:
+            raise RowReject(
+                "template_error",
+                "the chat template changes message content, so special-token text in content cannot be "
+                "kept as plain text; remove the special-token text from the content",
+            )
+        ids: list[int] = []
+        for k, template_text in enumerate(parts[0::2]):
+            if template_text:
+                ids += self._template.encode(template_text, add_special_tokens=False).ids
+            if k < len(contents) and contents[k]:
+                ids += self._content.encode(contents[k], add_special_tokens=False).ids
+        return ids
+
+    # -- plain text ----------------------------------------------------------------------------
+
+    def _encode_text(self, pair: Pair):
+        prompt = self._content.encode(pair.prompt, add_special_tokens=True).ids
+        chosen, rejected = (self._content.encode(t, add_special_tokens=False).ids for t in (pair.chosen, pair.rejected))
+        if self.options.append_eos:
+            chosen, rejected = chosen + [self._eos], rejected + [self._eos]
+        return prompt, chosen, rejected
+
+    # -- length bound --------------------------------------------------------------------------
+
+    def _finish(self, prompt: list[int], chosen: list[int], rejected: list[int]) -> EncodedPair:
+        for field, ids in (("chosen", chosen), ("rejected", rejected)):
+            if not ids:
+                raise RowReject("empty_completion", f"the {field} completion encodes to no tokens")
+        limit = self.options.max_length
+        longest = max(len(chosen), len(rejected))
+        if limit is None or len(prompt) + longest <= limit:
+            return EncodedPair(prompt, chosen, rejected)
+        if longest >= limit:
+            raise RowReject(
+                "completion_too_long",
+                f"a completion has {longest} tokens, and --max-length {limit} leaves no room for even one "
+                f"prompt token; completions are never truncated: raise --max-length or drop the row",
+            )
+        if self.options.overlength == "reject":
+            raise RowReject(
+                "too_long",
+                f"prompt ({len(prompt)}) + longest completion ({longest}) = {len(prompt) + longest} tokens "
+                f"exceeds --max-length {limit}; raise it or pass --overlength truncate-prompt",
+            )
+        keep = limit - longest
+        return EncodedPair(prompt[-keep:], chosen, rejected, truncated_prompt_tokens=len(prompt) - keep)

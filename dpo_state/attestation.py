@@ -1,0 +1,105 @@
+"""Tokenizer attestation v2: a portable fingerprint of what a tokenizer does, not of where its files lie."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import orjson
+
+from dpo_state.digest import sha256_json
+
+TOKENIZER_ATTESTATION_VERSION = 2
+_PREFIX = f"v{TOKENIZER_ATTESTATION_VERSION}:"
+
+# Behaviour flags that change the ids a tokenizer produces or how its text is cleaned on decode.
+# padding_side, truncation_side and model_max_length are left out: trainers set them at run time and
+# they never change the ids of an untruncated, unpadded encode.
+_FLAGS = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "split_special_tokens")
+
+# One attestation per live tokenizer object, invalidated when its added tokens or template change.
+_cache: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+
+
+class AttestationError(Exception):
+    """A tokenizer that cannot be attested (for example a slow tokenizer without a Rust backend)."""
+
+
+def tokenizer_attestation(tokenizer: Any) -> dict:
+    """Return `{"version": 2, "fingerprint": "v2:<sha256>", "components": {...}}` for a fast tokenizer.
+
+    The fingerprint hashes canonical content: the backend (vocabulary, merges, normalizer,
+    pre-tokenizer, post-processor, decoder) without its mutable truncation/padding state, the added
+    tokens with ids and flags, the special tokens, the chat template and behaviour flags. Paths
+    (`name_or_path`, `vocab_file`) are left out, so a copied directory attests the same.
+    """
+    key = _cache_key(tokenizer)
+    hit = _cache.get(tokenizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    components = {name: sha256_json(value) for name, value in _components(tokenizer).items()}
+    attestation = {
+        "version": TOKENIZER_ATTESTATION_VERSION,
+        "fingerprint": _PREFIX + sha256_json(components),
+        "components": components,
+        "vocab_size": len(tokenizer),
+    }
+    _cache[tokenizer] = (key, attestation)
+    return attestation
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """The `v2:`-prefixed fingerprint of `tokenizer_attestation`."""
+    return tokenizer_attestation(tokenizer)["fingerprint"]
+
+
+def _components(tokenizer: Any) -> dict[str, Any]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise AttestationError(
+            f"tokenizer {type(tokenizer).__name__} has no Rust backend (a slow tokenizer); "
+            "attestation v2 needs a fast tokenizer: load it with use_fast=True"
+        )
+    spec = orjson.loads(backend.to_str())
+    # to_str() records the last truncation/padding call: call state, not identity.
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    added = {
+        str(i): {
+            "content": t.content,
+            "special": t.special,
+            "lstrip": t.lstrip,
+            "rstrip": t.rstrip,
+            "normalized": t.normalized,
+            "single_word": t.single_word,
+        }
+        for i, t in sorted(tokenizer.added_tokens_decoder.items())
+    }
+    special = {
+        name: [value, tokenizer.convert_tokens_to_ids(value)]
+        for name, value in sorted(tokenizer.special_tokens_map.items())
+        if isinstance(value, str)
+    }
+    flags = {name: _plain(getattr(tokenizer, name, None)) for name in _FLAGS}
+    return {
+        "backend": spec,
+        "added_tokens": added,
+        "special_tokens": special,
+        "chat_template": tokenizer.chat_template,
+        "flags": flags,
+    }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe form of a flag value (huge model_max_length sentinels become strings)."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**53 else str(value)
+    return repr(value)
+
+
+def _cache_key(tokenizer: Any) -> tuple:
+    template = tokenizer.chat_template
+    return (len(tokenizer), template if isinstance(template, str) else repr(template),
+            tuple(sorted(map(str, tokenizer.special_tokens_map.items()))))

@@ -1,0 +1,30 @@
+"""Content digests: sha256 of files and of canonical JSON, the hashing used by every attestation."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, no whitespace, UTF-8; the form every fingerprint hashes."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+
+
+def sha256_json(value: Any) -> str:
+    """Hex sha256 of `canonical_json(value)`."""
+    return hashlib.sha256(canonical_json(value)).hexdigest()

@@ -1,0 +1,1 @@
+"""JSON Schemas of every persisted document; importable as `dpo_schemas` so they ship with the package."""
