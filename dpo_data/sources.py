@@ -113,13 +113,12 @@ def _lines(path: str, f: Any, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
                 if not line:
                     break
                 size += len(line)
-            yield number, OversizedLine(size=size, head=head)
+            yield number, OversizedLine(size=size - line.endswith(b"\n"), head=head)
             continue
         if not line.endswith(b"\n"):
             _check_last_line(path, number, line)
-        stripped = line.strip()
-        if stripped:  # blank lines are not rows; they still count so later rows report their true line
-            yield number, stripped
+        if line.strip():  # blank lines are not rows; they still count so later rows report their true line
+            yield number, line.rstrip(b"\r\n")
 
 
 def _check_last_line(path: str, number: int, line: bytes) -> None:

@@ -1,0 +1,428 @@
+#!/usr/bin/env python
+"""Throughput of `dpo-data build` against TRL 1.16's own DPO dataset preparation and a tokenizer floor.
+
+    python benchmarks/build_throughput.py [--pairs 20000] [--procs 1 2] [--repeat 3]
+
+One run generates N conversational explicit-prompt pairs (TRL field names) deterministically into a
+temporary JSONL file and measures, for the same rows, at each process count:
+
+  ours   dpo_data.build.build(...): read, validate, render, tokenize, check prefix stability at
+         token level, write Arrow shards + rejects + manifest (fsynced), commit the directory.
+  trl    TRL's real `DPOTrainer._prepare_dataset` (called on an instance from
+         `DPOTrainer.__new__`) on a `datasets.Dataset` built from the same rows, with
+         `dataset_num_proc` = N and `datasets.disable_caching()`.
+  floor  render the three chat templates per row (prompt with generation prompt, prompt+chosen,
+         prompt+rejected; tokenize=False), cut the completion texts off the prompt text, and
+         batch-encode prompt + completion texts with the Rust fast tokenizer; no checks, no output.
+         At N > 1 the rows are split across a fork Pool of N that inherits rows and tokenizer.
+
+Every timed run starts from the JSONL file and a tokenizer directory: loading the tokenizer and
+parsing the file are inside the timing for all three (`build` cannot skip either). Each measurement
+runs in a fresh Python process (imports and a 64-row warm-up of the same method done before the clock
+starts), so no method inherits another's warmed state; repeats are interleaved across methods and the
+median wall time is reported. Tokens = prompt + chosen + rejected tokens of the method's own output.
+
+Output: a table, then one line `JSON {...}` with every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+METHODS = ("ours", "trl", "floor")
+WARMUP_ROWS = 64
+
+# -- deterministic data ---------------------------------------------------------------------------
+
+_WORDS = """
+the of and to in is that for it as with was on be by this are or from at an have not which but
+all they one can more has were their there been if would will when what so about out up into
+them some could other time only new these two may then do first any my now such like our over
+also its after most made many before must through back years where much your way well down
+should because each just those people how too little state good very make world still own see
+men work long get here between both life being under never day same another know while last
+might us great old year off come since against go came right used take three system data model
+value error file process result memory network server client request response token sequence
+batch gradient loss learning rate optimizer checkpoint dataset record field column index table
+query cache thread worker queue lock buffer stream packet latency throughput bandwidth storage
+disk volume cluster node region budget invoice customer order payment account balance report
+chapter section paragraph sentence summary argument evidence claim theory experiment sample
+measure average median variance estimate interval probability function variable constant loop
+branch compile debug deploy release version patch feature option setting parameter default
+river mountain forest valley ocean island desert city village bridge road garden kitchen window
+coffee breakfast dinner recipe flour sugar butter salt pepper onion garlic tomato cheese bread
+history culture language music painting theatre museum library novel poem author reader editor
+doctor patient symptom treatment dose hospital clinic nurse health exercise sleep weather storm
+quickly carefully roughly exactly probably usually rarely clearly simply directly easily gently
+important different possible available similar common specific general simple difficult large
+small recent early late local global public private correct wrong strong weak bright dark warm
+explain describe compare consider suggest include provide require allow ensure improve reduce
+increase change check verify update create delete remove replace convert translate calculate
+""".split()
+_RARE = ["café", "naïve", "façade", "Zürich", "São", "Paulo", "résumé", "jalapeño", "Ångström", "–", "€", "£",
+         "μs", "°C", "×", "≈", "François", "Kraków", "Dvořák"]
+_NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hiro", "Ines", "Jonas", "Python", "Rust",
+          "Linux", "PostgreSQL", "Kubernetes", "Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Monday", "March"]
+_SYSTEMS = [
+    "You are a helpful assistant.",
+    "You are a concise technical assistant. Answer in at most three sentences.",
+    "You are a friendly tutor for high-school students; explain each step and avoid jargon.",
+    "You answer questions about cooking. Use metric units and give exact quantities.",
+    "You are a careful code reviewer. Point out bugs first, then style issues.",
+    "Reply in plain English. If you are not sure, say so and explain what would settle it.",
+]
+_OPENERS = ["Can you", "Could you", "Please", "How do I", "Why does", "What is the best way to", "Is it true that",
+            "I need to", "Help me", "Explain how to", "Compare", "Write a short note that"]
+
+
+def _token(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.80:
+        return rng.choice(_WORDS)
+    if r < 0.86:
+        return rng.choice(_NAMES)
+    if r < 0.94:
+        kind = rng.randrange(6)
+        if kind == 0:
+            return str(rng.randrange(1, 100))
+        if kind == 1:
+            return f"{rng.uniform(0, 1000):.{rng.randrange(1, 4)}f}"
+        if kind == 2:
+            return f"{rng.randrange(1, 99)},{rng.randrange(0, 999):03d}"
+        if kind == 3:
+            return f"{rng.randrange(1, 100)}%"
+        if kind == 4:
+            return str(rng.randrange(1900, 2030))
+        return f"{rng.randrange(1, 500)}{rng.choice(['kg', 'ms', 'GB', 'km', 'mL', 'px'])}"
+    if r < 0.97:
+        return rng.choice(_RARE)
+    return rng.choice(["(", "\"", "'"]) + rng.choice(_WORDS) + rng.choice([")", "\"", "'"])
+
+
+def _text(rng: random.Random, n_words: int, opener: bool = False) -> str:
+    """About n_words words in sentences, with punctuation, the odd list, code span or paragraph break."""
+    out: list[str] = []
+    words = 0
+    first = True
+    while words < n_words:
+        length = min(n_words - words, rng.randrange(4, 18))
+        if first and opener:
+            head = rng.choice(_OPENERS).split()
+            sent = head + [_token(rng) for _ in range(max(1, length - len(head)))]
+        else:
+            sent = [_token(rng) for _ in range(length)]
+            sent[0] = sent[0][:1].upper() + sent[0][1:]
+        if len(sent) > 6 and rng.random() < 0.35:
+            k = rng.randrange(2, len(sent) - 2)
+            sent[k] += rng.choice([",", ",", ";", ":", " -"])
+        if rng.random() < 0.06:
+            sent.append(f"`{rng.choice(_WORDS)}_{rng.randrange(10)} = {rng.randrange(1000)}`")
+        end = "?" if first and opener else rng.choice([".", ".", ".", ".", "!", "?", "..."])
+        text = " ".join(sent) + end
+        if out and rng.random() < 0.12:
+            text = "\n\n" + text
+        elif out and rng.random() < 0.08:
+            text = "\n- " + text
+        out.append(text)
+        words += len(sent)
+        first = False
+    return " ".join(out).replace(" \n", "\n")
+
+
+def make_row(rng: random.Random) -> dict:
+    """One conversational explicit-prompt pair: prompt ~30-120 words (some with a system message and an
+    earlier exchange or two), chosen and rejected ~20-100 words each."""
+    prompt_words = rng.randint(30, 120)
+    messages = []
+    if rng.random() < 0.3:
+        system = rng.choice(_SYSTEMS)
+        messages.append({"role": "system", "content": system})
+        prompt_words = max(15, prompt_words - len(system.split()))
+    turns = rng.choices([0, 1, 2], weights=[60, 28, 12])[0]
+    if turns:
+        # history: user / assistant exchanges, then the final user message
+        shares = [rng.random() + 0.5 for _ in range(2 * turns + 1)]
+        total = sum(shares)
+        sizes = [max(5, round(prompt_words * s / total)) for s in shares]
+        for t in range(turns):
+            messages.append({"role": "user", "content": _text(rng, sizes[2 * t], opener=True)})
+            messages.append({"role": "assistant", "content": _text(rng, sizes[2 * t + 1])})
+        messages.append({"role": "user", "content": _text(rng, sizes[-1], opener=True)})
+    else:
+        messages.append({"role": "user", "content": _text(rng, prompt_words, opener=True)})
+    chosen = _text(rng, rng.randint(20, 100))
+    rejected = _text(rng, rng.randint(20, 100))
+    while rejected == chosen:
+        rejected = _text(rng, rng.randint(20, 100))
+    return {"prompt": messages, "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
+
+
+def write_rows(path: Path, n: int, seed: int) -> None:
+    import orjson
+
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(orjson.dumps(make_row(rng)) + b"\n")
+
+
+# -- one measurement (runs in a fresh child process) ----------------------------------------------
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    import orjson
+
+    with open(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def run_ours(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
+    from dpo_data.build import BuildOptions, build
+
+    out = work / f"ours-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    result = build([data], tokenizer_dir, out, BuildOptions(num_proc=num_proc, overwrite=True))
+    seconds = time.perf_counter() - t0
+    if result.error or result.manifest is None:
+        raise SystemExit(f"build failed: {result.error}")
+    totals = result.manifest["totals"]
+    return {"seconds": seconds, "pairs": result.pairs, "rows": result.rows_read, "rejected": result.rejected,
+            "tokens": totals["prompt_tokens"] + totals["completion_tokens"],
+            "prompt_tokens": totals["prompt_tokens"], "completion_tokens": totals["completion_tokens"],
+            "build_seconds": result.seconds}
+
+
+def run_trl(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
+    import datasets
+    import pyarrow.compute as pc
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    datasets.disable_caching()
+    datasets.logging.disable_progress_bar()
+    # max_length=None: the same work as `build` with its default (no length bound). TRL's default
+    # (1024) would add a filter pass over the dataset, slowing TRL down; we do not count that.
+    args = DPOConfig(output_dir=str(work / "trl-out"), dataset_num_proc=num_proc, max_length=None,
+                     report_to=[], use_cpu=True)
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    t1 = time.perf_counter()
+    dataset = datasets.Dataset.from_list(_read_jsonl(data))
+    t2 = time.perf_counter()
+    trainer = DPOTrainer.__new__(DPOTrainer)  # only what `_prepare_dataset` reads
+    trainer._tokenizer = tokenizer
+    prepared = trainer._prepare_dataset(dataset, tokenizer, args, "train")
+    t3 = time.perf_counter()
+    counts = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
+              for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
+    return {"seconds": t3 - t0, "pairs": len(prepared), "rows": len(dataset), "tokens": sum(counts.values()),
+            "prompt_tokens": counts["prompt_ids"], "completion_tokens": counts["chosen_ids"] + counts["rejected_ids"],
+            "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "prepare_dataset": t3 - t2}}
+
+
+_floor: dict = {}
+
+
+def _floor_encode(bounds: tuple[int, int]) -> tuple[int, int, int]:
+    """Render and encode rows[start:stop] of the inherited rows; return (pairs, prompt, completion tokens)."""
+    tokenizer, rows = _floor["tokenizer"], _floor["rows"]
+    start, stop = bounds
+    texts: list[str] = []
+    for row in rows[start:stop]:
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        chosen = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+        rejected = tokenizer.apply_chat_template(row["prompt"] + row["rejected"], tokenize=False)
+        texts += (prompt, chosen[len(prompt):], rejected[len(prompt):])
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    lengths = [len(e.ids) for e in encodings]
+    return stop - start, sum(lengths[0::3]), sum(lengths[1::3]) + sum(lengths[2::3])
+
+
+def run_floor(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
+    import multiprocessing
+
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    _floor["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_dir)
+    t1 = time.perf_counter()
+    rows = _floor["rows"] = _read_jsonl(data)
+    t2 = time.perf_counter()
+    n = len(rows)
+    if num_proc == 1:
+        parts = [_floor_encode((0, n))]
+    else:
+        cuts = [n * k // num_proc for k in range(num_proc + 1)]
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            parts = pool.map(_floor_encode, list(zip(cuts, cuts[1:])), chunksize=1)
+    t3 = time.perf_counter()
+    _floor.clear()
+    pairs, prompt, completion = (sum(p[i] for p in parts) for i in range(3))
+    return {"seconds": t3 - t0, "pairs": pairs, "rows": n, "tokens": prompt + completion,
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "render_encode": t3 - t2}}
+
+
+RUNNERS = {"ours": run_ours, "trl": run_trl, "floor": run_floor}
+
+
+def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_dir: str) -> dict:
+    """Warm up (imports, template compile, page cache) on a few rows, then time the full run once."""
+    import logging
+
+    import dpo_data.build  # noqa: F401  -- imports outside the clock, for every method alike
+    import datasets  # noqa: F401
+    import trl.trainer.dpo_trainer  # noqa: F401
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as tmp:
+        work = Path(tmp)
+        RUNNERS[method](warmup, tokenizer_dir, num_proc, work)
+        before = os.times()
+        result = RUNNERS[method](data, tokenizer_dir, num_proc, work)
+        after = os.times()
+    # CPU seconds of this process and of its reaped children (pool workers), over the timed run.
+    result["cpu_seconds"] = sum(after[i] - before[i] for i in range(4))
+    result.update(method=method, num_proc=num_proc)
+    return result
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", method, str(num_proc), str(data), str(warmup),
+           tokenizer_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{method} num_proc={num_proc} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    line = next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def _summarize(runs: list[dict]) -> dict:
+    seconds = [r["seconds"] for r in runs]
+    med = statistics.median(seconds)
+    first = runs[0]
+    return {"median_seconds": med, "min_seconds": min(seconds), "max_seconds": max(seconds),
+            "seconds": seconds, "pairs": first["pairs"], "tokens": first["tokens"],
+            "pairs_per_s": first["pairs"] / med, "tokens_per_s": first["tokens"] / med,
+            "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
+            "phases_median": {k: statistics.median(r["phases"][k] for r in runs) for k in first.get("phases", {})}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_child":
+        method, num_proc, data, warmup, tokenizer_dir = argv[1:6]
+        result = measure_child(method, int(num_proc), data, warmup, tokenizer_dir)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=20_000, help="rows to generate (default 20000)")
+    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts (default 1 2)")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per method and process count; median")
+    parser.add_argument("--seed", type=int, default=1234, help="data seed (default 1234)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON summary to this file")
+    args = parser.parse_args(argv)
+
+    if args.tokenizer is None:
+        from dpo_data.smollm2 import materialize_smollm2
+
+        args.tokenizer = str(materialize_smollm2())
+    with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
+        data, warmup = Path(tmp) / "pairs.jsonl", Path(tmp) / "warmup.jsonl"
+        t = time.perf_counter()
+        write_rows(data, args.pairs, args.seed)
+        write_rows(warmup, WARMUP_ROWS, args.seed + 1)
+        print(f"generated {args.pairs} pairs ({data.stat().st_size / 1e6:.1f} MB, seed {args.seed}) "
+              f"in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for rep in range(args.repeat):  # interleaved, so slow phases of a noisy machine hit every method
+            for num_proc in args.procs:
+                for method in args.methods:
+                    r = _spawn(method, num_proc, data, warmup, args.tokenizer)
+                    runs.setdefault((method, num_proc), []).append(r)
+                    print(f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: {r['seconds']:7.2f} s  "
+                          f"{r['pairs'] / r['seconds']:8.0f} pairs/s  cpu {r['cpu_seconds']:.1f} s", file=sys.stderr)
+
+    summary = {f"{m}@{n}": _summarize(rs) for (m, n), rs in runs.items()}
+    ratios = {}
+    for n in args.procs:
+        ours = summary.get(f"ours@{n}")
+        for other in ("trl", "floor"):
+            if ours and f"{other}@{n}" in summary:
+                ratios[f"ours/{other}@{n}"] = ours["pairs_per_s"] / summary[f"{other}@{n}"]["pairs_per_s"]
+        if f"floor@{n}" in summary and f"trl@{n}" in summary:
+            ratios[f"floor/trl@{n}"] = summary[f"floor@{n}"]["pairs_per_s"] / summary[f"trl@{n}"]["pairs_per_s"]
+    targets = {}
+    for n in args.procs:
+        if f"ours/trl@{n}" in ratios:
+            targets[f"ours>=2x_trl@{n}"] = ratios[f"ours/trl@{n}"] >= 2.0
+        if f"ours/floor@{n}" in ratios:
+            targets[f"ours>=0.6x_floor@{n}"] = ratios[f"ours/floor@{n}"] >= 0.6
+    tokens = {k: v["tokens"] for k, v in summary.items()}
+
+    print()
+    print(f"{args.pairs} pairs, {os.cpu_count()} CPUs, median of {args.repeat} (wall time from the JSONL file, "
+          "tokenizer load included)")
+    header = f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} {'cpu s':>6s}"
+    print(header)
+    print("-" * len(header))
+    for n in args.procs:
+        for m in args.methods:
+            s = summary[f"{m}@{n}"]
+            spread = f"{s['min_seconds']:.2f}-{s['max_seconds']:.2f}"
+            print(f"{m:6s} {n:5d} {s['median_seconds']:8.2f} {spread:>13s} {s['pairs_per_s']:9.0f} "
+                  f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f}")
+    print()
+    for k, v in ratios.items():
+        print(f"{k:16s} {v:5.2f}")
+    for k, v in targets.items():
+        print(f"target {k:18s} {'met' if v else 'MISSED'}")
+    if len(set(tokens.values())) > 1:
+        print(f"note: token totals differ between methods: {tokens}")
+    record = {"pairs": args.pairs, "seed": args.seed, "repeat": args.repeat, "cpus": os.cpu_count(),
+              "procs": args.procs, "results": summary, "ratios": ratios, "targets_met": targets,
+              "versions": _versions()}
+    line = json.dumps(record, sort_keys=True)
+    print("JSON " + line)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("dpo-toolkit", "trl", "transformers", "tokenizers", "datasets", "pyarrow"):
+        try:
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = None
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

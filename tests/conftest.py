@@ -1,0 +1,56 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, row-file writers and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct directory, materialized once into the user cache."""
+    from dpo_data.smollm2 import materialize_smollm2
+
+    return materialize_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Write rows as JSON lines; a `bytes` item is written verbatim as one line."""
+    with open(path, "wb") as f:
+        for row in rows:
+            f.write((row if isinstance(row, bytes) else orjson.dumps(row)) + b"\n")
+    return path
+
+
+def chat(prompt: str, chosen: str, rejected: str, system: str | None = None) -> dict:
+    """An explicit-prompt conversational row."""
+    history = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return {
+        "prompt": history,
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+@pytest.fixture
+def run_cli():
+    """Invoke a click entry point in-process; returns the click Result (exit_code, output, stderr)."""
+    from click.testing import CliRunner
+
+    def run(main, *args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return run

@@ -1,0 +1,202 @@
+"""`dpo-data build` end to end on the real tokenizer: formats, rejects, accounting, determinism, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import orjson
+import pyarrow.parquet as pq
+import pyarrow as pa
+import pytest
+import zstandard
+
+from cli.data import main as dpo_data
+from dpo_data.manifest import read_manifest
+from dpo_data.shards import open_shard
+from dpo_state.schema import schema_problems
+from tests.conftest import chat, write_jsonl
+
+A = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+U = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+
+# One bad row per reason code that a row can earn (the tokenizer-dependent ones included).
+BAD_ROWS = {
+    "invalid_json": b'{"prompt": "Q", "chosen": ',
+    "invalid_utf8": b'{"prompt": "Q\xff", "chosen": " a", "rejected": " b"}',
+    "row_too_large": orjson.dumps({"prompt": "Q", "chosen": " " + "x" * 3000, "rejected": " b"}),
+    "not_an_object": b"[1, 2, 3]",
+    "missing_field": {"prompt": "Q", "chosen": " a"},
+    "wrong_type": {"prompt": "Q", "chosen": 1, "rejected": " b"},
+    "mixed_formats": {"prompt": "Q", "chosen": A("x"), "rejected": A("y")},
+    "empty_prompt": {"prompt": "", "chosen": " a", "rejected": " b"},
+    "empty_completion": {"prompt": "Q", "chosen": " ", "rejected": " b"},
+    "identical_completions": {"prompt": "Q", "chosen": " a", "rejected": " a"},
+    "unknown_role": {"prompt": [{"role": "robot", "content": "q"}], "chosen": A("x"), "rejected": A("y")},
+    "roles_out_of_order": {"prompt": U("q") + U("q"), "chosen": A("x"), "rejected": A("y")},
+    "history_diverges": {"chosen": U("q") + A("x") + U("r") + A("z"), "rejected": U("q") + A("y") + U("r") + A("z")},
+    "too_long": chat("word " * 300, "x", "y"),
+    "completion_too_long": chat("q", "word " * 300, "y"),
+}
+TEMPLATE_REASONS = ("template_error", "template_not_prefix_stable")  # need a custom template: see test_tokenize.py
+
+
+def build(run_cli, tokenizer_dir, out, *inputs, extra=()):
+    return run_cli(dpo_data, "build", *inputs, "--tokenizer", tokenizer_dir, "--out", out, *extra)
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory):
+    """Good rows in every format, bad rows in a jsonl with a row per reason."""
+    d = tmp_path_factory.mktemp("inputs")
+    good = [chat(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}.", f"{i} + {i} = {2 * i + 1}.") for i in range(30)]
+    write_jsonl(d / "chat.jsonl", good[:10])
+    c = zstandard.ZstdCompressor()
+    lines = [orjson.dumps({"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}) + b"\n"
+             for r in good[10:20]]
+    (d / "implicit.jsonl.zst").write_bytes(c.compress(b"".join(lines[:5])) + c.compress(b"".join(lines[5:])))
+    text = [{"prompt": f"Q: capital {i}?\nA:", "chosen": f" City {i}.", "rejected": f" Town {i}.", "source": "geo"}
+            for i in range(8)]
+    (d / "text.json").write_bytes(orjson.dumps(text))
+    pq.write_table(pa.Table.from_pylist([{**r, "id": f"p{i}"} for i, r in enumerate(good[20:30])]), d / "multi.parquet")
+    write_jsonl(d / "bad.jsonl", list(BAD_ROWS.values()) + [good[0]])
+    return d
+
+
+def files(d):
+    return [d / "chat.jsonl", d / "implicit.jsonl.zst", d / "text.json", d / "multi.parquet", d / "bad.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def built(mixed_inputs, smollm2_dir, tmp_path_factory):
+    from click.testing import CliRunner
+
+    out = tmp_path_factory.mktemp("built") / "ds"
+    args = [*map(str, files(mixed_inputs)), "--tokenizer", str(smollm2_dir), "--out", str(out),
+            "--max-length", "256", "--max-row-bytes", "2048", "--pairs-per-shard", "16"]
+    result = CliRunner().invoke(dpo_data, ["build", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_every_row_is_kept_or_rejected_and_the_summary_says_so(built):
+    out, result = built
+    m = read_manifest(out)
+    t = m["totals"]
+    assert (t["rows_read"], t["pairs"], t["rejected"]) == (30 + 8 + len(BAD_ROWS) + 1, 39, len(BAD_ROWS))
+    assert f"read {t['rows_read']} rows: kept 39 pairs, rejected {len(BAD_ROWS)}" in result.output
+    for entry in m["inputs"]:
+        assert entry["pairs"] + entry["rejected"] == entry["rows_read"]
+
+
+def test_rejects_record_file_line_reason_and_raw_row(built, mixed_inputs):
+    out, _ = built
+    records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in records] == list(BAD_ROWS)  # one per reason, in file order
+    assert [r["line"] for r in records] == list(range(1, len(BAD_ROWS) + 1))
+    for record in records:
+        assert schema_problems("reject-record", record) == []
+        assert record["file"] == str(mixed_inputs / "bad.jsonl") and record["source"] == "bad"
+    assert records[0]["raw"] == '{"prompt": "Q", "chosen": '
+    size = len(BAD_ROWS["row_too_large"])
+    assert records[2]["raw"].endswith(f"...[truncated; {size} in all]")  # row_too_large keeps only a head
+    assert read_manifest(out)["rejects"]["by_reason"] == {reason: 1 for reason in sorted(BAD_ROWS)}
+
+
+def test_every_documented_reason_code_is_covered(built):
+    from dpo_state.schema import load_schema
+
+    documented = set(load_schema("reject-record")["properties"]["reason"]["enum"])
+    assert documented == set(BAD_ROWS) | set(TEMPLATE_REASONS)
+
+
+def test_shards_hold_pairs_in_input_order_with_sources_and_ids(built):
+    out, _ = built
+    m = read_manifest(out)
+    tables = [open_shard(out / s["path"]) for s in m["shards"]]
+    assert [t.num_rows for t in tables] == [16, 16, 7]
+    rows = [r for t in tables for r in t.to_pylist()]
+    assert [r["pair_index"] for r in rows] == list(range(39))
+    names = {s["id"]: s["name"] for s in m["sources"]}
+    assert [names[r["source_id"]] for r in rows[:10]] == ["chat"] * 10
+    assert {names[r["source_id"]] for r in rows[20:28]} == {"geo"}  # the row's own source wins
+    assert [r["row_id"] for r in rows[28:38]] == [f"p{i}" for i in range(10)]
+    assert {s["name"]: s["pairs"] for s in m["sources"]} == {"chat": 10, "implicit": 10, "geo": 8, "multi": 10, "bad": 1}
+    for r in rows:
+        assert r["prompt_len"] == len(r["prompt_ids"]) and r["chosen_len"] == len(r["chosen_ids"])
+
+
+def test_the_manifest_records_producer_inputs_tokenizer_and_lengths(built, mixed_inputs):
+    out, _ = built
+    m = read_manifest(out)
+    assert m["producer"]["options"]["max_length"] == 256
+    assert [e["path"] for e in m["inputs"]] == list(map(str, files(mixed_inputs)))
+    assert m["tokenizer"]["fingerprint"].startswith("v2:")
+    assert sum(m["length_histogram"]["counts"]) == 2 * m["totals"]["pairs"]
+    assert m["lengths"]["segment"]["max"] <= 256
+
+
+def test_build_is_byte_identical_across_num_proc(mixed_inputs, smollm2_dir, tmp_path, run_cli):
+    outs = []
+    for n in (1, 2):
+        out = tmp_path / f"n{n}"
+        r = build(run_cli, smollm2_dir, out, *files(mixed_inputs), extra=["--num-proc", n, "--pairs-per-shard", "16"])
+        assert r.exit_code == 0, r.output
+        outs.append(out)
+    names = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file())
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+def test_an_existing_out_is_refused_without_overwrite(built, mixed_inputs, smollm2_dir, run_cli):
+    out, _ = built
+    r = build(run_cli, smollm2_dir, out, mixed_inputs / "chat.jsonl")
+    assert r.exit_code == 2 and "already exists; pass --overwrite" in r.output
+
+
+def test_no_surviving_pair_fails_and_keeps_an_existing_dataset(mixed_inputs, smollm2_dir, tmp_path, run_cli):
+    out = tmp_path / "ds"
+    assert build(run_cli, smollm2_dir, out, mixed_inputs / "chat.jsonl").exit_code == 0
+    before = (out / "manifest.json").read_bytes()
+    bad = write_jsonl(tmp_path / "allbad.jsonl", [b"{", b"[]"])
+    r = build(run_cli, smollm2_dir, out, bad, extra=["--overwrite"])
+    assert r.exit_code == 1 and "no pair survived: all 2 rows read were rejected" in r.output
+    assert (out / "manifest.json").read_bytes() == before  # the old dataset is untouched
+    incomplete = tmp_path / "ds.incomplete"
+    assert not (incomplete / "manifest.json").exists() and len((incomplete / "rejects.jsonl").read_text().splitlines()) == 2
+
+
+def test_too_many_rejects_fail_the_build(mixed_inputs, smollm2_dir, tmp_path, run_cli):
+    r = build(run_cli, smollm2_dir, tmp_path / "ds", mixed_inputs / "bad.jsonl", extra=["--max-reject-fraction", "0.5", "--max-length", "256", "--max-row-bytes", "2048"])
+    assert r.exit_code == 1 and f"{len(BAD_ROWS)} of {len(BAD_ROWS) + 1} rows were rejected" in r.output
+    assert not (tmp_path / "ds").exists()
+
+
+def test_source_option_names_a_single_input(mixed_inputs, smollm2_dir, tmp_path, run_cli):
+    r = build(run_cli, smollm2_dir, tmp_path / "ds", mixed_inputs / "chat.jsonl", extra=["--source", "arith"])
+    assert r.exit_code == 0
+    assert [s["name"] for s in read_manifest(tmp_path / "ds")["sources"]] == ["arith"]
+    r = build(run_cli, smollm2_dir, tmp_path / "ds2", *files(mixed_inputs)[:2], extra=["--source", "arith"])
+    assert r.exit_code == 2 and "names the source of a single input" in r.output
+
+
+def test_a_corrupt_input_file_is_an_error_naming_it_without_a_traceback(mixed_inputs, smollm2_dir, tmp_path):
+    broken = tmp_path / "broken.jsonl.zst"
+    broken.write_bytes((mixed_inputs / "implicit.jsonl.zst").read_bytes()[:-9])
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.data", "build", str(broken), "--tokenizer", str(smollm2_dir), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert f"error: input file {broken}: truncated: the last zstd frame is incomplete" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_bad_options_are_errors_naming_the_value(mixed_inputs, smollm2_dir, tmp_path, run_cli):
+    r = build(run_cli, smollm2_dir, tmp_path / "o", mixed_inputs / "chat.jsonl", extra=["--max-length", "1"])
+    assert r.exit_code == 2 and "--max-length is 1; it must be at least 2" in r.output
+    r = build(run_cli, tmp_path / "nowhere", tmp_path / "o", mixed_inputs / "chat.jsonl")
+    assert r.exit_code == 2 and "not a directory" in r.output

@@ -1,0 +1,73 @@
+"""Row normalization: explicit and implicit prompts, text and conversations, and every row-level reject reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpo_data.rows import RowReject, normalize_row
+
+
+def u(text):
+    return {"role": "user", "content": text}
+
+
+def a(text):
+    return {"role": "assistant", "content": text}
+
+
+def s(text):
+    return {"role": "system", "content": text}
+
+
+def test_explicit_text_row_is_a_text_pair():
+    pair = normalize_row({"prompt": "Q?", "chosen": " yes", "rejected": " no", "id": 7, "source": "web"})
+    assert (pair.kind, pair.prompt, pair.chosen, pair.rejected, pair.id, pair.source) == ("text", "Q?", " yes", " no", "7", "web")
+
+
+def test_implicit_prompt_is_the_shared_history_of_a_multi_turn_conversation():
+    history = [s("be brief"), u("2+2?"), a("4."), u("and 3+3?")]
+    pair = normalize_row({"chosen": history + [a("6.")], "rejected": history + [a("7.")]})
+    assert pair.kind == "chat" and pair.prompt == history
+    assert (pair.chosen, pair.rejected) == ([a("6.")], [a("7.")])
+
+
+REJECTS = [
+    ("not_an_object", [1, 2]),
+    ("missing_field", {"prompt": "Q", "chosen": " a"}),
+    ("missing_field", {"chosen": " a", "rejected": " b"}),  # implicit prompt needs conversations
+    ("wrong_type", {"prompt": "Q", "chosen": 3, "rejected": " b"}),
+    ("wrong_type", {"prompt": [u("q")], "chosen": [{"role": "assistant"}], "rejected": [a("b")]}),
+    ("wrong_type", {"prompt": [u("q")], "chosen": [a(["parts"])], "rejected": [a("b")]}),
+    ("wrong_type", {"prompt": "Q", "chosen": " a", "rejected": " b", "source": 5}),
+    ("wrong_type", {"prompt": "Q", "chosen": " a", "rejected": " b", "id": {"x": 1}}),
+    ("mixed_formats", {"prompt": "Q", "chosen": [a("x")], "rejected": [a("y")]}),
+    ("empty_prompt", {"prompt": "  ", "chosen": " a", "rejected": " b"}),
+    ("empty_prompt", {"prompt": [], "chosen": [a("x")], "rejected": [a("y")]}),
+    ("empty_completion", {"prompt": "Q", "chosen": "", "rejected": " b"}),
+    ("empty_completion", {"prompt": [u("q")], "chosen": [a("  ")], "rejected": [a("y")]}),
+    ("identical_completions", {"prompt": "Q", "chosen": " same", "rejected": " same"}),
+    ("identical_completions", {"chosen": [u("q"), a("x")], "rejected": [u("q"), a("x")]}),
+    ("unknown_role", {"prompt": [{"role": "narrator", "content": "q"}], "chosen": [a("x")], "rejected": [a("y")]}),
+    ("roles_out_of_order", {"prompt": [u("q"), s("late system")], "chosen": [a("x")], "rejected": [a("y")]}),
+    ("roles_out_of_order", {"prompt": [u("q"), u("q2")], "chosen": [a("x")], "rejected": [a("y")]}),
+    ("roles_out_of_order", {"prompt": [a("hi")], "chosen": [a("x")], "rejected": [a("y")]}),
+    ("roles_out_of_order", {"prompt": [u("q")], "chosen": [u("x")], "rejected": [a("y")]}),
+    ("history_diverges", {"chosen": [u("q"), a("x"), u("q2"), a("z")], "rejected": [u("q"), a("y"), u("q2"), a("z")]}),
+    ("history_diverges", {"chosen": [u("q"), a("x")], "rejected": [u("other"), a("x")]}),
+    ("history_diverges", {"chosen": [u("q"), a("x")], "rejected": [u("q"), a("x"), u("more"), a("y")]}),
+]
+
+
+@pytest.mark.parametrize("reason, row", REJECTS, ids=[f"{r}-{i}" for i, (r, _) in enumerate(REJECTS)])
+def test_bad_rows_are_rejected_with_their_reason(reason, row):
+    with pytest.raises(RowReject) as info:
+        normalize_row(row)
+    assert info.value.reason == reason
+    assert info.value.message  # a human message accompanies every code
+
+
+def test_reject_messages_name_the_field_and_the_fix():
+    with pytest.raises(RowReject, match=r"field 'rejected' is missing; every row needs 'chosen' and 'rejected'"):
+        normalize_row({"prompt": "Q", "chosen": " a"})
+    with pytest.raises(RowReject, match=r"chosen\[0\]\.role is 'narrator'; allowed roles are system, user, assistant, tool"):
+        normalize_row({"prompt": [u("q")], "chosen": [{"role": "narrator", "content": "x"}], "rejected": [a("y")]})
