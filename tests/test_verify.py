@@ -1,0 +1,108 @@
+"""`dpo-data verify` and `inspect`: a truncated shard, a flipped byte, a tampered manifest, a foreign tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from cli.data import main as dpo_data
+from tests.conftest import chat, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def dataset(smollm2_dir, tmp_path_factory):
+    from click.testing import CliRunner
+
+    d = tmp_path_factory.mktemp("verify")
+    rows = [chat(f"What is {i} x 3?", f"{i} x 3 = {3 * i}.", f"{i} x 3 = {3 * i + 3}.") for i in range(40)]
+    write_jsonl(d / "rows.jsonl", rows + [b"not json"])
+    out = d / "ds"
+    r = CliRunner().invoke(dpo_data, ["build", str(d / "rows.jsonl"), "--tokenizer", str(smollm2_dir),
+                                      "--out", str(out), "--pairs-per-shard", "16"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture
+def copy(dataset, tmp_path):
+    target = tmp_path / "ds"
+    shutil.copytree(dataset, target)
+    return target
+
+
+def test_an_intact_dataset_verifies_with_its_tokenizer(dataset, smollm2_dir, run_cli):
+    r = run_cli(dpo_data, "verify", dataset, "--tokenizer", smollm2_dir)
+    assert r.exit_code == 0 and "OK" in r.output and "tokenizer attested" in r.output
+
+
+def test_a_truncated_shard_fails_verify_naming_it(copy, run_cli):
+    shard = copy / "shards" / "shard-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1
+    assert "shards/shard-00001.arrow: " in r.output and "(truncated or appended to)" in r.output
+    assert "not a readable Arrow IPC file" in r.output  # the file format's footer catches the cut too
+
+
+def test_a_single_flipped_byte_fails_verify(copy, run_cli):
+    shard = copy / "shards" / "shard-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the id buffers: Arrow itself would read this back silently
+    shard.write_bytes(bytes(data))
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1
+    assert "shards/shard-00000.arrow: sha256 differs from the manifest" in r.output
+
+
+def test_every_failure_is_named_not_just_the_first(copy, run_cli):
+    (copy / "shards" / "shard-00002.arrow").unlink()
+    (copy / "rejects.jsonl").write_text("")
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1
+    assert "shards/shard-00002.arrow: missing" in r.output and "rejects.jsonl: 0 bytes" in r.output
+
+
+def test_a_tampered_manifest_fails_on_its_fingerprint(copy, run_cli):
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    m["sources"][0]["name"] = "renamed"
+    path.write_text(json.dumps(m))
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1 and "does not match its content" in r.output
+
+
+def test_an_unknown_format_version_is_named(copy, run_cli):
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    m["format_version"] = 99
+    path.write_text(json.dumps(m))
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1 and "format_version is 99; this version of dpo-data reads format_version 1" in r.output
+
+
+def test_a_foreign_tokenizer_fails_verify_naming_what_differs(dataset, smollm2_dir, tmp_path, run_cli):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    r = run_cli(dpo_data, "verify", dataset, "--tokenizer", tmp_path)
+    assert r.exit_code == 1 and "differing parts: chat_template" in r.output
+
+
+def test_inspect_reports_pairs_sources_lengths_and_rejects(dataset, run_cli):
+    r = run_cli(dpo_data, "inspect", dataset, "--json")
+    info = json.loads(r.output)
+    assert (info["pairs"], info["rows_read"], info["rejected"]) == (40, 41, 1)
+    assert info["rejects_by_reason"] == {"invalid_json": 1}
+    assert info["sources"] == [{"id": 0, "name": "rows", "pairs": 40}]
+    assert info["tokenizer_fingerprint"].startswith("v2:") and info["lengths"]["segment"]["p50"] > 0
+    text = run_cli(dpo_data, "inspect", dataset).output
+    assert "40 kept of 41 rows read (1 rejected)" in text and "invalid_json" in text
+
+
+def test_inspect_and_verify_refuse_an_uncommitted_directory(tmp_path, run_cli):
+    (tmp_path / "rejects.jsonl").write_text("")
+    r = run_cli(dpo_data, "inspect", tmp_path)
+    assert r.exit_code == 2 and "not a committed dataset, manifest.json is missing" in r.output
+    assert run_cli(dpo_data, "verify", tmp_path).exit_code == 1
