@@ -1,0 +1,53 @@
+"""Property tests: no input row, however malformed, escapes as an exception instead of a pair or a reject."""
+
+from __future__ import annotations
+
+import json
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpo_data.build import _init_worker_from, _process_chunk
+from dpo_data.build import BuildOptions
+from dpo_data.rows import RowReject, normalize_row
+from dpo_data.sources import InputFile
+
+text = st.text(max_size=20)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot", ""]), "content": st.one_of(text, st.integers())}
+)
+part = st.one_of(text, st.lists(message, max_size=4), st.integers(), st.none(), st.lists(st.integers(), max_size=2))
+rows = st.one_of(
+    st.fixed_dictionaries({}, optional={"prompt": part, "chosen": part, "rejected": part,
+                                        "id": st.one_of(text, st.integers(), st.booleans(), st.none()),
+                                        "source": st.one_of(text, st.integers(), st.none())}),
+    st.lists(st.integers(), max_size=3), st.integers(), text, st.none(),
+)
+
+
+@given(rows)
+@settings(max_examples=400, deadline=None)
+def test_normalize_returns_a_pair_or_raises_a_documented_reject(row):
+    try:
+        pair = normalize_row(row)
+    except RowReject as reject:
+        assert reject.reason and reject.message
+    else:
+        assert pair.kind in ("text", "chat") and pair.chosen != pair.rejected
+
+
+@pytest.fixture(scope="module")
+def worker(tokenizer):
+    _init_worker_from(tokenizer, BuildOptions(max_length=64), [InputFile("x.jsonl", "jsonl", "x")])
+
+
+@given(st.lists(st.one_of(st.binary(max_size=60), rows.map(lambda r: json.dumps(r).encode())), min_size=1, max_size=8))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_line_becomes_exactly_one_pair_or_one_reject(worker, lines):
+    results = _process_chunk([(0, n, line) for n, line in enumerate(lines, start=1)])
+    assert len(results) == len(lines)
+    for n, result in enumerate(results, start=1):
+        if result[0] == "reject":
+            assert result[2]["line"] == n and result[2]["reason"]
+        else:
+            assert result[0] == "pair" and result[2] == n and result[5].chosen and result[5].prompt
