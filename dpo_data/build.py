@@ -95,10 +95,8 @@ class BuildResult:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dir: str, options: BuildOptions, inputs: list[InputFile]) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
+    """Set up this process's encoder (the build process itself, or a forked pool worker)."""
     topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos)
     _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=inputs)
 
@@ -221,7 +219,7 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     tally = _Tally(inputs=[_input_entry(f) for f in files])
     writer = ShardWriter(staging, options.pairs_per_shard)
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
-        for results in _run(files, tokenizer_dir, tokenizer, options, bar):
+        for results in _run(files, tokenizer, options, bar):
             for result in results:
                 _consume(result, tally, writer, rejects_file)
     shards = [asdict(s) for s in writer.close()]
@@ -277,21 +275,17 @@ def _progress(enabled: bool):
     return tqdm(unit=" rows", desc="build", disable=None if enabled else True, smoothing=0.1)
 
 
-def _run(files, tokenizer_dir, tokenizer, options, bar) -> Iterator[list[tuple]]:
+def _run(files, tokenizer, options, bar) -> Iterator[list[tuple]]:
     chunks = _chunks(files, options.max_row_bytes, bar)
     if options.num_proc == 1:
-        _init_worker_from(tokenizer, options, files)
+        _init_worker(tokenizer, options, files)
         yield from map(_process_chunk, chunks)
         return
-    # fork: workers inherit imported modules, and the parent never ran the Rust thread pool.
+    # fork: workers inherit the loaded tokenizer and imported modules (initargs are not pickled), and
+    # the parent never encoded anything, so the Rust thread pool was never started before the fork.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(options.num_proc, _init_worker, (tokenizer_dir, options, files)) as pool:
+    with ctx.Pool(options.num_proc, _init_worker, (tokenizer, options, files)) as pool:
         yield from pool.imap(_process_chunk, chunks, chunksize=1)
-
-
-def _init_worker_from(tokenizer: Any, options: BuildOptions, files: list[InputFile]) -> None:
-    topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos)
-    _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=files)
 
 
 def _consume(result: tuple, tally: _Tally, writer: ShardWriter, rejects_file) -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpo_data.build import _init_worker_from, _process_chunk
+from dpo_data.build import _init_worker, _process_chunk
 from dpo_data.build import BuildOptions
 from dpo_data.rows import RowReject, normalize_row
 from dpo_data.sources import InputFile
@@ -38,7 +38,7 @@ def test_normalize_returns_a_pair_or_raises_a_documented_reject(row):
 
 @pytest.fixture(scope="module")
 def worker(tokenizer):
-    _init_worker_from(tokenizer, BuildOptions(max_length=64), [InputFile("x.jsonl", "jsonl", "x")])
+    _init_worker(tokenizer, BuildOptions(max_length=64), [InputFile("x.jsonl", "jsonl", "x")])
 
 
 @given(st.lists(st.one_of(st.binary(max_size=60), rows.map(lambda r: json.dumps(r).encode())), min_size=1, max_size=8))
