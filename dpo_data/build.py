@@ -26,9 +26,9 @@ from dpo_data.manifest import (
     write_manifest,
 )
 from dpo_data.rows import RowReject, normalize_row
-from dpo_data.shards import ShardRow, ShardWriter
+from dpo_data.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.sources import InputFile, OversizedLine, iter_rows, open_input
-from dpo_data.tokenize import OVERLENGTH_MODES, EncodedPair, PairEncoder, TokenizeOptions
+from dpo_data.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
 from dpo_state.digest import sha256_file
 
@@ -101,30 +101,54 @@ def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile])
     _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=inputs)
 
 
-def _process_chunk(chunk: list[tuple[int, int, Any]]) -> list[tuple]:
-    """Parse, validate and encode a chunk of rows; results in the same order, each a pair or a reject."""
+@dataclass
+class ChunkResult:
+    """A worker's output for one chunk: its pairs as a block (source ids not yet assigned), the source
+    name and truncated-prompt count of each pair, and its rejects, all in input order."""
+
+    block: PairBlock
+    sources: list[str]
+    truncated: list[int]
+    rejects: list[tuple[int, dict]]
+
+
+def _process_chunk(chunk: list[tuple[int, int, Any]]) -> ChunkResult:
+    """Parse, validate and encode a chunk of rows."""
     inputs, options, encoder = _worker["inputs"], _worker["options"], _worker["encoder"]
-    results: list[Any] = [None] * len(chunk)
-    pairs, where = [], []
-    for k, (input_index, number, item) in enumerate(chunk):
+    rejects, pairs, where = [], [], []
+    for input_index, number, item in chunk:
         inp = inputs[input_index]
         row = None
         try:
             row = _parse(item, options.max_row_bytes)
-            pair = normalize_row(row)
+            pairs.append(normalize_row(row))
+            where.append((input_index, number, item))
         except RowReject as reject:
-            results[k] = _reject(input_index, inp, number, _row_source(row, inp), reject, item)
-            continue
-        pairs.append(pair)
-        where.append(k)
-    for k, pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
-        input_index, number, item = chunk[k]
+            rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
+    kept, sources, truncated, ids = [], [], [], {part: [] for part in PARTS}
+    for (input_index, number, item), pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
         source = pair.source or inputs[input_index].source
         if isinstance(encoded, RowReject):
-            results[k] = _reject(input_index, inputs[input_index], number, source, encoded, item)
-        else:
-            results[k] = ("pair", input_index, number, source, pair.id, encoded)
-    return results
+            rejects.append(_reject(input_index, inputs[input_index], number, source, encoded, item))
+            continue
+        kept.append((input_index, number, pair.id, len(encoded.prompt), len(encoded.chosen), len(encoded.rejected)))
+        sources.append(source)
+        truncated.append(encoded.truncated_prompt_tokens)
+        for part in PARTS:
+            ids[part].extend(getattr(encoded, part))
+    rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
+    return ChunkResult(_block(kept, ids), sources, truncated, rejects)
+
+
+def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
+    return PairBlock(
+        source_id=np.zeros(len(kept), dtype=np.int32),
+        input_index=np.array([k[0] for k in kept], dtype=np.int32),
+        input_row=np.array([k[1] for k in kept], dtype=np.int64),
+        lengths=np.array([k[3:] for k in kept], dtype=np.int32).reshape(-1, 3),
+        row_id=[k[2] for k in kept],
+        **{part: np.array(ids[part], dtype=np.int32) for part in PARTS},
+    )
 
 
 def _row_source(row: Any, inp: InputFile) -> str:
@@ -151,7 +175,7 @@ def _parse(item: Any, max_row_bytes: int) -> Any:
         raise RowReject("invalid_json", f"the line is not valid JSON: {e}") from None
 
 
-def _reject(input_index: int, inp: InputFile, number: int, source: str, reject: RowReject, item: Any) -> tuple:
+def _reject(input_index: int, inp: InputFile, number: int, source: str, reject: RowReject, item: Any) -> tuple[int, dict]:
     record = {
         "file": inp.path,
         inp.locator: number,
@@ -160,7 +184,7 @@ def _reject(input_index: int, inp: InputFile, number: int, source: str, reject: 
         "message": reject.message,
         "raw": _raw_text(item),
     }
-    return ("reject", input_index, record)
+    return input_index, record
 
 
 def _raw_text(item: Any) -> str:
@@ -195,13 +219,10 @@ class _Tally:
     source_pairs: Counter = field(default_factory=Counter)
     source_rejects: Counter = field(default_factory=Counter)
     by_reason: Counter = field(default_factory=Counter)
-    lengths: list[tuple[int, int, int]] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
+    pairs: int = 0
     truncated_prompts: int = 0
     truncated_prompt_tokens: int = 0
-
-    @property
-    def pairs(self) -> int:
-        return len(self.lengths)
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
@@ -219,9 +240,8 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     tally = _Tally(inputs=[_input_entry(f) for f in files])
     writer = ShardWriter(staging, options.pairs_per_shard)
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
-        for results in _run(files, tokenizer, options, bar):
-            for result in results:
-                _consume(result, tally, writer, rejects_file)
+        for result in _run(files, tokenizer, options, bar):
+            _consume(result, tally, writer, rejects_file)
     shards = [asdict(s) for s in writer.close()]
     rows_read = sum(e["rows_read"] for e in tally.inputs)
     result = BuildResult(out, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
@@ -275,7 +295,7 @@ def _progress(enabled: bool):
     return tqdm(unit=" rows", desc="build", disable=None if enabled else True, smoothing=0.1)
 
 
-def _run(files, tokenizer, options, bar) -> Iterator[list[tuple]]:
+def _run(files, tokenizer, options, bar) -> Iterator[ChunkResult]:
     chunks = _chunks(files, options.max_row_bytes, bar)
     if options.num_proc == 1:
         _init_worker(tokenizer, options, files)
@@ -288,29 +308,26 @@ def _run(files, tokenizer, options, bar) -> Iterator[list[tuple]]:
         yield from pool.imap(_process_chunk, chunks, chunksize=1)
 
 
-def _consume(result: tuple, tally: _Tally, writer: ShardWriter, rejects_file) -> None:
-    if result[0] == "reject":
-        _, input_index, record = result
+def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_file) -> None:
+    for input_index, record in result.rejects:
         entry = tally.inputs[input_index]
         entry["rows_read"] += 1
         entry["rejected"] += 1
         tally.by_reason[record["reason"]] += 1
         tally.source_rejects[record["source"]] += 1
         rejects_file.write(orjson.dumps(record) + b"\n")
-        return
-    _, input_index, number, source, row_id, encoded = result
-    encoded: EncodedPair
-    entry = tally.inputs[input_index]
-    entry["rows_read"] += 1
-    entry["pairs"] += 1
-    source_id = tally.sources.setdefault(source, len(tally.sources))
-    tally.source_pairs[source] += 1
-    if encoded.truncated_prompt_tokens:
-        tally.truncated_prompts += 1
-        tally.truncated_prompt_tokens += encoded.truncated_prompt_tokens
-    tally.lengths.append((len(encoded.prompt), len(encoded.chosen), len(encoded.rejected)))
-    writer.add(ShardRow(tally.pairs - 1, source_id, encoded.prompt, encoded.chosen, encoded.rejected,
-                        input_index, number, row_id))
+    block = result.block
+    for input_index in block.input_index.tolist():
+        tally.inputs[input_index]["rows_read"] += 1
+        tally.inputs[input_index]["pairs"] += 1
+    # Source ids in order of first appearance: a pure function of the input order.
+    block.source_id = np.array([tally.sources.setdefault(s, len(tally.sources)) for s in result.sources], dtype=np.int32)
+    tally.source_pairs.update(result.sources)
+    tally.truncated_prompts += sum(1 for t in result.truncated if t)
+    tally.truncated_prompt_tokens += sum(result.truncated)
+    tally.lengths.append(block.lengths)
+    tally.pairs += len(block)
+    writer.add(block)
 
 
 def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None:
@@ -324,7 +341,7 @@ def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None
 
 
 def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: BuildOptions, staging: Path) -> dict:
-    lengths = np.asarray(tally.lengths, dtype=np.int64).reshape(-1, 3)
+    lengths = np.concatenate(tally.lengths).astype(np.int64)
     prompt, chosen, rejected = lengths[:, 0], lengths[:, 1], lengths[:, 2]
     segments = np.concatenate([prompt + chosen, prompt + rejected])
     sources = [{"id": sid, "name": name, "pairs": tally.source_pairs[name]} for name, sid in tally.sources.items()]

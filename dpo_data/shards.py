@@ -1,9 +1,9 @@
-"""Arrow IPC shards of tokenized pairs: the on-disk schema, a deterministic writer and a memory-mapped reader."""
+"""Arrow IPC shards of tokenized pairs: the on-disk schema, columnar pair blocks, a deterministic writer, a reader."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,21 +29,64 @@ SHARD_SCHEMA = pa.schema(
         pa.field("row_id", pa.string(), nullable=True),
     ]
 )
-ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+PARTS = ("prompt", "chosen", "rejected")
 
 
-@dataclass(frozen=True)
-class ShardRow:
-    """One pair as written: ids plus where it came from."""
+@dataclass
+class PairBlock:
+    """Consecutive pairs in columnar form: per-pair arrays plus each part's ids concatenated.
 
-    pair_index: int
-    source_id: int
-    prompt: list[int]
-    chosen: list[int]
-    rejected: list[int]
-    input_index: int
-    input_row: int
-    row_id: str | None
+    Workers hand pairs over in this form so that ids cross process boundaries as a few int32 buffers,
+    never as Python lists of ints.
+    """
+
+    source_id: np.ndarray  # int32 [n]
+    input_index: np.ndarray  # int32 [n]
+    input_row: np.ndarray  # int64 [n]
+    lengths: np.ndarray  # int32 [n, 3]: prompt, chosen, rejected
+    prompt: np.ndarray  # int32 [sum of prompt lengths]
+    chosen: np.ndarray
+    rejected: np.ndarray
+    row_id: list
+
+    def __len__(self) -> int:
+        return len(self.row_id)
+
+    @staticmethod
+    def concat(blocks: list["PairBlock"]) -> "PairBlock":
+        if len(blocks) == 1:
+            return blocks[0]
+        arrays = {f.name: np.concatenate([getattr(b, f.name) for b in blocks]) for f in fields(PairBlock) if f.name != "row_id"}
+        return PairBlock(**arrays, row_id=[r for b in blocks for r in b.row_id])
+
+    def split(self, k: int) -> tuple["PairBlock", "PairBlock"]:
+        """The first k pairs and the rest."""
+        cut = self.lengths[:k].sum(axis=0)
+        head, tail = {}, {}
+        for f in fields(PairBlock):
+            value = getattr(self, f.name)
+            at = int(cut[PARTS.index(f.name)]) if f.name in PARTS else k
+            head[f.name], tail[f.name] = value[:at], value[at:]
+        return PairBlock(**head), PairBlock(**tail)
+
+    def record_batch(self, first_pair_index: int) -> pa.RecordBatch:
+        n = len(self)
+        columns = [
+            pa.array(np.arange(first_pair_index, first_pair_index + n, dtype=np.int64)),
+            pa.array(self.source_id),
+            *(_list_array(self.lengths[:, j], getattr(self, part)) for j, part in enumerate(PARTS)),
+            *(pa.array(np.ascontiguousarray(self.lengths[:, j])) for j in range(3)),
+            pa.array(self.input_index),
+            pa.array(self.input_row),
+            pa.array(self.row_id, pa.string()),
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=SHARD_SCHEMA)
+
+
+def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 @dataclass(frozen=True)
@@ -58,47 +101,57 @@ class ShardInfo:
 
 
 class ShardWriter:
-    """Writes pairs in arrival order into shards of at most `pairs_per_shard` rows (uncompressed IPC files)."""
+    """Writes pairs in arrival order into shards of at most `pairs_per_shard` rows (uncompressed IPC files).
+
+    Record batches hold `RECORD_BATCH_ROWS` rows (fewer at a shard's end), whatever the sizes of the
+    blocks handed in, so the bytes depend only on the pairs.
+    """
 
     def __init__(self, out_dir: Path, pairs_per_shard: int):
         self.out_dir = out_dir
         self.pairs_per_shard = pairs_per_shard
         self.shards: list[ShardInfo] = []
-        self._rows: list[ShardRow] = []
+        self.pairs = 0
+        self._pending: list[PairBlock] = []
+        self._pending_rows = 0
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
-        self._path: Path | None = None
         self._shard_rows = 0
-        self._first = 0
         (out_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
-    def add(self, row: ShardRow) -> None:
-        self._rows.append(row)
-        if len(self._rows) == RECORD_BATCH_ROWS or self._shard_rows + len(self._rows) == self.pairs_per_shard:
-            self._flush()
+    def add(self, block: PairBlock) -> None:
+        if len(block):
+            self._pending.append(block)
+            self._pending_rows += len(block)
+        while self._pending_rows >= self._batch_target():
+            self._write(self._batch_target())
 
     def close(self) -> list[ShardInfo]:
         """Flush and close; return every shard written."""
-        self._flush()
+        while self._pending_rows:
+            self._write(min(self._pending_rows, self._batch_target()))
         self._close_shard()
         return self.shards
 
-    def _flush(self) -> None:
-        if not self._rows:
-            return
+    def _batch_target(self) -> int:
+        return min(RECORD_BATCH_ROWS, self.pairs_per_shard - self._shard_rows)
+
+    def _write(self, rows: int) -> None:
+        head, tail = PairBlock.concat(self._pending).split(rows)
+        self._pending, self._pending_rows = ([tail] if len(tail) else []), self._pending_rows - rows
         if self._writer is None:
-            self._open_shard(self._rows[0].pair_index)
-        self._writer.write_batch(_record_batch(self._rows))
-        self._shard_rows += len(self._rows)
-        self._rows = []
+            self._open_shard()
+        self._writer.write_batch(head.record_batch(self.pairs))
+        self.pairs += rows
+        self._shard_rows += rows
         if self._shard_rows == self.pairs_per_shard:
             self._close_shard()
 
-    def _open_shard(self, first_pair_index: int) -> None:
+    def _open_shard(self) -> None:
         self._path = self.out_dir / SHARD_DIR / f"shard-{len(self.shards):05d}.arrow"
         self._sink = pa.OSFile(str(self._path), "wb")
         # No compression: readers memory-map shards zero-copy (compressed IPC decodes per batch per worker).
         self._writer = pa.ipc.new_file(self._sink, SHARD_SCHEMA)
-        self._first = first_pair_index
+        self._first = self.pairs
 
     def _close_shard(self) -> None:
         if self._writer is None:
@@ -112,32 +165,6 @@ class ShardWriter:
             ShardInfo(rel, self._shard_rows, self._path.stat().st_size, sha256_file(self._path), self._first)
         )
         self._writer, self._shard_rows = None, 0
-
-
-def _list_array(seqs: list[list[int]]) -> pa.ListArray:
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-
-def _record_batch(rows: list[ShardRow]) -> pa.RecordBatch:
-    prompt, chosen, rejected = ([getattr(r, f) for r in rows] for f in ("prompt", "chosen", "rejected"))
-    columns = [
-        pa.array([r.pair_index for r in rows], pa.int64()),
-        pa.array([r.source_id for r in rows], pa.int32()),
-        _list_array(prompt),
-        _list_array(chosen),
-        _list_array(rejected),
-        pa.array([len(s) for s in prompt], pa.int32()),
-        pa.array([len(s) for s in chosen], pa.int32()),
-        pa.array([len(s) for s in rejected], pa.int32()),
-        pa.array([r.input_index for r in rows], pa.int32()),
-        pa.array([r.input_row for r in rows], pa.int64()),
-        pa.array([r.row_id for r in rows], pa.string()),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=SHARD_SCHEMA)
 
 
 def open_shard(path: str | Path) -> pa.Table:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dpo_data.rows import Pair, RowReject
+from dpo_data.template import ChatRenderer
 
 OVERLENGTH_MODES = ("reject", "truncate-prompt")
 _SENTINEL = "\uE000DPO{}\uE001"  # private-use code points: never in a real template's own text
@@ -44,6 +45,7 @@ class PairEncoder:
     def __init__(self, tokenizer: Any, options: TokenizeOptions):
         self.tokenizer = tokenizer
         self.options = options
+        self._renderer = ChatRenderer(tokenizer)
         backend = tokenizer.backend_tokenizer
         # Two copies of the Rust tokenizer: one matches special tokens (for template text), one never
         # does (for user content). Copies, because encode_special_tokens is state on the object.
@@ -97,9 +99,7 @@ class PairEncoder:
 
     def _apply(self, messages: list, add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            return self._renderer.render(messages, add_generation_prompt)
         except Exception as e:  # a template's raise_exception() or a jinja error: the row's fault
             raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
 

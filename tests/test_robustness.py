@@ -44,10 +44,10 @@ def worker(tokenizer):
 @given(st.lists(st.one_of(st.binary(max_size=60), rows.map(lambda r: json.dumps(r).encode())), min_size=1, max_size=8))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_line_becomes_exactly_one_pair_or_one_reject(worker, lines):
-    results = _process_chunk([(0, n, line) for n, line in enumerate(lines, start=1)])
-    assert len(results) == len(lines)
-    for n, result in enumerate(results, start=1):
-        if result[0] == "reject":
-            assert result[2]["line"] == n and result[2]["reason"]
-        else:
-            assert result[0] == "pair" and result[2] == n and result[5].chosen and result[5].prompt
+    result = _process_chunk([(0, n, line) for n, line in enumerate(lines, start=1)])
+    rejected = [record["line"] for _, record in result.rejects]
+    kept = result.block.input_row.tolist()
+    assert sorted(rejected + kept) == list(range(1, len(lines) + 1))  # each line exactly once
+    assert rejected == sorted(rejected) and kept == sorted(kept)
+    assert all(record["reason"] for _, record in result.rejects)
+    assert (result.block.lengths > 0).all()  # every kept pair has a prompt and two completions
