@@ -1,0 +1,161 @@
+"""torchdata StatefulDataLoader over packed micro-batches, with versioned, geometry-checked, exact resume."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dpo_data.errors import DataError
+from dpo_data.microbatch import pack_microbatch
+from dpo_data.schedule import LoaderConfig, Schedule, ScheduleState, StepPlan
+from dpo_data.store import PairStore
+
+LOADER_STATE_VERSION = 1
+# In pairs mode the pairs of a step do not depend on these, so a run may resume with other values.
+ELASTIC_KEYS = ("world_size", "rank", "max_tokens_per_microbatch", "num_workers")
+
+
+class MicrobatchStream(IterableDataset):
+    """This rank's micro-batches, epoch after epoch from `start` (until `max_epochs`, if set).
+
+    The position lives on the iterator (`iter(stream)`), never on the dataset object, so a restored
+    position cannot leak into a later iteration. With DataLoader workers, micro-batch k of the rank's
+    stream is built by worker k % num_workers; every worker plans the same steps from lengths alone.
+    """
+
+    def __init__(self, dirs: list[str | Path], config: LoaderConfig, max_epochs: int | None = None,
+                 start: ScheduleState | None = None, pad_to_multiple_of: int | None = None):
+        self.store = PairStore(dirs)
+        self.config = config
+        self.max_epochs = max_epochs
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.start = (start or ScheduleState()).copy()
+        self.schedule = Schedule(self.store.segment_tokens(np.arange(self.store.num_pairs)),
+                                 self.store.dataset_sizes, self.store.fingerprint, config)
+
+    def geometry(self) -> dict[str, Any]:
+        g = self.config.geometry(self.store.fingerprint)
+        g.update(max_epochs=self.max_epochs, pad_to_multiple_of=self.pad_to_multiple_of, lookahead=self.schedule.lookahead)
+        return g
+
+    def __iter__(self) -> "StreamIterator":
+        return StreamIterator(self)
+
+
+class StreamIterator:
+    """Iterator with `state_dict` / `load_state_dict` (torchdata's Stateful protocol). The state is the
+    schedule state at the start of the current step plus how far into the step this rank has come."""
+
+    def __init__(self, stream: MicrobatchStream):
+        self.stream = stream
+        info = get_worker_info()
+        self.worker, self.num_workers = (info.id, info.num_workers) if info else (0, 1)
+        self._reset(stream.start.copy(), microbatch=0, seq=0)
+
+    def _reset(self, state: ScheduleState, microbatch: int, seq: int) -> None:
+        self.state, self.microbatch, self.seq = state, microbatch, seq
+        self.plan: StepPlan | None = None
+        self.after: ScheduleState | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        while True:
+            if self.stream.max_epochs is not None and self.state.epoch >= self.stream.max_epochs:
+                raise StopIteration
+            if self.plan is None:
+                self.plan, self.after = self.stream.schedule.next_step(self.state)
+                if self.plan is None:  # epoch over: the next one starts fresh
+                    self._reset(self.after, 0, 0)
+                    continue
+            mine = self.plan.ranks[self.stream.config.rank]
+            if self.microbatch >= len(mine):
+                self._reset(self.after, 0, self.seq)
+                continue
+            k, self.microbatch, self.seq = self.microbatch, self.microbatch + 1, self.seq + 1
+            if (self.seq - 1) % self.num_workers == self.worker:
+                return self._build(self.plan, mine, k)
+
+    def _build(self, plan: StepPlan, mine: list[list[int]], k: int) -> dict:
+        store = self.stream.store
+        batch = pack_microbatch([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
+        batch.update(epoch=plan.epoch, step=plan.step, microbatch=k, microbatches_in_step=len(mine),
+                     step_pairs=plan.num_pairs)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self.state.to_dict(), "microbatch": self.microbatch, "seq": self.seq}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._reset(ScheduleState.from_dict(state["schedule"]), int(state["microbatch"]), int(state["seq"]))
+
+
+class DPOLoader:
+    """The loader a trainer uses: a `StatefulDataLoader` (batch_size=None: items are micro-batches)
+    plus a versioned state that records its geometry and is copied on save and on restore.
+
+    `load_state_dict` resumes exactly when the geometry matches; in `pairs` mode a state saved at a
+    step boundary also resumes under another world size, rank, token budget or worker count, at the
+    same step. Any other difference raises one error listing every difference.
+    """
+
+    def __init__(self, dirs: list[str | Path], config: LoaderConfig, max_epochs: int | None = None,
+                 pad_to_multiple_of: int | None = None, start: ScheduleState | None = None):
+        self.dirs, self.config, self.max_epochs, self.pad = [str(d) for d in dirs], config, max_epochs, pad_to_multiple_of
+        self.stream = MicrobatchStream(self.dirs, config, max_epochs, start, pad_to_multiple_of)
+        self.loader = self._make_loader(self.stream)
+        self._next = {"epoch": self.stream.start.epoch, "step": self.stream.start.step, "microbatch": 0}
+
+    def _make_loader(self, stream: MicrobatchStream):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(stream, batch_size=None, num_workers=self.config.num_workers,
+                                  persistent_workers=False, in_order=True)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.loader:
+            last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
+            self._next = {"epoch": batch["epoch"], "step": batch["step"] + last,
+                          "microbatch": 0 if last else batch["microbatch"] + 1}
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy({
+            "version": LOADER_STATE_VERSION,
+            "geometry": self.stream.geometry(),
+            "position": self._next,
+            "dataloader": self.loader.state_dict(),
+        })
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = copy.deepcopy(state)  # never alias the caller's copy
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise DataError(f"loader state version {state.get('version')!r}; this dpo-data reads version "
+                            f"{LOADER_STATE_VERSION}. Fix: resume with the version that saved it")
+        saved, current = state["geometry"], self.stream.geometry()
+        differ = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+        if not differ:
+            self.loader.load_state_dict(state["dataloader"])
+            self._next = state["position"]
+            return
+        if current["batching"] == "pairs" and set(differ) <= set(ELASTIC_KEYS):
+            self._elastic_resume(state["position"], differ)
+            return
+        listing = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        allowed = " (pairs mode resumes across " + ", ".join(ELASTIC_KEYS) + " at step boundaries)"
+        raise DataError(f"the loader state was saved with another geometry: {listing}. Resume with the saved "
+                        f"settings{allowed if current['batching'] == 'pairs' else ''}, or start a fresh run")
+
+    def _elastic_resume(self, position: dict[str, int], differ: dict) -> None:
+        if position["microbatch"] != 0:
+            raise DataError(f"the loader state was saved inside step {position['step']} (micro-batch "
+                            f"{position['microbatch']}); changing {', '.join(differ)} needs a state saved at a step boundary")
+        start = ScheduleState(epoch=position["epoch"], step=position["step"])
+        self.stream = MicrobatchStream(self.dirs, self.config, self.max_epochs, start, self.pad)
+        self.loader = self._make_loader(self.stream)
+        self._next = dict(position)

@@ -1,0 +1,115 @@
+"""Random access to the pairs of one or more built datasets, memory-mapped, with per-pair lengths in memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dpo_data.errors import DataError
+from dpo_data.manifest import read_manifest
+from dpo_state.digest import sha256_json
+
+
+@dataclass(frozen=True)
+class PairIds:
+    """One pair's token ids (int32 views into the memory-mapped shard) and its identity."""
+
+    index: int
+    source_id: int
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+class PairStore:
+    """The pairs of datasets `dirs`, in that order: global pair index = offset of its dataset + its row.
+
+    Lengths and source ids live in memory (12 bytes a pair); ids stay in the memory-mapped shards and
+    are read as zero-copy views. Source names are merged across datasets by name. The store pickles
+    as its paths (workers reopen the maps), so it can be handed to DataLoader workers.
+    """
+
+    def __init__(self, dirs: list[str | Path]):
+        if not dirs:
+            raise DataError("no dataset directory given")
+        self.dirs = [str(d) for d in dirs]
+        manifests = [read_manifest(d) for d in self.dirs]
+        self.tokenizer_fingerprint = _one_tokenizer(self.dirs, manifests)
+        self.dataset_fingerprints = [m["fingerprint"] for m in manifests]
+        self.fingerprint = (
+            self.dataset_fingerprints[0] if len(dirs) == 1 else "sha256:" + sha256_json(self.dataset_fingerprints)
+        )
+        self.sources: list[str] = []
+        for m in manifests:
+            for s in m["sources"]:
+                if s["name"] not in self.sources:
+                    self.sources.append(s["name"])
+        self.dataset_sizes = [m["totals"]["pairs"] for m in manifests]
+        self.dataset_offsets = np.concatenate([[0], np.cumsum(self.dataset_sizes)]).astype(np.int64)
+        self._manifests = manifests
+        self._open()
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.dataset_offsets[-1])
+
+    def segment_tokens(self, indices: np.ndarray) -> np.ndarray:
+        """Input tokens of each pair: both segments, prompt counted twice."""
+        return 2 * self.prompt_len[indices] + self.chosen_len[indices] + self.rejected_len[indices]
+
+    def pair(self, index: int) -> PairIds:
+        batch, row = self._batch_of[index], self._row_of[index]
+        parts = [offsets_values[batch] for offsets_values in self._parts]
+        views = [values[offsets[row]:offsets[row + 1]] for offsets, values in parts]
+        return PairIds(int(index), int(self.source_id[index]), *views)
+
+    def __getstate__(self):
+        return {"dirs": self.dirs}
+
+    def __setstate__(self, state):
+        self.__init__(state["dirs"])
+
+    def _open(self) -> None:
+        lengths, sources, parts, batch_of, row_of = [], [], [[], [], []], [], []
+        for d, m in zip(self.dirs, self._manifests):
+            remap = np.array([self.sources.index(s["name"]) for s in sorted(m["sources"], key=lambda s: s["id"])],
+                             dtype=np.int32)
+            for shard in m["shards"]:
+                for batch in _batches(Path(d) / shard["path"], shard["rows"]):
+                    k = len(parts[0])
+                    for j, column in enumerate(("prompt_ids", "chosen_ids", "rejected_ids")):
+                        arr = batch.column(column)
+                        parts[j].append((arr.offsets.to_numpy(), arr.values.to_numpy()))
+                    lengths.append(np.stack([batch.column(c).to_numpy() for c in
+                                             ("prompt_len", "chosen_len", "rejected_len")], axis=1))
+                    sources.append(remap[batch.column("source_id").to_numpy()])
+                    batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
+                    row_of.append(np.arange(batch.num_rows, dtype=np.int32))
+        all_lengths = np.concatenate(lengths)
+        self.prompt_len, self.chosen_len, self.rejected_len = (np.ascontiguousarray(all_lengths[:, j]) for j in range(3))
+        self.source_id = np.concatenate(sources)
+        self._parts = parts
+        self._batch_of, self._row_of = np.concatenate(batch_of), np.concatenate(row_of)
+
+
+def _batches(path: Path, rows: int) -> list[pa.RecordBatch]:
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+    except (OSError, pa.ArrowInvalid) as e:
+        raise DataError(f"{path}: cannot open the shard ({e}); run dpo-data verify on its dataset") from None
+    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    if sum(b.num_rows for b in batches) != rows:
+        raise DataError(f"{path}: holds {sum(b.num_rows for b in batches)} rows, its manifest says {rows}; "
+                        "run dpo-data verify on its dataset")
+    return batches
+
+
+def _one_tokenizer(dirs: list[str], manifests: list[dict]) -> str:
+    prints = {m["tokenizer"]["fingerprint"] for m in manifests}
+    if len(prints) > 1:
+        listing = ", ".join(f"{d}: {m['tokenizer']['fingerprint'][:15]}" for d, m in zip(dirs, manifests))
+        raise DataError(f"datasets built with different tokenizers cannot be mixed ({listing}); rebuild them with one")
+    return prints.pop()
