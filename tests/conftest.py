@@ -54,3 +54,18 @@ def run_cli():
         return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
     return run
+
+
+SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample"
+
+
+@pytest.fixture(scope="session")
+def sample_dataset(smollm2_dir, tmp_path_factory) -> Path:
+    """The bundled sample's train split, built once with the real tokenizer (342 pairs, 2 shards)."""
+    from dpo_data.build import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("sample") / "train"
+    inputs = sorted(str(p) for p in SAMPLE.iterdir() if p.is_file() and not p.name.endswith(".md"))
+    result = build(inputs, str(smollm2_dir), out, BuildOptions(pairs_per_shard=200))
+    assert result.manifest is not None
+    return out

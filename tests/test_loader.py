@@ -1,0 +1,245 @@
+"""Loader pipelines: order, packing, the micro-batch contract, coverage and exact resume (workers 0 and 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpo_data.errors import DataError
+from dpo_data.loader import DPOLoader
+from dpo_data.microbatch import IGNORE_INDEX, pack_microbatch
+from dpo_data.order import epoch_order, permutation
+from dpo_data.schedule import LoaderConfig, Schedule, ScheduleState
+from dpo_data.store import PairIds, PairStore
+
+PAIRS = dict(batching="pairs", pairs_per_step=16, max_tokens_per_microbatch=400)
+TOKENS = dict(batching="tokens", microbatches_per_step=2, max_tokens_per_microbatch=400)
+
+
+def key(batch: dict) -> tuple:
+    """Everything a micro-batch carries, in comparable form."""
+    return tuple((k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in sorted(batch.items()))
+
+
+def stream(dataset, max_epochs=1, **config) -> list[tuple]:
+    return [key(b) for b in DPOLoader([dataset], LoaderConfig(**config), max_epochs=max_epochs)]
+
+
+def test_the_order_is_pinned_to_its_definition():
+    # Raw PCG64 draws, not Generator.permutation: these values must never change under a numpy upgrade.
+    assert permutation(8, seed=0, epoch=0, fingerprint="sha256:x").tolist() == [0, 4, 1, 5, 7, 3, 6, 2]
+    assert permutation(8, seed=0, epoch=1, fingerprint="sha256:x").tolist() != permutation(8, 0, 0, "sha256:x").tolist()
+
+
+def test_weights_repeat_or_leave_out_pairs_by_seed_and_epoch():
+    order = epoch_order([4, 6], [2.0, 0.5], seed=3, epoch=0, fingerprint="f")
+    counts = np.bincount(order, minlength=10)
+    assert counts[:4].tolist() == [2, 2, 2, 2] and counts[4:].sum() == 3 and counts[4:].max() == 1
+    again = epoch_order([4, 6], [2.0, 0.5], seed=3, epoch=0, fingerprint="f")
+    assert order.tolist() == again.tolist()
+    with pytest.raises(DataError, match="weights must be finite numbers >= 0"):
+        epoch_order([4], [-1.0], 0, 0, "f")
+
+
+@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_every_pair_once_per_epoch_over_all_ranks(sample_dataset, config, world_size):
+    seen = []
+    for rank in range(world_size):
+        for batch in DPOLoader([sample_dataset], LoaderConfig(**config, world_size=world_size, rank=rank), max_epochs=1):
+            seen += batch["pair_index"].tolist()
+            assert batch["num_input_tokens"] <= config["max_tokens_per_microbatch"]
+    assert sorted(seen) == list(range(342))
+
+
+def test_pairs_mode_steps_do_not_depend_on_world_size_budget_or_workers(sample_dataset):
+    def steps(**overrides):
+        out = {}
+        for rank in range(overrides.get("world_size", 1)):
+            for b in DPOLoader([sample_dataset], LoaderConfig(**{**PAIRS, **overrides, "rank": rank}), max_epochs=1):
+                out.setdefault(b["step"], set()).update(b["pair_index"].tolist())
+        return out
+
+    reference = steps()
+    assert steps(world_size=4) == reference
+    assert steps(max_tokens_per_microbatch=2000) == reference
+    assert steps(num_workers=2) == reference
+
+
+def test_a_pair_over_the_budget_is_an_error_naming_the_numbers(sample_dataset):
+    with pytest.raises(DataError, match=r"pair \d+ has \d+ input tokens .* more than max_tokens_per_microbatch 100"):
+        DPOLoader([sample_dataset], LoaderConfig(**{**TOKENS, "max_tokens_per_microbatch": 100}))
+
+
+def test_tokens_mode_drains_the_buffer_without_replay(sample_dataset):
+    batches = list(DPOLoader([sample_dataset], LoaderConfig(**TOKENS), max_epochs=1))
+    indices = [i for b in batches for i in b["pair_index"].tolist()]
+    assert len(indices) == len(set(indices)) == 342
+    fill = [b["num_input_tokens"] / 400 for b in batches if b["num_pairs"]]
+    assert np.mean(fill[:-4]) > 0.9  # packing works in the body of the epoch
+
+
+def pair(index, prompt, chosen, rejected):
+    arr = lambda xs: np.array(xs, dtype=np.int32)  # noqa: E731
+    return PairIds(index, 0, arr(prompt), arr(chosen), arr(rejected))
+
+
+def test_microbatch_labels_positions_and_segments():
+    b = pack_microbatch([pair(7, [1, 2, 3], [4, 5], [6]), pair(9, [8], [9], [10, 11])])
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 1, 2, 3, 6, 8, 9, 8, 10, 11]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    X = IGNORE_INDEX
+    # The last prompt position predicts the first completion token; nothing predicts across segments.
+    assert b["labels"].tolist() == [[X, X, 4, 5, X, X, X, 6, X, 9, X, 10, 11, X]]
+    assert b["cu_seqlens"].tolist() == [0, 5, 9, 11, 14] and b["max_seqlen"] == 5
+    assert b["segment_pair"].tolist() == [0, 0, 1, 1] and b["segment_role"].tolist() == [0, 1, 0, 1]
+    assert b["pair_index"].tolist() == [7, 9]
+    assert (b["num_pairs"], b["num_input_tokens"], b["num_supervised_tokens"], b["num_padding_tokens"]) == (2, 14, 6, 0)
+
+
+def test_one_token_segment_is_not_padding():
+    # A padding segment of one token beside genuine short segments: identity comes from segment_role,
+    # never from position_ids == 0.
+    b = pack_microbatch([pair(0, [5], [6], [7])], pad_to_multiple_of=5)
+    assert b["segment_length"].tolist() == [2, 2, 1]
+    assert b["segment_role"].tolist() == [0, 1, -1] and b["segment_pair"].tolist() == [0, 0, -1]
+    assert b["labels"].tolist()[0][4] == IGNORE_INDEX and b["num_padding_tokens"] == 1
+    assert b["num_input_tokens"] == 4 and b["num_supervised_tokens"] == 2
+
+
+def resume_matches(dataset, config, k, max_epochs=2):
+    full = stream(dataset, max_epochs, **config)
+    loader = DPOLoader([dataset], LoaderConfig(**config), max_epochs=max_epochs)
+    it = iter(loader)
+    head = [key(next(it)) for _ in range(k)]
+    state = loader.state_dict()
+    fresh = DPOLoader([dataset], LoaderConfig(**config), max_epochs=max_epochs)
+    fresh.load_state_dict(state)
+    assert head + [key(b) for b in fresh] == full
+    return len(full)
+
+
+@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
+@pytest.mark.parametrize("where", ["start", "epoch_end", "after_last"])
+def test_resume_at_the_edges(sample_dataset, config, where):
+    per_epoch = len(stream(sample_dataset, 1, **config))
+    k = {"start": 0, "epoch_end": per_epoch, "after_last": 2 * per_epoch}[where]
+    assert resume_matches(sample_dataset, config, k) == 2 * per_epoch
+
+
+@given(k=st.integers(min_value=0, max_value=60), tokens=st.booleans(), rank=st.integers(0, 1))
+@settings(max_examples=12, deadline=None)
+def test_resume_anywhere_gives_the_uninterrupted_stream(sample_dataset, k, tokens, rank):
+    resume_matches(sample_dataset, {**(TOKENS if tokens else PAIRS), "world_size": 2, "rank": rank}, k)
+
+
+RESUME_CHILD = """
+import json, sys
+from dpo_data.loader import DPOLoader
+from dpo_data.schedule import LoaderConfig
+from tests.test_loader import key
+dataset, config, state_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+loader = DPOLoader([dataset], LoaderConfig(**config), max_epochs=2)
+loader.load_state_dict(json.load(open(state_path)))
+print(json.dumps([repr(key(b)) for b in loader]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
+def test_resume_with_two_workers_in_a_fresh_process(sample_dataset, config, tmp_path):
+    config = {**config, "num_workers": 2, "world_size": 2, "rank": 1}
+    full = stream(sample_dataset, 2, **config)
+    for k in (1, len(full) // 3, len(full) // 2 + 1):
+        loader = DPOLoader([sample_dataset], LoaderConfig(**config), max_epochs=2)
+        it = iter(loader)
+        head = [key(next(it)) for _ in range(k)]
+        (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
+        del it, loader
+        out = subprocess.run([sys.executable, "-c", RESUME_CHILD, str(sample_dataset), json.dumps(config),
+                              str(tmp_path / "state.json")], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert [repr(x) for x in head] + json.loads(out.stdout) == [repr(x) for x in full]
+
+
+def test_restoring_the_same_state_twice_gives_identical_streams_and_never_aliases_it(sample_dataset):
+    loader = DPOLoader([sample_dataset], LoaderConfig(**TOKENS), max_epochs=1)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    snapshot = json.dumps(state, sort_keys=True)
+    streams = []
+    for _ in range(2):
+        fresh = DPOLoader([sample_dataset], LoaderConfig(**TOKENS), max_epochs=1)
+        fresh.load_state_dict(state)
+        streams.append([key(b) for b in fresh])
+    assert streams[0] == streams[1] and json.dumps(state, sort_keys=True) == snapshot
+
+
+def test_restore_does_not_skip_by_iteration(sample_dataset, monkeypatch):
+    loader = DPOLoader([sample_dataset], LoaderConfig(**PAIRS), max_epochs=1)
+    it = iter(loader)
+    for _ in range(30):
+        next(it)
+    state = loader.state_dict()
+    import dpo_data.loader as module
+
+    built = []
+    real = module.pack_microbatch
+    monkeypatch.setattr(module, "pack_microbatch", lambda *a, **k: built.append(1) or real(*a, **k))
+    fresh = DPOLoader([sample_dataset], LoaderConfig(**PAIRS), max_epochs=1)
+    fresh.load_state_dict(state)
+    next(iter(fresh))
+    assert len(built) == 1  # only the micro-batch asked for was built
+
+
+def test_another_geometry_is_refused_with_every_difference(sample_dataset):
+    loader = DPOLoader([sample_dataset], LoaderConfig(**TOKENS), max_epochs=1)
+    state = loader.state_dict()
+    other = DPOLoader([sample_dataset], LoaderConfig(**{**TOKENS, "seed": 1, "world_size": 2}), max_epochs=1)
+    with pytest.raises(DataError, match=r"seed: saved 0, now 1; world_size: saved 1, now 2"):
+        other.load_state_dict(state)
+
+
+def test_pairs_mode_resumes_on_another_world_size_at_the_same_step(sample_dataset):
+    config = LoaderConfig(**PAIRS)
+    loader = DPOLoader([sample_dataset], config, max_epochs=1)
+    it = iter(loader)
+    batch = next(it)
+    while batch["microbatch"] + 1 < batch["microbatches_in_step"] or batch["step"] < 4:
+        batch = next(it)
+    state = loader.state_dict()
+    rest = {}
+    for rank in range(3):
+        resumed = DPOLoader([sample_dataset], LoaderConfig(**{**PAIRS, "world_size": 3, "rank": rank}), max_epochs=1)
+        resumed.load_state_dict(state)
+        for b in resumed:
+            rest.setdefault(b["step"], set()).update(b["pair_index"].tolist())
+    expected = {}
+    for b in DPOLoader([sample_dataset], config, max_epochs=1):
+        if b["step"] >= 5:
+            expected.setdefault(b["step"], set()).update(b["pair_index"].tolist())
+    assert rest == expected
+
+
+def test_mixtures_keep_sources_and_reject_foreign_tokenizers(sample_dataset, tmp_path):
+    store = PairStore([sample_dataset, sample_dataset])
+    assert store.num_pairs == 684 and store.sources == PairStore([sample_dataset]).sources
+    assert store.pair(342 + 5).chosen.tolist() == store.pair(5).chosen.tolist()
+    schedule = Schedule(store.segment_tokens(np.arange(684)), store.dataset_sizes, store.fingerprint,
+                        LoaderConfig(**PAIRS, weights=(1.0, 0.0)))
+    state, seen = ScheduleState(), []
+    while True:
+        plan, state = schedule.next_step(state)
+        if plan is None:
+            break
+        seen += [i for r in plan.ranks for mb in r for i in mb]
+    assert sorted(seen) == list(range(342))
