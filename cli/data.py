@@ -116,6 +116,44 @@ def verify(data_dir, tokenizer_dir) -> None:
     click.echo(f"OK: {data_dir} verified" + (" (tokenizer attested)" if tokenizer_dir else ""))
 
 
+@main.command()
+@click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
+@click.option("--batching", type=click.Choice(["pairs", "tokens"]), required=True, help="Batching mode.")
+@click.option("--world-size", type=int, required=True, metavar="W", help="Number of data-parallel ranks.")
+@click.option("--pairs-per-step", type=int, default=8, show_default=True, metavar="P", help="pairs mode: pairs per step, all ranks.")
+@click.option("--max-tokens-per-microbatch", type=int, default=1024, show_default=True, metavar="T", help="Token budget of a micro-batch.")
+@click.option("--microbatches-per-step", type=int, default=1, show_default=True, metavar="M", help="tokens mode: micro-batches per rank per step.")
+@click.option("--num-workers", type=int, default=0, show_default=True, metavar="N", help="DataLoader workers (recorded; never changes the plan).")
+@click.option("--seed", type=int, default=0, show_default=True, metavar="S")
+@click.option("--epoch", type=int, default=0, show_default=True, metavar="E")
+@click.option("--steps", type=int, default=None, metavar="K", help="Plan only the first K steps of the epoch.")
+@click.option("--weights", default=None, metavar="W1,W2,...", help="Per-dataset sampling factors (1 = each pair once per epoch).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def plan(dirs, batching, world_size, pairs_per_step, max_tokens_per_microbatch, microbatches_per_step,
+         num_workers, seed, epoch, steps, weights, as_json) -> None:
+    """Preview the loader: per step and rank, the micro-batches with their global pair indices and tokens.
+
+    Runs the loader's own planning code (no process group). Pair indices are row positions in the
+    dataset, or for several DIRs positions in their concatenation in the order given.
+    """
+    from dpo_data.plan import format_plan, plan_document
+    from dpo_data.schedule import LoaderConfig
+
+    try:
+        parsed = tuple(float(w) for w in weights.split(",")) if weights else None
+    except ValueError:
+        _fail(f"--weights {weights!r}: give comma-separated numbers, one per DIR, e.g. 1,0.5")
+    try:
+        config = LoaderConfig(batching=batching, world_size=world_size, pairs_per_step=pairs_per_step,
+                              max_tokens_per_microbatch=max_tokens_per_microbatch,
+                              microbatches_per_step=microbatches_per_step, num_workers=num_workers,
+                              seed=seed, weights=parsed)
+        doc = plan_document(list(dirs), config, epoch, steps)
+    except DataError as e:
+        _fail(str(e))
+    click.echo(orjson.dumps(doc).decode() if as_json else format_plan(doc))
+
+
 @main.command("smollm2")
 @click.option("--cache-dir", default=None, metavar="DIR", help="Cache folder (default: $DPO_CACHE_DIR or ~/.cache/dpo-toolkit).")
 def smollm2(cache_dir) -> None:

@@ -243,3 +243,30 @@ def test_mixtures_keep_sources_and_reject_foreign_tokenizers(sample_dataset, tmp
             break
         seen += [i for r in plan.ranks for mb in r for i in mb]
     assert sorted(seen) == list(range(342))
+
+
+def test_plan_shows_exactly_what_the_loader_yields(sample_dataset, run_cli):
+    from cli.data import main as dpo_data
+    from dpo_state.schema import schema_problems
+
+    r = run_cli(dpo_data, "plan", sample_dataset, "--batching", "tokens", "--world-size", 2,
+                "--max-tokens-per-microbatch", 400, "--microbatches-per-step", 2, "--json")
+    doc = json.loads(r.output)
+    assert schema_problems("plan", doc) == []
+    for rank in range(2):
+        planned = [mb["pairs"] for s in doc["steps"] for mb in s["ranks"][rank]["microbatches"]]
+        loader = DPOLoader([sample_dataset], LoaderConfig(**TOKENS, world_size=2, rank=rank), max_epochs=1)
+        assert [b["pair_index"].tolist() for b in loader] == planned
+    assert doc["totals"]["pairs"] == 342 and 0.9 < doc["packing_efficiency"] <= 1.0
+    text = run_cli(dpo_data, "plan", sample_dataset, "--batching", "pairs", "--world-size", 2).output
+    assert "packing efficiency" in text and "micro-batch fill" in text
+
+
+def test_loader_state_matches_its_schema(sample_dataset):
+    from dpo_state.schema import schema_problems
+
+    loader = DPOLoader([sample_dataset], LoaderConfig(**TOKENS, num_workers=2), max_epochs=1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert schema_problems("loader-state", json.loads(json.dumps(state))) == []
