@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -114,8 +115,10 @@ class DPOLoader:
     def _make_loader(self, stream: MicrobatchStream):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(stream, batch_size=None, num_workers=self.config.num_workers,
-                                  persistent_workers=False, in_order=True)
+        with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            return StatefulDataLoader(stream, batch_size=None, num_workers=self.config.num_workers,
+                                      persistent_workers=False, in_order=True)
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.loader:
