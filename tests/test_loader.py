@@ -127,10 +127,11 @@ def resume_matches(dataset, config, k, max_epochs=2):
 
 
 @pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
-@pytest.mark.parametrize("where", ["start", "epoch_end", "after_last"])
+@pytest.mark.parametrize("where", ["start", "mid_drain", "epoch_end", "after_last"])
 def test_resume_at_the_edges(sample_dataset, config, where):
     per_epoch = len(stream(sample_dataset, 1, **config))
-    k = {"start": 0, "epoch_end": per_epoch, "after_last": 2 * per_epoch}[where]
+    # mid_drain: inside the epoch's last steps, where tokens mode empties its buffer
+    k = {"start": 0, "mid_drain": per_epoch - 1, "epoch_end": per_epoch, "after_last": 2 * per_epoch}[where]
     assert resume_matches(sample_dataset, config, k) == 2 * per_epoch
 
 
@@ -282,3 +283,15 @@ def test_the_plain_pytorch_example_trains_without_dpo_train(sample_dataset):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 0: loss 0.6931 over 8 pairs" in out.stdout  # policy == reference at step 0
     assert "dpo_train" not in out.stderr
+
+
+@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
+def test_every_rank_runs_the_same_number_of_microbatches_each_step(sample_dataset, config):
+    counts = []
+    for rank in range(3):
+        per_step = {}
+        for b in DPOLoader([sample_dataset], LoaderConfig(**config, world_size=3, rank=rank), max_epochs=1):
+            per_step[b["step"]] = per_step.get(b["step"], 0) + 1
+            assert b["microbatches_in_step"] >= 1
+        counts.append(per_step)
+    assert counts[0] == counts[1] == counts[2]  # collectives line up; short ranks get empty micro-batches
