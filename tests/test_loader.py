@@ -285,7 +285,8 @@ def test_the_plain_pytorch_example_trains_without_dpo_train(sample_dataset):
     assert "dpo_train" not in out.stderr
 
 
-@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
+@pytest.mark.parametrize("config", [dict(PAIRS, pairs_per_step=7, max_tokens_per_microbatch=250), TOKENS],
+                         ids=["pairs", "tokens"])
 def test_every_rank_runs_the_same_number_of_microbatches_each_step(sample_dataset, config):
     counts = []
     for rank in range(3):
