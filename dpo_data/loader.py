@@ -11,7 +11,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dpo_data.errors import DataError
-from dpo_data.microbatch import pack_microbatch
+from dpo_data.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.schedule import LoaderConfig, Schedule, ScheduleState, StepPlan
 from dpo_data.store import PairStore
 
@@ -35,7 +35,7 @@ class MicrobatchStream(IterableDataset):
         self.max_epochs = max_epochs
         self.pad_to_multiple_of = pad_to_multiple_of
         self.start = (start or ScheduleState()).copy()
-        self.schedule = Schedule(self.store.segment_tokens(np.arange(self.store.num_pairs)),
+        self.schedule = Schedule(self.store.segment_tokens(np.arange(self.store.num_pairs), config.layout),
                                  self.store.dataset_sizes, self.store.fingerprint, config)
 
     def geometry(self) -> dict[str, Any]:
@@ -84,7 +84,8 @@ class StreamIterator:
 
     def _build(self, plan: StepPlan, mine: list[list[int]], k: int) -> dict:
         store = self.stream.store
-        batch = pack_microbatch([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
+        pack = pack_shared_prompt if self.stream.config.layout == "shared_prompt" else pack_microbatch
+        batch = pack([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
         batch.update(epoch=plan.epoch, step=plan.step, microbatch=k, microbatches_in_step=len(mine),
                      step_pairs=plan.num_pairs)
         return batch

@@ -22,7 +22,7 @@ def plan_document(dirs: list[str | Path], config: LoaderConfig, epoch: int = 0, 
     Packing efficiency = input tokens / (micro-batches holding a pair x max_tokens_per_microbatch).
     """
     store = PairStore(dirs)
-    tokens = store.segment_tokens(np.arange(store.num_pairs))
+    tokens = store.segment_tokens(np.arange(store.num_pairs), config.layout)
     schedule = Schedule(tokens, store.dataset_sizes, store.fingerprint, replace(config, rank=0))
     state, out = ScheduleState(epoch=epoch), []
     while steps is None or len(out) < steps:

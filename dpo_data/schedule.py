@@ -13,6 +13,7 @@ from dpo_data.order import check_weights, epoch_order
 from dpo_data.packing import first_fit_decreasing, split_across_ranks
 
 BATCHING_MODES = ("pairs", "tokens")
+LAYOUTS = ("separate", "shared_prompt")
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,13 @@ class LoaderConfig:
     """Per-dataset sampling factors for mixtures (1 = each pair once per epoch); None = all 1."""
     lookahead_pairs: int | None = None
     """tokens mode: pairs buffered ahead for packing; None = twice a step's expected pairs, at least 64."""
+    layout: str = "separate"
+    """'separate': [prompt + chosen][prompt + rejected]; 'shared_prompt': [prompt][chosen][rejected], the
+    prompt once (for trainers whose attention supports it; budgets then count the prompt once)."""
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise DataError(f"layout is {self.layout!r}; allowed: {', '.join(LAYOUTS)}")
         if self.batching not in BATCHING_MODES:
             raise DataError(f"batching is {self.batching!r}; allowed: {', '.join(BATCHING_MODES)}")
         for name in ("max_tokens_per_microbatch", "microbatches_per_step", "world_size"):

@@ -56,9 +56,11 @@ class PairStore:
     def num_pairs(self) -> int:
         return int(self.dataset_offsets[-1])
 
-    def segment_tokens(self, indices: np.ndarray) -> np.ndarray:
-        """Input tokens of each pair: both segments, prompt counted twice."""
-        return 2 * self.prompt_len[indices] + self.chosen_len[indices] + self.rejected_len[indices]
+    def segment_tokens(self, indices: np.ndarray, layout: str = "separate") -> np.ndarray:
+        """Input tokens of each pair: both segments, the prompt counted twice ('separate') or once
+        ('shared_prompt')."""
+        prompts = self.prompt_len[indices] * (2 if layout == "separate" else 1)
+        return prompts + self.chosen_len[indices] + self.rejected_len[indices]
 
     def pair(self, index: int) -> PairIds:
         batch, row = self._batch_of[index], self._row_of[index]

@@ -296,3 +296,24 @@ def test_every_rank_runs_the_same_number_of_microbatches_each_step(sample_datase
             assert b["microbatches_in_step"] >= 1
         counts.append(per_step)
     assert counts[0] == counts[1] == counts[2]  # collectives line up; short ranks get empty micro-batches
+
+
+def test_shared_prompt_layout_stores_the_prompt_once_and_says_what_attends_to_it():
+    from dpo_data.microbatch import pack_shared_prompt
+
+    b = pack_shared_prompt([pair(3, [1, 2, 3], [4, 5], [6])])
+    X = IGNORE_INDEX
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3]]  # both completions continue the prompt
+    assert b["segment_role"].tolist() == [2, 0, 1] and b["segment_context"].tolist() == [-1, 0, 0]
+    assert b["labels"].tolist() == [[X, X, X, 5, X, X]]
+    assert b["segment_first_label"].tolist() == [X, 4, 6]  # predicted from the last prompt position (2)
+    assert (b["num_input_tokens"], b["num_supervised_tokens"]) == (6, 3)
+
+
+def test_shared_prompt_budgets_count_the_prompt_once(sample_dataset):
+    shared = list(DPOLoader([sample_dataset], LoaderConfig(**TOKENS, layout="shared_prompt"), max_epochs=1))
+    separate = list(DPOLoader([sample_dataset], LoaderConfig(**TOKENS), max_epochs=1))
+    assert sorted(i for b in shared for i in b["pair_index"].tolist()) == list(range(342))
+    assert all(b["num_input_tokens"] <= 400 for b in shared)
+    assert len(shared) < len(separate)  # more pairs fit once prompts are not repeated
