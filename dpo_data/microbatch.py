@@ -1,4 +1,4 @@
-"""The micro-batch contract: padding-free packed segments, two per pair, with explicit per-segment identity."""
+"""The micro-batch contract: padding-free packed segments with explicit per-segment identity."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
-CHOSEN, REJECTED, PADDING = 0, 1, -1
+CHOSEN, REJECTED, PROMPT, PADDING = 0, 1, 2, -1
 
 
 def pack_microbatch(pairs: list, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
@@ -26,57 +26,15 @@ def pack_microbatch(pairs: list, pad_to_multiple_of: int | None = None) -> dict[
     - counts: `num_pairs`, `num_input_tokens` (padding excluded), `num_supervised_tokens`, `num_padding_tokens`.
     Padding appears only with `pad_to_multiple_of`: one explicit segment flagged -1 that is never a pair's.
     """
-    ids, labels, positions, lengths, seg_pair, seg_role = [], [], [], [], [], []
+    row = _Row()
     for slot, pair in enumerate(pairs):
+        n_prompt = len(pair.prompt)
         for role, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
-            n_prompt, n = len(pair.prompt), len(pair.prompt) + len(completion)
-            ids += [pair.prompt, completion]
+            n = n_prompt + len(completion)
             label = np.full(n, IGNORE_INDEX, dtype=np.int64)
             label[n_prompt - 1:n - 1] = completion  # position t predicts token t + 1
-            labels.append(label)
-            positions.append(np.arange(n, dtype=np.int64))
-            lengths.append(n)
-            seg_pair.append(slot)
-            seg_role.append(role)
-    num_input = int(sum(lengths))
-    padding = 0
-    if pad_to_multiple_of:
-        padding = -num_input % pad_to_multiple_of
-        if num_input == 0:
-            padding = pad_to_multiple_of
-    if padding:
-        ids.append(np.zeros(padding, dtype=np.int32))
-        labels.append(np.full(padding, IGNORE_INDEX, dtype=np.int64))
-        positions.append(np.arange(padding, dtype=np.int64))
-        lengths.append(padding)
-        seg_pair.append(-1)
-        seg_role.append(PADDING)
-    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu[1:])
-    label_all = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
-    return {
-        "input_ids": torch.from_numpy(_cat(ids, np.int64))[None],
-        "position_ids": torch.from_numpy(_cat(positions, np.int64))[None],
-        "labels": torch.from_numpy(label_all)[None],
-        "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": int(max(lengths, default=0)),
-        "segment_pair": torch.tensor(seg_pair, dtype=torch.int32),
-        "segment_role": torch.tensor(seg_role, dtype=torch.int8),
-        "segment_length": torch.tensor(lengths, dtype=torch.int32),
-        "pair_index": torch.tensor([p.index for p in pairs], dtype=torch.int64),
-        "pair_source": torch.tensor([p.source_id for p in pairs], dtype=torch.int32),
-        "num_pairs": len(pairs),
-        "num_input_tokens": num_input,
-        "num_supervised_tokens": int((label_all != IGNORE_INDEX).sum()),
-        "num_padding_tokens": padding,
-    }
-
-
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-
-
-PROMPT = 2
+            row.add(np.concatenate([pair.prompt, completion]), label, np.arange(n), slot, role)
+    return row.finish(pairs, pad_to_multiple_of, shared=False)
 
 
 def pack_shared_prompt(pairs: list, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
@@ -92,59 +50,73 @@ def pack_shared_prompt(pairs: list, pad_to_multiple_of: int | None = None) -> di
     Roles: 0 chosen, 1 rejected, 2 prompt, -1 padding. Counts as in `pack_microbatch`; input tokens
     count the prompt once.
     """
-    ids, labels, positions, lengths, seg_pair, seg_role, context, first = [], [], [], [], [], [], [], []
+    row = _Row()
     for slot, pair in enumerate(pairs):
-        prompt_segment, n_prompt = len(lengths), len(pair.prompt)
-        ids.append(pair.prompt)
-        labels.append(np.full(n_prompt, IGNORE_INDEX, dtype=np.int64))
-        positions.append(np.arange(n_prompt, dtype=np.int64))
-        lengths.append(n_prompt)
-        seg_pair.append(slot)
-        seg_role.append(PROMPT)
-        context.append(-1)
-        first.append(IGNORE_INDEX)
+        prompt_segment, n_prompt = row.segments, len(pair.prompt)
+        row.add(pair.prompt, np.full(n_prompt, IGNORE_INDEX, dtype=np.int64), np.arange(n_prompt), slot, PROMPT)
         for role, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
             n = len(completion)
-            ids.append(completion)
             label = np.full(n, IGNORE_INDEX, dtype=np.int64)
             label[:n - 1] = completion[1:]
-            labels.append(label)
-            positions.append(np.arange(n_prompt, n_prompt + n, dtype=np.int64))
-            lengths.append(n)
-            seg_pair.append(slot)
-            seg_role.append(role)
-            context.append(prompt_segment)
-            first.append(int(completion[0]))
-    num_input = int(sum(lengths))
-    padding = (-num_input % pad_to_multiple_of or (pad_to_multiple_of if num_input == 0 else 0)) if pad_to_multiple_of else 0
-    if padding:
-        ids.append(np.zeros(padding, dtype=np.int32))
-        labels.append(np.full(padding, IGNORE_INDEX, dtype=np.int64))
-        positions.append(np.arange(padding, dtype=np.int64))
-        lengths.append(padding)
-        seg_pair.append(-1)
-        seg_role.append(PADDING)
-        context.append(-1)
-        first.append(IGNORE_INDEX)
-    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu[1:])
-    label_all = _cat(labels, np.int64)
-    first_t = torch.tensor(first, dtype=torch.int64)
-    return {
-        "input_ids": torch.from_numpy(_cat(ids, np.int64))[None],
-        "position_ids": torch.from_numpy(_cat(positions, np.int64))[None],
-        "labels": torch.from_numpy(label_all)[None],
-        "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": int(max(lengths, default=0)),
-        "segment_pair": torch.tensor(seg_pair, dtype=torch.int32),
-        "segment_role": torch.tensor(seg_role, dtype=torch.int8),
-        "segment_length": torch.tensor(lengths, dtype=torch.int32),
-        "segment_context": torch.tensor(context, dtype=torch.int32),
-        "segment_first_label": first_t,
-        "pair_index": torch.tensor([p.index for p in pairs], dtype=torch.int64),
-        "pair_source": torch.tensor([p.source_id for p in pairs], dtype=torch.int32),
-        "num_pairs": len(pairs),
-        "num_input_tokens": num_input,
-        "num_supervised_tokens": int((label_all != IGNORE_INDEX).sum() + (first_t != IGNORE_INDEX).sum()),
-        "num_padding_tokens": padding,
-    }
+            row.add(completion, label, np.arange(n_prompt, n_prompt + n), slot, role,
+                    context=prompt_segment, first_label=int(completion[0]))
+    return row.finish(pairs, pad_to_multiple_of, shared=True)
+
+
+class _Row:
+    """Accumulates segments of one packed row and turns them into the micro-batch dict."""
+
+    def __init__(self):
+        self.ids, self.labels, self.positions = [], [], []
+        self.lengths, self.pair, self.role, self.context, self.first = [], [], [], [], []
+
+    @property
+    def segments(self) -> int:
+        return len(self.lengths)
+
+    def add(self, ids, labels, positions, pair: int, role: int, context: int = -1, first_label: int = IGNORE_INDEX):
+        self.ids.append(ids)
+        self.labels.append(labels)
+        self.positions.append(positions)
+        self.lengths.append(len(labels))
+        self.pair.append(pair)
+        self.role.append(role)
+        self.context.append(context)
+        self.first.append(first_label)
+
+    def finish(self, pairs: list, pad_to_multiple_of: int | None, shared: bool) -> dict[str, Any]:
+        num_input = int(sum(self.lengths))
+        padding = 0
+        if pad_to_multiple_of:  # an empty micro-batch still gets one full padded block
+            padding = -num_input % pad_to_multiple_of or (pad_to_multiple_of if num_input == 0 else 0)
+        if padding:
+            self.add(np.zeros(padding, dtype=np.int64), np.full(padding, IGNORE_INDEX, dtype=np.int64),
+                     np.arange(padding), -1, PADDING)
+        cu = np.zeros(self.segments + 1, dtype=np.int32)
+        np.cumsum(self.lengths, out=cu[1:])
+        labels = _cat(self.labels)
+        first = torch.tensor(self.first, dtype=torch.int64)
+        batch = {
+            "input_ids": torch.from_numpy(_cat(self.ids))[None],
+            "position_ids": torch.from_numpy(_cat(self.positions))[None],
+            "labels": torch.from_numpy(labels)[None],
+            "cu_seqlens": torch.from_numpy(cu),
+            "max_seqlen": int(max(self.lengths, default=0)),
+            "segment_pair": torch.tensor(self.pair, dtype=torch.int32),
+            "segment_role": torch.tensor(self.role, dtype=torch.int8),
+            "segment_length": torch.tensor(self.lengths, dtype=torch.int32),
+            "pair_index": torch.tensor([p.index for p in pairs], dtype=torch.int64),
+            "pair_source": torch.tensor([p.source_id for p in pairs], dtype=torch.int32),
+            "num_pairs": len(pairs),
+            "num_input_tokens": num_input,
+            "num_supervised_tokens": int((labels != IGNORE_INDEX).sum() + (first != IGNORE_INDEX).sum()),
+            "num_padding_tokens": padding,
+        }
+        if shared:
+            batch["segment_context"] = torch.tensor(self.context, dtype=torch.int32)
+            batch["segment_first_label"] = first
+        return batch
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
