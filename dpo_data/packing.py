@@ -1,4 +1,4 @@
-"""Pure packing: split a step's pairs across ranks, and pack pairs into token-budgeted micro-batches."""
+"""Pure packing: pairs into token-budgeted micro-batches (first-fit decreasing), micro-batches dealt to ranks."""
 
 from __future__ import annotations
 
@@ -7,18 +7,17 @@ import heapq
 import numpy as np
 
 
-def split_across_ranks(sizes: np.ndarray, world_size: int) -> list[list[int]]:
-    """Positions of `sizes` per rank, balancing tokens (longest first to the least-loaded rank).
-
-    Deterministic: ties go to the earlier position and the lower rank.
-    """
-    loads = [(0, r) for r in range(world_size)]
-    out: list[list[int]] = [[] for _ in range(world_size)]
-    for i in np.argsort(-sizes, kind="stable").tolist():
-        load, rank = heapq.heappop(loads)
-        out[rank].append(i)
-        heapq.heappush(loads, (load + int(sizes[i]), rank))
-    return [sorted(positions) for positions in out]
+def deal(bins: list[list[int]], sizes: np.ndarray, world_size: int) -> list[list[list[int]]]:
+    """Deal packed bins out to ranks: fullest first, each to the rank with the fewest bins, then the
+    fewest tokens, then the lowest number. Bin counts differ by at most one; order is deterministic."""
+    totals = [int(sizes[b].sum()) for b in bins]
+    heap = [(0, 0, r) for r in range(world_size)]
+    out: list[list[list[int]]] = [[] for _ in range(world_size)]
+    for j in sorted(range(len(bins)), key=lambda j: (-totals[j], j)):
+        count, load, rank = heapq.heappop(heap)
+        out[rank].append(bins[j])
+        heapq.heappush(heap, (count + 1, load + totals[j], rank))
+    return out
 
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: int, max_bins: int | None = None) -> tuple[list[list[int]], list[int]]:

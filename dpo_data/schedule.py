@@ -10,7 +10,7 @@ import numpy as np
 
 from dpo_data.errors import DataError
 from dpo_data.order import check_weights, epoch_order
-from dpo_data.packing import first_fit_decreasing, split_across_ranks
+from dpo_data.packing import deal, first_fit_decreasing
 
 BATCHING_MODES = ("pairs", "tokens")
 LAYOUTS = ("separate", "shared_prompt")
@@ -129,11 +129,10 @@ class Schedule:
         if start >= len(order):
             return None, ScheduleState(epoch=state.epoch + 1)
         pairs = order[start:start + c.pairs_per_step]
-        ranks = []
-        for positions in split_across_ranks(self.pair_tokens[pairs], c.world_size):
-            mine = pairs[positions]
-            bins, _ = first_fit_decreasing(self.pair_tokens[mine], c.max_tokens_per_microbatch)
-            ranks.append([mine[b].tolist() for b in bins])
+        # Pack the whole step at once, then deal the micro-batches out: only the step's last bins are
+        # partly full, instead of one per rank.
+        bins, _ = first_fit_decreasing(self.pair_tokens[pairs], c.max_tokens_per_microbatch)
+        ranks = [[pairs[b].tolist() for b in rank_bins] for rank_bins in deal(bins, self.pair_tokens[pairs], c.world_size)]
         # Every rank runs as many micro-batches as the busiest one (collectives must line up);
         # the others get empty micro-batches, which contribute nothing.
         most = max(1, max(len(r) for r in ranks))

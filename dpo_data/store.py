@@ -27,7 +27,7 @@ class PairIds:
 class PairStore:
     """The pairs of datasets `dirs`, in that order: global pair index = offset of its dataset + its row.
 
-    Lengths and source ids live in memory (12 bytes a pair); ids stay in the memory-mapped shards and
+    Lengths, source ids and row locations live in memory (28 bytes a pair); ids stay in the memory-mapped shards and
     are read as zero-copy views. Source names are merged across datasets by name. The store pickles
     as its paths (workers reopen the maps), so it can be handed to DataLoader workers.
     """
