@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dpo_data.rows import Pair, RowReject
+from dpo_data.special_split import SpecialSplit
 from dpo_data.template import ChatRenderer
 
 OVERLENGTH_MODES = ("reject", "truncate-prompt")
@@ -52,6 +53,7 @@ class PairEncoder:
         self._template = type(backend).from_str(backend.to_str())
         self._content = type(backend).from_str(backend.to_str())
         self._content.encode_special_tokens = True
+        self._split = SpecialSplit(tokenizer, self._template)
         specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._eos = tokenizer.eos_token_id
@@ -73,14 +75,29 @@ class PairEncoder:
             except RowReject as reject:
                 results[i] = reject
         if fast:
-            texts = [text for _, rendered in fast for text in rendered]
-            ids = [e.ids for e in self._template.encode_batch_fast(texts, add_special_tokens=False)]
-            for k, (i, _) in enumerate(fast):
+            for (i, _), encoded in zip(fast, self._encode_rendered([rendered for _, rendered in fast])):
                 try:
-                    results[i] = self._finish(*self._split_prefix(ids[3 * k], ids[3 * k + 1], ids[3 * k + 2]))
+                    results[i] = self._finish(*self._split_prefix(*encoded))
                 except RowReject as reject:
                     results[i] = reject
         return results
+
+    def _encode_rendered(self, rendered: list[tuple[str, str, str]]) -> list[tuple[list[int], list[int], list[int]]]:
+        """Ids of (prompt, prompt + chosen, prompt + rejected) renderings, batch-encoded.
+
+        The three share the prompt's text up to its last special token (checked as text by
+        `_render`); that head is encoded once (see special_split.py for why this is exact).
+        """
+        cuts = [self._split.boundary(p) for p, _, _ in rendered]
+        texts = []
+        for (p, c, r), b in zip(rendered, cuts):
+            texts += (p[:b], p[b:], c[b:], r[b:])
+        ids = [e.ids for e in self._template.encode_batch_fast(texts, add_special_tokens=False)]
+        out = []
+        for k in range(len(rendered)):
+            head, p, c, r = ids[4 * k:4 * k + 4]
+            out.append((head + p, head + c, head + r))
+        return out
 
     # -- conversations -------------------------------------------------------------------------
 

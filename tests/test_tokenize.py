@@ -133,3 +133,33 @@ def test_results_keep_input_order_when_fast_and_slow_paths_mix(tokenizer):
     batch = encoder.encode_many([normalize_row(r) for r in rows])
     one_by_one = [encoder.encode_many([normalize_row(r)])[0] for r in rows]
     assert batch == one_by_one
+
+
+def test_encoding_the_shared_head_once_equals_encoding_whole_renderings(tokenizer):
+    """The special-token split (special_split.py) against whole-text encoding, on rows chosen to stress
+    the boundary: whitespace and newlines right after the generation prompt, unicode, multi-turn."""
+    encoder = PairEncoder(tokenizer, TokenizeOptions())
+    assert encoder._split.enabled
+    backend = tokenizer.backend_tokenizer
+    contents = ["x", " leading space", "  two spaces", "\nnewline first", "\n\n\nnewlines", "tab\there", "日本語 🙂",
+                "ends with space ", "assistant", "<notspecial>", "a" * 300]
+    rows = [chat(q, a, a + " no") for q in contents for a in contents[:6]]
+    rows.append({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " a"},
+                            {"role": "user", "content": "\nagain"}, {"role": "assistant", "content": "\n b"}],
+                 "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " a"},
+                              {"role": "user", "content": "\nagain"}, {"role": "assistant", "content": "c"}]})
+    for row in rows:
+        rendered = encoder._render(normalize_row(row))
+        whole = tuple(backend.encode(t, add_special_tokens=False).ids for t in rendered)
+        assert encoder._encode_rendered([rendered])[0] == whole, row
+
+
+def test_the_shortcut_turns_itself_off_where_it_cannot_be_proven(tokenizer):
+    import json
+
+    from dpo_data.special_split import SpecialSplit
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
+    assert not SpecialSplit(tokenizer, Tokenizer.from_str(json.dumps(spec))).enabled
