@@ -13,7 +13,8 @@ temporary JSONL file and measures, for the same rows, at each process count:
          `dataset_num_proc` = N and `datasets.disable_caching()`.
   floor  render the three chat templates per row (prompt with generation prompt, prompt+chosen,
          prompt+rejected; tokenize=False), cut the completion texts off the prompt text, and
-         batch-encode prompt + completion texts with the Rust fast tokenizer; no checks, no output.
+         batch-encode prompt + completion texts with the Rust fast tokenizer (1024 rows per batch);
+         no checks, no output.
          At N > 1 the rows are split across a fork Pool of N that inherits rows and tokenizer.
 
 Every timed run starts from the JSONL file and a tokenizer directory: loading the tokenizer and
@@ -28,6 +29,8 @@ Output: a table, then one line `JSON {...}` with every measurement.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -39,11 +42,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# The installed (editable) dpo_data, or one named by PYTHONPATH (e.g. a frozen snapshot of a commit);
+# this checkout's only when neither is importable.
+if importlib.util.find_spec("dpo_data") is None:
+    sys.path.append(str(REPO))
 
 METHODS = ("ours", "trl", "floor")
 WARMUP_ROWS = 64
+FLOOR_BATCH_ROWS = 1024  # rows per encode_batch_fast call of the floor
 
 # -- deterministic data ---------------------------------------------------------------------------
 
@@ -241,15 +247,19 @@ def _floor_encode(bounds: tuple[int, int]) -> tuple[int, int, int]:
     """Render and encode rows[start:stop] of the inherited rows; return (pairs, prompt, completion tokens)."""
     tokenizer, rows = _floor["tokenizer"], _floor["rows"]
     start, stop = bounds
-    texts: list[str] = []
-    for row in rows[start:stop]:
-        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-        chosen = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
-        rejected = tokenizer.apply_chat_template(row["prompt"] + row["rejected"], tokenize=False)
-        texts += (prompt, chosen[len(prompt):], rejected[len(prompt):])
-    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    lengths = [len(e.ids) for e in encodings]
-    return stop - start, sum(lengths[0::3]), sum(lengths[1::3]) + sum(lengths[2::3])
+    prompt_tokens = completion_tokens = 0
+    # In batches: one encode_batch_fast over all rows at once is slower (memory) than bounded batches.
+    for batch in range(start, stop, FLOOR_BATCH_ROWS):
+        texts: list[str] = []
+        for row in rows[batch:min(batch + FLOOR_BATCH_ROWS, stop)]:
+            prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+            chosen = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+            rejected = tokenizer.apply_chat_template(row["prompt"] + row["rejected"], tokenize=False)
+            texts += (prompt, chosen[len(prompt):], rejected[len(prompt):])
+        lengths = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        prompt_tokens += sum(lengths[0::3])
+        completion_tokens += sum(lengths[1::3]) + sum(lengths[2::3])
+    return stop - start, prompt_tokens, completion_tokens
 
 
 def run_floor(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
@@ -294,22 +304,52 @@ def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_
     with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as tmp:
         work = Path(tmp)
         RUNNERS[method](warmup, tokenizer_dir, num_proc, work)
-        before = os.times()
+        busy0, before = _machine_busy(), os.times()
         result = RUNNERS[method](data, tokenizer_dir, num_proc, work)
-        after = os.times()
+        busy1, after = _machine_busy(), os.times()
     # CPU seconds of this process and of its reaped children (pool workers), over the timed run.
     result["cpu_seconds"] = sum(after[i] - before[i] for i in range(4))
+    # Cores kept busy by everything else on the machine meanwhile (other users' jobs): a noise flag.
+    if busy0 is not None and busy1 is not None:
+        elapsed = after.elapsed - before.elapsed
+        result["other_load"] = max(0.0, (busy1 - busy0 - result["cpu_seconds"]) / max(elapsed, 1e-9))
     result.update(method=method, num_proc=num_proc)
     return result
+
+
+def _machine_busy() -> float | None:
+    """CPU seconds all cores have spent busy since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_quiet(max_wait: float, threshold: float = 0.3) -> None:
+    """Wait (at most max_wait seconds) until other jobs keep fewer than `threshold` cores busy."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0, t0 = _machine_busy(), time.monotonic()
+        time.sleep(1.0)
+        b1, t1 = _machine_busy(), time.monotonic()
+        if b0 is None or b1 is None or (b1 - b0) / (t1 - t0) < threshold or time.monotonic() > deadline:
+            return
+        time.sleep(2.0)
 
 
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str) -> dict:
+def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str, threads: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", method, str(num_proc), str(data), str(warmup),
            tokenizer_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if threads == "off":  # the Rust tokenizer's thread pool off: one core per process for every method
+        env["TOKENIZERS_PARALLELISM"] = "false"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{method} num_proc={num_proc} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     line = next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))
@@ -324,6 +364,8 @@ def _summarize(runs: list[dict]) -> dict:
             "seconds": seconds, "pairs": first["pairs"], "tokens": first["tokens"],
             "pairs_per_s": first["pairs"] / med, "tokens_per_s": first["tokens"] / med,
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
+            "other_load": [round(r["other_load"], 2) for r in runs if "other_load" in r],
+            "discarded": sum(r.get("discarded_before", 0) for r in runs),
             "phases_median": {k: statistics.median(r["phases"][k] for r in runs) for k in first.get("phases", {})}}
 
 
@@ -343,6 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="data seed (default 1234)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer-threads", choices=["default", "off"], default="default",
+                        help="'off' sets TOKENIZERS_PARALLELISM=false for every method, so no process uses the "
+                             "Rust tokenizer's thread pool (batch encodes use ~1.5 cores per process otherwise)")
+    parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
+                        help="before each measurement wait up to S seconds for other jobs to leave the cores idle "
+                             "(default 120; 0 disables)")
+    parser.add_argument("--max-other-load", type=float, default=0.3, metavar="CORES",
+                        help="discard and redo a measurement during which other jobs kept more cores busy (default 0.3)")
+    parser.add_argument("--retries", type=int, default=3, help="redos per measurement at most (default 3)")
     parser.add_argument("--json-out", default=None, help="also write the JSON summary to this file")
     args = parser.parse_args(argv)
 
@@ -361,10 +412,18 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):  # interleaved, so slow phases of a noisy machine hit every method
             for num_proc in args.procs:
                 for method in args.methods:
-                    r = _spawn(method, num_proc, data, warmup, args.tokenizer)
+                    for attempt in range(args.retries + 1):
+                        _wait_quiet(args.wait_quiet, args.max_other_load)
+                        r = _spawn(method, num_proc, data, warmup, args.tokenizer, args.tokenizer_threads)
+                        if r.get("other_load", 0.0) <= args.max_other_load or attempt == args.retries:
+                            break
+                        print(f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: discarded {r['seconds']:.2f} s, "
+                              f"other jobs kept {r['other_load']:.2f} cores busy; again", file=sys.stderr)
+                    r["discarded_before"] = attempt
                     runs.setdefault((method, num_proc), []).append(r)
                     print(f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: {r['seconds']:7.2f} s  "
-                          f"{r['pairs'] / r['seconds']:8.0f} pairs/s  cpu {r['cpu_seconds']:.1f} s", file=sys.stderr)
+                          f"{r['pairs'] / r['seconds']:8.0f} pairs/s  cpu {r['cpu_seconds']:.1f} s  "
+                          f"other load {r.get('other_load', float('nan')):.2f} cores", file=sys.stderr)
 
     summary = {f"{m}@{n}": _summarize(rs) for (m, n), rs in runs.items()}
     ratios = {}
@@ -384,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {k: v["tokens"] for k, v in summary.items()}
 
     print()
-    print(f"{args.pairs} pairs, {os.cpu_count()} CPUs, median of {args.repeat} (wall time from the JSONL file, "
-          "tokenizer load included)")
-    header = f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} {'cpu s':>6s}"
+    print(f"{args.pairs} pairs, {os.cpu_count()} CPUs, tokenizer threads {args.tokenizer_threads}, "
+          f"median of {args.repeat} (wall time from the JSONL file, "
+          "tokenizer load included; cpu s = CPU seconds incl. workers; other load = cores busy with other jobs)")
+    header = f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} {'cpu s':>6s} {'other load':>10s}"
     print(header)
     print("-" * len(header))
     for n in args.procs:
@@ -394,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             s = summary[f"{m}@{n}"]
             spread = f"{s['min_seconds']:.2f}-{s['max_seconds']:.2f}"
             print(f"{m:6s} {n:5d} {s['median_seconds']:8.2f} {spread:>13s} {s['pairs_per_s']:9.0f} "
-                  f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f}")
+                  f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f} {_median_or_nan(s['other_load']):10.2f}")
     print()
     for k, v in ratios.items():
         print(f"{k:16s} {v:5.2f}")
@@ -403,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(tokens.values())) > 1:
         print(f"note: token totals differ between methods: {tokens}")
     record = {"pairs": args.pairs, "seed": args.seed, "repeat": args.repeat, "cpus": os.cpu_count(),
+              "tokenizer_threads": args.tokenizer_threads,
               "procs": args.procs, "results": summary, "ratios": ratios, "targets_met": targets,
               "versions": _versions()}
     line = json.dumps(record, sort_keys=True)
@@ -412,10 +473,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def _versions() -> dict:
     from importlib.metadata import version
 
-    out = {"python": sys.version.split()[0]}
+    import dpo_data
+
+    src = Path(dpo_data.__file__).parent
+    digest = hashlib.sha256()
+    for f in sorted(src.glob("*.py")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    out = {"python": sys.version.split()[0], "dpo_data_path": str(src), "dpo_data_sha256": digest.hexdigest()[:16]}
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True, text=True)
+        if head.returncode == 0:
+            out["dpo_data_git"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        pass
     for pkg in ("dpo-toolkit", "trl", "transformers", "tokenizers", "datasets", "pyarrow"):
         try:
             out[pkg] = version(pkg)
