@@ -210,7 +210,7 @@ def test_another_geometry_is_refused_with_every_difference(sample_dataset):
         other.load_state_dict(state)
 
 
-def test_pairs_mode_resumes_on_another_world_size_at_the_same_step(sample_dataset):
+def test_pairs_mode_resumes_on_another_world_size_budget_and_workers_at_the_same_step(sample_dataset):
     config = LoaderConfig(**PAIRS)
     loader = DPOLoader([sample_dataset], config, max_epochs=1)
     it = iter(loader)
@@ -220,7 +220,9 @@ def test_pairs_mode_resumes_on_another_world_size_at_the_same_step(sample_datase
     state = loader.state_dict()
     rest = {}
     for rank in range(3):
-        resumed = DPOLoader([sample_dataset], LoaderConfig(**{**PAIRS, "world_size": 3, "rank": rank}), max_epochs=1)
+        # another world size, another budget, and workers on one rank: the same steps follow
+        other = {**PAIRS, "world_size": 3, "rank": rank, "max_tokens_per_microbatch": 600, "num_workers": 2 * (rank == 0)}
+        resumed = DPOLoader([sample_dataset], LoaderConfig(**other), max_epochs=1)
         resumed.load_state_dict(state)
         for b in resumed:
             rest.setdefault(b["step"], set()).update(b["pair_index"].tolist())
