@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo on embedded defaults: install, materialize SmolLM2-135M-Instruct, build the bundled sample
-# (train and held-out splits) into attested datasets, then inspect and verify them. Output: runs/demo/.
+# (train and held-out splits) into attested datasets, inspect and verify them, and preview the loader's
+# plan. Output: runs/demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
@@ -18,4 +19,6 @@ for split in train heldout; do
   echo; echo "== dpo-data verify ($split)"
   dpo-data verify "$out/$split" --tokenizer "$model"
 done
+echo; echo "== dpo-data plan (train, 2 ranks, 32 pairs per step, 512-token micro-batches)"
+dpo-data plan "$out/train" --batching pairs --world-size 2 --pairs-per-step 32 --max-tokens-per-microbatch 512 --steps 2
 echo; echo "demo done: datasets in $out/ (the trainer lands with issue 4)"
