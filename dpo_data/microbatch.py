@@ -120,3 +120,20 @@ class _Row:
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+
+
+def pair_sums(token_values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """Sum a per-token quantity [T] over each segment and route it to its pair: [num_pairs, 2] as
+    (chosen, rejected). Padding segments (role -1) and prompt segments (role 2) are dropped.
+
+    Segment identity comes from `segment_length`, `segment_pair` and `segment_role`, never from
+    `position_ids`. Differentiable in `token_values`.
+    """
+    lengths = batch["segment_length"].long()
+    segment_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    per_segment = torch.zeros(len(lengths), dtype=token_values.dtype, device=token_values.device)
+    per_segment = per_segment.index_add(0, segment_of_token.to(token_values.device), token_values)
+    role = batch["segment_role"].long()
+    keep = (role == CHOSEN) | (role == REJECTED)
+    out = torch.zeros(batch["num_pairs"], 2, dtype=token_values.dtype, device=token_values.device)
+    return out.index_put((batch["segment_pair"][keep].long(), role[keep]), per_segment[keep])

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dpo_data.loader import DPOLoader
-from dpo_data.microbatch import IGNORE_INDEX
+from dpo_data.microbatch import IGNORE_INDEX, pair_sums
 from dpo_data.schedule import LoaderConfig
 
 
@@ -25,17 +25,12 @@ def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     # Packed rows on CPU: position_ids restart per segment and no attention mask, so sdpa keeps
     # segments apart (transformers detects the packing from position_ids).
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
-    labels = batch["labels"][0]
+    labels = batch["labels"][0]  # pre-shifted: position t predicts labels[t]
     mask = labels != IGNORE_INDEX
     token_logps = torch.zeros_like(labels, dtype=logits.dtype)
     token_logps[mask] = torch.log_softmax(logits[mask], -1).gather(-1, labels[mask, None])[:, 0]
-    # Sum tokens per segment, then route segments to (pair slot, role); padding segments have role -1.
-    segment = torch.repeat_interleave(torch.arange(len(batch["segment_length"])), batch["segment_length"].long())
-    per_segment = torch.zeros(len(batch["segment_length"]), dtype=logits.dtype).index_add(0, segment, token_logps)
-    out = torch.zeros(batch["num_pairs"], 2, dtype=logits.dtype)
-    real = batch["segment_role"] >= 0
-    out[batch["segment_pair"][real].long(), batch["segment_role"][real].long()] = per_segment[real]
-    return out[:, 0], out[:, 1]
+    sums = pair_sums(token_logps, batch)  # per segment, routed to (pair, role); padding dropped
+    return sums[:, 0], sums[:, 1]
 
 
 def main() -> None:
