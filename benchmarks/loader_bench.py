@@ -503,7 +503,7 @@ def report(res: dict) -> str:
         x = m[name]
         rows.append((f"RSS after {MEMORY_MICROBATCHES} micro-batches, {name} ({x['pairs']} pairs)",
                      f"{mib(x['rss_after'])} (+{mib(x['growth'])} over imports)", "", ""))
-        rows.append((f"  of which anonymous / file-backed (growth over imports)",
+        rows.append(("  of which anonymous / file-backed (growth over imports)",
                      f"{mib(x['anon_after'])} (+{mib(x['anon_growth'])}) / {mib(x['file_after'])} "
                      f"(+{mib(x['file_growth'])})", "", ""))
     rows.append(("RSS 4x / 1x", f"{m['rss_ratio']:.3f}", "<= 1.10", yes(m["rss_ratio"] <= TARGETS["memory_ratio"])))
@@ -577,7 +577,7 @@ def main() -> None:
             "memory_ratio": m["rss_ratio"] <= TARGETS["memory_ratio"],
         }
         print()
-        print(f"lengths (pair tokens): " + "; ".join(
+        print("lengths (pair tokens): " + "; ".join(
             f"{k}: median {v['median']:.0f}, p5 {v['p5']:.0f}, p95 {v['p95']:.0f} ({v['spread_p95_p5']}x), max {v['max']}"
             for k, v in res["lengths"].items()))
         print("budget sweep: " + json.dumps(res["sweep"]))

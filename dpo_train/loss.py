@@ -44,10 +44,9 @@ class LossConfig:
             raise LossConfigError(f"loss.type is {self.type!r}; allowed: {', '.join(LOSS_TYPES)}")
         if not self.beta > 0:
             raise LossConfigError(f"loss.beta is {self.beta}; it must be > 0")
-        high = 0.5 if self.type == "robust" else 0.5 + 1e-12
-        if not 0.0 <= self.label_smoothing < high:
-            raise LossConfigError(f"loss.label_smoothing is {self.label_smoothing}; {self.type} allows "
-                                  f"[0, 0.5{')' if self.type == 'robust' else ']'}")
+        e, robust = self.label_smoothing, self.type == "robust"
+        if not (0.0 <= e < 0.5 if robust else 0.0 <= e <= 0.5):  # robust divides by 1 - 2e
+            raise LossConfigError(f"loss.label_smoothing is {e}; {self.type} allows [0, 0.5{')' if robust else ']'}")
         if self.label_smoothing and self.type not in ("sigmoid", "robust"):
             raise LossConfigError(f"loss.label_smoothing is {self.label_smoothing}, but {self.type} has none; set it to 0")
         if self.nll_weight < 0:
