@@ -10,10 +10,12 @@ import shutil
 from pathlib import Path
 
 from dpo_data.errors import DataError
+from dpo_state.schema import validate
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 MARKER = ".materialized.json"
+MARKER_FORMAT_VERSION = 1
 CACHE_ENV = "DPO_CACHE_DIR"
 
 
@@ -80,5 +82,7 @@ def _convert(source: Path, out: Path) -> None:
     out.mkdir(parents=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    marker = {"source": GGUF_FILE, "source_bytes": source.stat().st_size, "dtype": "float32"}
+    marker = {"format_version": MARKER_FORMAT_VERSION, "source": GGUF_FILE,
+              "source_bytes": source.stat().st_size, "dtype": "float32"}
+    validate("model-cache-marker", marker, "the model cache marker")
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")

@@ -23,6 +23,9 @@ def test_two_processes_materialize_one_directory_once(tmp_path):
     model_dir = tmp_path / "SmolLM2-135M-Instruct"
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config.get("quantization_config") is None
+    from dpo_state.schema import schema_problems
+
+    assert schema_problems("model-cache-marker", json.loads((model_dir / ".materialized.json").read_text())) == []
     stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
     from dpo_data.smollm2 import materialize_smollm2
 
