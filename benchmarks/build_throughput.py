@@ -478,7 +478,7 @@ def _median_or_nan(values: list[float]) -> float:
 
 
 def _versions() -> dict:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     import dpo_data
 
@@ -497,7 +497,7 @@ def _versions() -> dict:
     for pkg in ("dpo-toolkit", "trl", "transformers", "tokenizers", "datasets", "pyarrow"):
         try:
             out[pkg] = version(pkg)
-        except Exception:
+        except PackageNotFoundError:  # recorded as absent in the benchmark's JSON
             out[pkg] = None
     return out
 
