@@ -1,0 +1,185 @@
+"""The training config: YAML -> typed sections, `--set key=value` overrides, unknown keys named with a fix."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpo_state.schema import schema_problems
+from dpo_train.loss import LossConfig
+
+CONFIG_SCHEMA = "train-config"
+CONFIG_FORMAT_VERSION = 1
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads 1e-5 (no dot) as a string; learning rates are written that way, so read it as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key, the value, what is allowed and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """A local Hugging Face causal LM directory."""
+    init: dict | None = None
+    """Random initialization instead of `path`: {config: FILE_OR_MAPPING, seed: 0} (for tests)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    mode: str = "live"
+    """live (a frozen copy) | precomputed (a sidecar of reference log-probs) | none (reference-free losses)."""
+    path: str | None = None
+    """precomputed: the sidecar directory."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | list[str] = ""
+    """A built dataset directory, or a list of them (a mixture)."""
+    batching: str = "pairs"
+    pairs_per_step: int = 8
+    max_tokens_per_microbatch: int = 1024
+    microbatches_per_step: int = 2
+    num_workers: int = 0
+    seed: int = 0
+    weights: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1.0e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    scheduler: str = "constant"
+    """constant | linear | cosine."""
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    output_dir: str = "runs/train"
+    max_steps: int = 10
+    epochs: int = 1
+    save_every: int = 0
+    keep_last: int = 3
+    log_every: int = 1
+    seed: int = 0
+    resume: str = "auto"
+    """auto | never | PATH of a checkpoint."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    strategy: str = "fsdp"
+    """fsdp (FSDP2 fully_shard) | ddp."""
+
+
+SECTIONS = {
+    "model": ModelConfig, "reference": ReferenceConfig, "data": DataConfig, "loss": LossConfig,
+    "optim": OptimConfig, "train": TrainSection, "distributed": DistributedConfig,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole config, one typed section per top-level key."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def resolved(self) -> dict[str, Any]:
+        """Every setting, defaults included: what is written to OUTPUT/config.resolved.yaml."""
+        return {"format_version": CONFIG_FORMAT_VERSION, **{name: asdict(getattr(self, name)) for name in SECTIONS}}
+
+
+def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML file (or a mapping), apply `key.sub=value` overrides (values parsed as YAML), check
+    for unknown keys, validate against schemas/train-config.schema.json, and build typed sections."""
+    raw = _read(source)
+    for item in overrides:
+        _apply_override(raw, item)
+    raw.pop("format_version", None)
+    _check_keys(raw)
+    problems = schema_problems(CONFIG_SCHEMA, {"format_version": CONFIG_FORMAT_VERSION, **raw})
+    if problems:
+        raise ConfigError("the config does not match schemas/train-config.schema.json:\n  - " + "\n  - ".join(problems))
+    try:
+        return TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
+    except ValueError as e:  # a section's own range checks (e.g. LossConfig)
+        raise ConfigError(str(e)) from None
+
+
+def _read(source: str | Path | dict) -> dict:
+    if isinstance(source, dict):
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in source.items()}
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a YAML file")
+    try:
+        raw = _yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: write section.key=value, e.g. --set optim.lr=2e-5")
+    section, name = parts
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError(f"--set {item!r}: {section} is not a section")
+    target[name] = _yaml(value)
+
+
+def _check_keys(raw: dict) -> None:
+    problems = []
+    for section, value in raw.items():
+        if section not in SECTIONS:
+            problems.append(f"unknown section {section!r}{_suggest(section, SECTIONS)}")
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"section {section!r} must be a mapping, got {value!r:.60}")
+            continue
+        known = [f.name for f in fields(SECTIONS[section])]
+        for key in value:
+            if key not in known:
+                problems.append(f"unknown key {section}.{key}{_suggest(key, known)}; known keys: {', '.join(known)}")
+    if problems:
+        raise ConfigError("the config has unknown keys:\n  - " + "\n  - ".join(problems))
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
