@@ -86,8 +86,9 @@ class StreamIterator:
         store = self.stream.store
         pack = pack_shared_prompt if self.stream.config.layout == "shared_prompt" else pack_microbatch
         batch = pack([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
+        step_pairs = [i for rank in plan.ranks for mb in rank for i in mb]
         batch.update(epoch=plan.epoch, step=plan.step, microbatch=k, microbatches_in_step=len(mine),
-                     step_pairs=plan.num_pairs)
+                     step_pairs=len(step_pairs), step_chosen_tokens=int(store.chosen_len[step_pairs].sum()))
         return batch
 
     def state_dict(self) -> dict[str, Any]:

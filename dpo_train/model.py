@@ -1,0 +1,38 @@
+"""Load the policy (a local HF directory, or a random init from a config) and its frozen reference."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpo_train.config import ConfigError, ModelConfig
+
+
+def load_policy(config: ModelConfig) -> Any:
+    """The policy in fp32 with sdpa attention (packed rows need sdpa or eager on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config.path:
+        if not Path(config.path).is_dir():
+            raise ConfigError(f"model.path {config.path} is not a directory; give a local Hugging Face model directory")
+        return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation="sdpa")
+    if not config.init or "config" not in config.init:
+        raise ConfigError("model needs path: DIR, or init: {config: FILE_OR_MAPPING, seed: 0}")
+    spec = config.init["config"]
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        model_type = spec.pop("model_type", "llama")
+        hf_config = AutoConfig.for_model(model_type, **spec)
+    else:
+        hf_config = AutoConfig.from_pretrained(spec)
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(int(config.init.get("seed", 0)))
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def frozen_copy(model: Any) -> Any:
+    """The live reference: a copy that never trains and runs without autograd."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
