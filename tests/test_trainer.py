@@ -77,3 +77,16 @@ def test_a_config_error_exits_2_naming_the_key(tmp_path):
     path.write_text("optim: {lrr: 1.0e-5}\n")
     proc = subprocess.run([sys.executable, "-m", "cli.train", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown key optim.lrr (did you mean 'lr'?)" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.save_every=5", "checkpoints are not built yet"),
+    ("reference.mode=precomputed", "precomputed is not built yet"),
+    ("reference.mode=none", "needs a reference"),
+])
+def test_unbuilt_settings_fail_loudly(tmp_path, override, message):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nowhere}\n")
+    proc = subprocess.run([sys.executable, "-m", "cli.train", str(path), "--set", override],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
