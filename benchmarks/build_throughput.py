@@ -362,6 +362,7 @@ def _summarize(runs: list[dict]) -> dict:
     first = runs[0]
     return {"median_seconds": med, "min_seconds": min(seconds), "max_seconds": max(seconds),
             "seconds": seconds, "pairs": first["pairs"], "tokens": first["tokens"],
+            "prompt_tokens": first["prompt_tokens"], "completion_tokens": first["completion_tokens"],
             "pairs_per_s": first["pairs"] / med, "tokens_per_s": first["tokens"] / med,
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
             "other_load": [round(r["other_load"], 2) for r in runs if "other_load" in r],
