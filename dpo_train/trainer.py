@@ -17,12 +17,14 @@ import yaml
 from dpo_data.loader import DPOLoader
 from dpo_data.schedule import LoaderConfig
 from dpo_train.config import ConfigError, TrainConfig
+from dpo_data.microbatch import pair_sums
 from dpo_train.logps import pair_logps
 from dpo_train.loss import pair_losses
 from dpo_train.model import frozen_copy, load_policy
 from dpo_train.objective import microbatch_loss
 
-# Sums all-reduced at the end of a step; metrics are their ratios (pair-weighted, never a mean of means).
+# Per-pair sums over a step, all-reduced at its end; metrics are their ratios (pair-weighted, never a
+# mean of means). Row 0 holds all pairs, row 1 + s the pairs of source s: a pair counts once.
 _SUMS = ("loss", "chosen_reward", "rejected_reward", "correct", "margin", "chosen_logp", "rejected_logp",
          "pairs", "input_tokens", "supervised_tokens", "capacity")
 
@@ -44,12 +46,13 @@ def train(config: TrainConfig) -> Path:
     loader = DPOLoader(_paths(config), _loader_config(config, rank, world), max_epochs=config.train.epochs,
                        pad_to_multiple_of=8)
     metrics_file = open(out / "metrics.jsonl", "ab") if rank == 0 else None
-    sums, step, started = torch.zeros(len(_SUMS), dtype=torch.float64), 0, time.perf_counter()
+    sources = loader.stream.store.sources
+    sums, step, started = torch.zeros(1 + len(sources), len(_SUMS), dtype=torch.float64), 0, time.perf_counter()
     try:
         for batch in loader:
             last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
             with _no_sync(model, config.distributed.strategy, world, sync=last):
-                sums += _microbatch(model, reference, batch, config)
+                _microbatch(model, reference, batch, config, sums)
             if not last:
                 continue
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.optim.max_grad_norm or float("inf"))
@@ -58,7 +61,8 @@ def train(config: TrainConfig) -> Path:
             optimizer.zero_grad(set_to_none=True)
             if world > 1:
                 dist.all_reduce(sums)
-            record = _metrics(sums, float(grad_norm), scheduler.get_last_lr()[0], step, time.perf_counter() - started)
+            record = _metrics(sums, sources, float(grad_norm), scheduler.get_last_lr()[0], step,
+                              time.perf_counter() - started)
             if metrics_file is not None and step % config.train.log_every == 0:
                 metrics_file.write(orjson.dumps(record) + b"\n")
                 metrics_file.flush()
@@ -87,11 +91,11 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
         raise ConfigError(f"loss.type {config.loss.type} needs a reference; set reference.mode: live, or use simpo")
 
 
-def _microbatch(model, reference, batch: dict, config: TrainConfig) -> torch.Tensor:
-    """Forward/backward one micro-batch; return its contribution to the step sums."""
+def _microbatch(model, reference, batch: dict, config: TrainConfig, sums: torch.Tensor) -> None:
+    """Forward/backward one micro-batch and add its pairs to the step sums (row 0 all, row 1 + s source s)."""
     if batch["num_pairs"] == 0:  # join the collectives, contribute nothing
         model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().mul(0).backward()
-        return torch.zeros(len(_SUMS), dtype=torch.float64)
+        return
     policy = pair_logps(model, batch)
     ref = None
     if reference is not None:
@@ -101,17 +105,20 @@ def _microbatch(model, reference, batch: dict, config: TrainConfig) -> torch.Ten
                         ref.rejected if ref else None, policy.chosen_tokens, policy.rejected_tokens)
     microbatch_loss(terms.losses, batch["step_pairs"], -policy.chosen.sum(), batch["step_chosen_tokens"],
                     config.loss.nll_weight).backward()
-    margin = (terms.chosen_rewards - terms.rejected_rewards).double()
-    return torch.tensor([
-        float(terms.losses.detach().sum()), float(terms.chosen_rewards.sum()), float(terms.rejected_rewards.sum()),
-        float((margin > 0).sum()), float(margin.sum()), float(policy.chosen.detach().sum()),
-        float(policy.rejected.detach().sum()), batch["num_pairs"], batch["num_input_tokens"],
-        batch["num_supervised_tokens"], config.data.max_tokens_per_microbatch,
-    ], dtype=torch.float64)
+    margin = terms.chosen_rewards - terms.rejected_rewards
+    input_tokens = pair_sums(torch.ones(batch["input_ids"].shape[1]), batch).sum(1)
+    per_pair = torch.stack([
+        terms.losses.detach(), terms.chosen_rewards, terms.rejected_rewards, (margin > 0).float(), margin,
+        policy.chosen.detach(), policy.rejected.detach(), torch.ones_like(margin), input_tokens,
+        policy.chosen_tokens + policy.rejected_tokens, torch.zeros_like(margin),
+    ], dim=1).double()
+    sums[0] += per_pair.sum(0)
+    sums[0, -1] += config.data.max_tokens_per_microbatch  # capacity of a micro-batch holding pairs
+    sums.index_add_(0, 1 + batch["pair_source"].long(), per_pair)
 
 
-def _metrics(sums: torch.Tensor, grad_norm: float, lr: float, step: int, seconds: float) -> dict:
-    s = dict(zip(_SUMS, sums.tolist()))
+def _metrics(sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float) -> dict:
+    s = dict(zip(_SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
     return {
         "step": step, "loss": s["loss"] / pairs, "rewards/chosen": s["chosen_reward"] / pairs,
@@ -121,7 +128,16 @@ def _metrics(sums: torch.Tensor, grad_norm: float, lr: float, step: int, seconds
         "input_tokens": int(s["input_tokens"]), "supervised_tokens": int(s["supervised_tokens"]),
         "packing_efficiency": s["input_tokens"] / s["capacity"] if s["capacity"] else 0.0,
         "pairs/s": s["pairs"] / seconds, "tokens/s": s["input_tokens"] / seconds,
+        "sources": {name: _source_metrics(dict(zip(_SUMS, row)))
+                    for name, row in zip(sources, sums[1:].tolist()) if row[_SUMS.index("pairs")]},
     }
+
+
+def _source_metrics(s: dict) -> dict:
+    """Per-source metrics: a pair counts once, in its own source."""
+    return {"pairs": int(s["pairs"]), "loss": s["loss"] / s["pairs"], "accuracy": s["correct"] / s["pairs"],
+            "margin": s["margin"] / s["pairs"], "input_tokens": int(s["input_tokens"]),
+            "supervised_tokens": int(s["supervised_tokens"])}
 
 
 def _init_distributed() -> tuple[int, int]:

@@ -56,6 +56,10 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
                 "grad_norm", "lr", "input_tokens", "supervised_tokens", "packing_efficiency", "pairs/s", "tokens/s"):
         assert key in rows[0]
     assert all(0.0 <= r["rewards/accuracies"] <= 1.0 for r in rows)
+    for r in rows:  # per source, a pair counts once: the sources add up to the step
+        assert sum(v["pairs"] for v in r["sources"].values()) == r["pairs"]
+        assert sum(v["input_tokens"] for v in r["sources"].values()) == r["input_tokens"]
+        assert sum(v["supervised_tokens"] for v in r["sources"].values()) == r["supervised_tokens"]
     assert AutoModelForCausalLM.from_pretrained(single / "final").config.hidden_size == 32
     assert (single / "config.resolved.yaml").is_file()
 
