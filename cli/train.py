@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import traceback
 
 import click
 
@@ -15,31 +16,72 @@ import click
               help="Override one config key (value read as YAML); repeatable.")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True, metavar="N",
               help="Processes on this machine; N > 1 relaunches under torchrun (running under torchrun works too).")
+@click.option("--precompute-reference", is_flag=True,
+              help="Score every pair of data.path with the reference (the initial policy) once and write the "
+                   "sidecar at reference.path, bound to the dataset and the weights; then exit.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
 @click.version_option(package_name="dpo-toolkit")
-def main(config, overrides, nproc_per_node) -> None:
+def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None:
     """Train with DPO from a YAML CONFIG (keys: docs/train-config.md).
 
     Writes OUTPUT/config.resolved.yaml, OUTPUT/metrics.jsonl (one JSON object per optimizer step,
-    pair-weighted over the whole step) and the final policy in OUTPUT/final/ (a Hugging Face directory).
-    Checkpointing and resume arrive with issue 5. Exit 0 on success, 2 on a config error.
-    """
-    from dpo_data.errors import DataError
-    from dpo_train.config import ConfigError, load_config
+    pair-weighted over the whole step), OUTPUT/eval.jsonl with eval.path (held-out preference accuracy
+    before and after) and the final policy in OUTPUT/final/ (a Hugging Face directory). On a terminal a
+    progress line shows step, loss, accuracy, pairs/s and ETA.
 
+    Exit 0 on success; 2 on a config, data or reference-sidecar error; 1 when a rank fails (every rank
+    stops, the failing rank names its error).
+    """
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-                "-m", "cli.train", config, *(a for o in overrides for a in ("--set", o))]
-        sys.exit(subprocess.call(args))
+                "-m", "cli.train", config, *(a for o in overrides for a in ("--set", o)),
+                *(["--precompute-reference"] if precompute_reference else []), *(["--quiet"] if quiet else [])]
+        code = subprocess.call(args)
+        if code:
+            click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
+        sys.exit(code)
+    sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet))
+
+
+def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) -> int:
+    """One rank's run. Bad input: a one-line error and exit 2. Anything else: the rank's traceback and
+    exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
+    collective sees the closed connection)."""
+    from dpo_data.errors import DataError
+    from dpo_train.config import ConfigError, load_config
+    from dpo_train.reference import ReferenceError
+
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
-        resolved = load_config(config, list(overrides))
+        resolved = load_config(config, overrides)
+        if precompute:
+            from dpo_train.precompute import precompute_reference
+
+            path = precompute_reference(resolved)
+            if rank == 0:
+                click.echo(f"reference sidecar written: {path}")
+            return 0
         from dpo_train.trainer import train
 
-        out = train(resolved)
-    except (ConfigError, DataError) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    if int(os.environ.get("RANK", "0")) == 0:
+        out = train(resolved, progress=not quiet)
+    except (ConfigError, DataError, ReferenceError) as e:
+        click.echo(f"error: {prefix}{e}", err=True)
+        return _exit(2)
+    except Exception as e:  # noqa: BLE001 - a rank's failure must end every rank, named
+        click.echo(f"error: {prefix}{type(e).__name__}: {e}\n{traceback.format_exc()}", err=True)
+        return _exit(1)
+    if rank == 0:
         click.echo(f"done: {out}/metrics.jsonl, final policy in {out}/final")
+    return 0
+
+
+def _exit(code: int) -> int:
+    """With peers, leave at once: a clean interpreter exit could wait on a collective that never ends."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

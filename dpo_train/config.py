@@ -88,17 +88,32 @@ class TrainSection:
     seed: int = 0
     resume: str = "auto"
     """auto | never | PATH of a checkpoint."""
+    precision: str = "auto"
+    """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
     strategy: str = "fsdp"
     """fsdp (FSDP2 fully_shard) | ddp."""
+    device: str = "auto"
+    """auto (cuda, else npu through torch-npu when installed, else cpu) | cpu | cuda | npu."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    path: str | None = None
+    """A built held-out dataset: preference accuracy before training and after (OUTPUT/eval.jsonl)."""
+    every: int = 0
+    """Also evaluate every N optimizer steps (0: only before and after)."""
 
 
 SECTIONS = {
     "model": ModelConfig, "reference": ReferenceConfig, "data": DataConfig, "loss": LossConfig,
     "optim": OptimConfig, "train": TrainSection, "distributed": DistributedConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -113,6 +128,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def resolved(self) -> dict[str, Any]:
         """Every setting, defaults included: what is written to OUTPUT/config.resolved.yaml."""

@@ -36,3 +36,18 @@ def load_policy(config: ModelConfig) -> Any:
 def frozen_copy(model: Any) -> Any:
     """The live reference: a copy that never trains and runs without autograd."""
     return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> None:
+    """Train mode with dropout off (as TRL does for DPO: the policy and the reference must score a pair
+    the same way), and optionally activation checkpointing of each decoder layer."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support it; set it to false")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

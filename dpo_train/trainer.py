@@ -7,7 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
 import orjson
 import torch
@@ -16,65 +16,135 @@ import yaml
 
 from dpo_data.loader import DPOLoader
 from dpo_data.schedule import LoaderConfig
+from dpo_data.store import PairStore
 from dpo_train.config import ConfigError, TrainConfig
-from dpo_data.microbatch import pair_sums
+from dpo_train.device import Placement, placement
+from dpo_train.evaluation import Evaluator
 from dpo_train.logps import pair_logps
 from dpo_train.loss import pair_losses
-from dpo_train.model import frozen_copy, load_policy
+from dpo_train.metrics import add_pairs, new_sums, step_record
+from dpo_train.model import frozen_copy, load_policy, prepare_for_training
 from dpo_train.objective import microbatch_loss
+from dpo_train.progress import Progress
+from dpo_train.reference import load_sidecar, weights_fingerprint
 
-# Per-pair sums over a step, all-reduced at its end; metrics are their ratios (pair-weighted, never a
-# mean of means). Row 0 holds all pairs, row 1 + s the pairs of source s: a pair counts once.
-_SUMS = ("loss", "chosen_reward", "rejected_reward", "correct", "margin", "chosen_logp", "rejected_logp",
-         "pairs", "input_tokens", "supervised_tokens", "capacity")
+FAULT_ENV = "DPO_TRAIN_FAULT"
+"""Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
 
 
-def train(config: TrainConfig) -> Path:
+class Trainer:
+    """One rank's policy, reference, optimizer and step accumulator; fed micro-batches by any loader.
+
+    `microbatch(batch)` runs forward and backward (no gradient sync until the step's last micro-batch);
+    `step()` clips, steps the optimizer and scheduler and returns the step's metrics over all ranks.
+    """
+
+    def __init__(self, config: TrainConfig, place: Placement, rank: int, world: int, store: PairStore):
+        self.config, self.place, self.rank, self.world = config, place, rank, world
+        self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
+        torch.manual_seed(config.train.seed)
+        policy = load_policy(config.model)
+        prepare_for_training(policy, config.train.activation_checkpointing)
+        self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
+        policy.to(place.device)
+        self.initial = frozen_copy(policy) if _keeps_initial(config) else None
+        self.table = None
+        if config.loss.needs_reference and config.reference.mode == "precomputed":
+            self.table = load_sidecar(config.reference.path, store, self.weights, place.precision)
+        self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=config.optim.lr,
+                                           weight_decay=config.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
+        self.sums, self.step_index, self._started = new_sums(len(self.sources)), 0, time.perf_counter()
+
+    @property
+    def live_reference(self):
+        return self.initial if self.config.loss.needs_reference and self.config.reference.mode == "live" else None
+
+    def microbatch(self, batch: dict) -> None:
+        """Forward/backward one micro-batch; the gradient syncs on the step's last micro-batch only."""
+        batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
+        with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
+            if batch["num_pairs"] == 0:  # join the collectives, contribute nothing
+                out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+                out.logits.sum().mul(0).backward()
+                return
+            policy = pair_logps(self.model, batch)
+            ref_chosen, ref_rejected = self._reference(batch)
+            terms = pair_losses(self.config.loss, policy.chosen, policy.rejected, ref_chosen, ref_rejected,
+                                policy.chosen_tokens, policy.rejected_tokens)
+            microbatch_loss(terms.losses, batch["step_pairs"], -policy.chosen.sum(), batch["step_chosen_tokens"],
+                            self.config.loss.nll_weight).backward()
+        add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
+
+    def _reference(self, batch: dict):
+        if self.table is not None:
+            return self.table.lookup(batch["pair_index"], self.place.device)
+        if self.live_reference is None:
+            return None, None
+        with torch.no_grad():
+            ref = pair_logps(self.live_reference, batch)
+        return ref.chosen, ref.rejected
+
+    def step(self) -> dict:
+        """Finish the optimizer step: clip the step gradient, update, and reduce the metrics."""
+        max_norm = self.config.optim.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.world > 1:
+            sums = self.sums.to(self.place.device) if self.place.backend != "gloo" else self.sums
+            dist.all_reduce(sums)
+            self.sums = sums.cpu()
+        record = step_record(self.sums, self.sources, grad_norm, self.scheduler.get_last_lr()[0], self.step_index,
+                             time.perf_counter() - self._started)
+        self.sums.zero_()
+        self.step_index, self._started = self.step_index + 1, time.perf_counter()
+        return record
+
+
+def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
     _refuse_unbuilt(config)
-    rank, world = _init_distributed()
+    place = placement(config.distributed.device, config.train.precision)
+    rank, world = _init_distributed(place)
     out = Path(config.train.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.resolved.yaml").write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
-    torch.manual_seed(config.train.seed)
-    policy = load_policy(config.model)
-    reference = frozen_copy(policy) if config.loss.needs_reference and config.reference.mode == "live" else None
-    model = _wrap(policy, config.distributed.strategy, world)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     loader = DPOLoader(_paths(config), _loader_config(config, rank, world), max_epochs=config.train.epochs,
                        pad_to_multiple_of=8)
-    metrics_file = open(out / "metrics.jsonl", "ab") if rank == 0 else None
-    sources = loader.stream.store.sources
-    sums, step, started = torch.zeros(1 + len(sources), len(_SUMS), dtype=torch.float64), 0, time.perf_counter()
-    try:
+    trainer = Trainer(config, place, rank, world, loader.stream.store)
+    evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
+    if evaluator:
+        evaluator.run(step=0)
+    fault = _fault(rank)
+    with _metrics_file(out, rank) as metrics, Progress(config.train.max_steps, enabled=progress and rank == 0) as bar:
         for batch in loader:
-            last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
-            with _no_sync(model, config.distributed.strategy, world, sync=last):
-                _microbatch(model, reference, batch, config, sums)
-            if not last:
+            fault(trainer.step_index)
+            trainer.microbatch(batch)
+            if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.optim.max_grad_norm or float("inf"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if world > 1:
-                dist.all_reduce(sums)
-            record = _metrics(sums, sources, float(grad_norm), scheduler.get_last_lr()[0], step,
-                              time.perf_counter() - started)
-            if metrics_file is not None and step % config.train.log_every == 0:
-                metrics_file.write(orjson.dumps(record) + b"\n")
-                metrics_file.flush()
-            sums.zero_()
-            step, started = step + 1, time.perf_counter()
-            if step >= config.train.max_steps:
+            record = trainer.step()
+            if metrics is not None and record["step"] % config.train.log_every == 0:
+                metrics.write(orjson.dumps(record) + b"\n")
+                metrics.flush()
+            bar.update(record)
+            if evaluator and config.eval.every and trainer.step_index % config.eval.every == 0:
+                evaluator.run(step=trainer.step_index)
+            if trainer.step_index >= config.train.max_steps:
                 break
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-    _export(policy, config, out, rank, world)
+    if evaluator and (not config.eval.every or trainer.step_index % config.eval.every):
+        evaluator.run(step=trainer.step_index)
+    _export(trainer.policy, config, out, rank, world)
     return out
+
+
+def _keeps_initial(config: TrainConfig) -> bool:
+    """The initial policy is kept (frozen) as the live reference, and for held-out evaluation."""
+    return (config.loss.needs_reference and config.reference.mode == "live") or bool(config.eval.path)
 
 
 def _refuse_unbuilt(config: TrainConfig) -> None:
@@ -85,75 +155,45 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
     if config.train.resume not in ("auto", "never"):
         raise ConfigError(f"train.resume is {config.train.resume!r}; resuming from a path needs checkpoints, "
                           "not built yet: use auto or never")
-    if config.reference.mode == "precomputed":
-        raise ConfigError("reference.mode precomputed is not built yet: use live (or none with loss.type simpo)")
+    if config.reference.mode == "precomputed" and not config.reference.path:
+        raise ConfigError("reference.mode is precomputed but reference.path is empty; set it to the sidecar "
+                          "directory and create it with `dpo-train CONFIG --precompute-reference`")
     if config.loss.needs_reference and config.reference.mode == "none":
-        raise ConfigError(f"loss.type {config.loss.type} needs a reference; set reference.mode: live, or use simpo")
+        raise ConfigError(f"loss.type {config.loss.type} needs a reference; set reference.mode: live or "
+                          "precomputed, or use simpo")
 
 
-def _microbatch(model, reference, batch: dict, config: TrainConfig, sums: torch.Tensor) -> None:
-    """Forward/backward one micro-batch and add its pairs to the step sums (row 0 all, row 1 + s source s)."""
-    if batch["num_pairs"] == 0:  # join the collectives, contribute nothing
-        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().mul(0).backward()
-        return
-    policy = pair_logps(model, batch)
-    ref = None
-    if reference is not None:
-        with torch.no_grad():
-            ref = pair_logps(reference, batch)
-    terms = pair_losses(config.loss, policy.chosen, policy.rejected, ref.chosen if ref else None,
-                        ref.rejected if ref else None, policy.chosen_tokens, policy.rejected_tokens)
-    microbatch_loss(terms.losses, batch["step_pairs"], -policy.chosen.sum(), batch["step_chosen_tokens"],
-                    config.loss.nll_weight).backward()
-    margin = terms.chosen_rewards - terms.rejected_rewards
-    input_tokens = pair_sums(torch.ones(batch["input_ids"].shape[1]), batch).sum(1)
-    per_pair = torch.stack([
-        terms.losses.detach(), terms.chosen_rewards, terms.rejected_rewards, (margin > 0).float(), margin,
-        policy.chosen.detach(), policy.rejected.detach(), torch.ones_like(margin), input_tokens,
-        policy.chosen_tokens + policy.rejected_tokens, torch.zeros_like(margin),
-    ], dim=1).double()
-    sums[0] += per_pair.sum(0)
-    sums[0, -1] += config.data.max_tokens_per_microbatch  # capacity of a micro-batch holding pairs
-    sums.index_add_(0, 1 + batch["pair_source"].long(), per_pair)
+def _fault(rank: int) -> Callable[[int], None]:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return lambda step: None
+    fault_rank, fault_step = (int(x) for x in spec.split(":"))
+
+    def check(step: int) -> None:
+        if rank == fault_rank and step == fault_step:
+            raise OSError(f"injected fault ({FAULT_ENV}={spec}): rank {rank} failed reading step {step}")
+
+    return check
 
 
-def _metrics(sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float) -> dict:
-    s = dict(zip(_SUMS, sums[0].tolist()))
-    pairs = max(s["pairs"], 1.0)
-    return {
-        "step": step, "loss": s["loss"] / pairs, "rewards/chosen": s["chosen_reward"] / pairs,
-        "rewards/rejected": s["rejected_reward"] / pairs, "rewards/accuracies": s["correct"] / pairs,
-        "rewards/margins": s["margin"] / pairs, "logps/chosen": s["chosen_logp"] / pairs,
-        "logps/rejected": s["rejected_logp"] / pairs, "grad_norm": grad_norm, "lr": lr, "pairs": int(s["pairs"]),
-        "input_tokens": int(s["input_tokens"]), "supervised_tokens": int(s["supervised_tokens"]),
-        "packing_efficiency": s["input_tokens"] / s["capacity"] if s["capacity"] else 0.0,
-        "pairs/s": s["pairs"] / seconds, "tokens/s": s["input_tokens"] / seconds,
-        "sources": {name: _source_metrics(dict(zip(_SUMS, row)))
-                    for name, row in zip(sources, sums[1:].tolist()) if row[_SUMS.index("pairs")]},
-    }
+def _metrics_file(out: Path, rank: int):
+    return open(out / "metrics.jsonl", "ab") if rank == 0 else contextlib.nullcontext()
 
 
-def _source_metrics(s: dict) -> dict:
-    """Per-source metrics: a pair counts once, in its own source."""
-    return {"pairs": int(s["pairs"]), "loss": s["loss"] / s["pairs"], "accuracy": s["correct"] / s["pairs"],
-            "margin": s["margin"] / s["pairs"], "input_tokens": int(s["input_tokens"]),
-            "supervised_tokens": int(s["supervised_tokens"])}
-
-
-def _init_distributed() -> tuple[int, int]:
+def _init_distributed(place: Placement) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group(place.backend)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _wrap(policy, strategy: str, world: int):
+def _wrap(policy, strategy: str, world: int, place: Placement):
     if world == 1:
         return policy
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(policy)
+        return DistributedDataParallel(policy, device_ids=[place.device] if place.device.type != "cpu" else None)
     from torch.distributed.fsdp import fully_shard
 
     for layer in getattr(getattr(policy, "model", policy), "layers", []):
@@ -211,3 +251,4 @@ def _export(policy, config: TrainConfig, out: Path, rank: int, world: int) -> No
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out / "final")
     if world > 1:
         dist.barrier()
+

@@ -85,7 +85,7 @@ def test_a_config_error_exits_2_naming_the_key(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.save_every=5", "checkpoints are not built yet"),
-    ("reference.mode=precomputed", "precomputed is not built yet"),
+    ("reference.mode=precomputed", "reference.path is empty"),
     ("reference.mode=none", "needs a reference"),
 ])
 def test_unbuilt_settings_fail_loudly(tmp_path, override, message):

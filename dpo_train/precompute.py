@@ -1,0 +1,39 @@
+"""`dpo-train CONFIG --precompute-reference`: score every training pair with the reference once, into a sidecar."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dpo_data.store import PairStore
+from dpo_train.config import ConfigError, TrainConfig
+from dpo_train.device import placement
+from dpo_train.model import load_policy, prepare_for_training
+from dpo_train.reference import weights_fingerprint, write_sidecar
+from dpo_train.scoring import score_pairs
+
+
+def precompute_reference(config: TrainConfig) -> Path:
+    """Write the sidecar at `reference.path` for `data.path` and the initial policy (= the reference).
+
+    Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes.
+    """
+    from dpo_train.trainer import _init_distributed, _paths
+
+    if not config.reference.path:
+        raise ConfigError("--precompute-reference needs reference.path: the sidecar directory to write")
+    place = placement(config.distributed.device, config.train.precision)
+    rank, _ = _init_distributed(place)
+    store = PairStore(_paths(config))
+    model = load_policy(config.model)
+    prepare_for_training(model)  # same dropout settings as the trainer's reference
+    weights = weights_fingerprint(model)
+    model.to(place.device)
+    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast)
+    path = Path(config.reference.path)
+    if rank == 0:
+        write_sidecar(path, scores, store, weights, place.precision, config.model.path or "init")
+    if dist.is_initialized():
+        dist.barrier()
+    return path

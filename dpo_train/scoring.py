@@ -1,0 +1,69 @@
+"""Log-probs of every pair of a dataset without gradients, packed: for reference sidecars and held-out eval."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dpo_data.microbatch import pack_microbatch
+from dpo_data.packing import first_fit_decreasing
+from dpo_data.store import PairStore
+from dpo_train.config import ConfigError
+from dpo_train.logps import pair_logps
+
+
+@dataclass
+class Scores:
+    """Per pair (by global pair index): summed completion log-probs and completion token counts."""
+
+    chosen: np.ndarray
+    rejected: np.ndarray
+    chosen_tokens: np.ndarray
+    rejected_tokens: np.ndarray
+
+
+def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) -> Scores:
+    """Forward every pair of `store` once, packed into micro-batches of at most `max_tokens`.
+
+    With a process group, rank r scores bins r, r + W, ... and one all-reduce assembles the result
+    (each pair is written by exactly one rank), so every rank returns the whole table.
+    """
+    sizes = store.segment_tokens(np.arange(store.num_pairs))
+    too_long = np.flatnonzero(sizes > max_tokens)
+    if len(too_long):
+        raise ConfigError(f"pair {int(too_long[0])} has {int(sizes[too_long[0]])} tokens, more than the "
+                         f"micro-batch budget {max_tokens}; raise data.max_tokens_per_microbatch")
+    bins, _ = first_fit_decreasing(sizes, max_tokens)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    table = torch.zeros(4, store.num_pairs, dtype=torch.float64)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rounds = -(-len(bins) // world)  # equal forwards on every rank: FSDP all-gathers in each one
+    with torch.no_grad():
+        for k in range(rounds):
+            j = k * world + rank
+            members = bins[j] if j < len(bins) else []
+            batch = pack_microbatch([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with (autocast or contextlib.nullcontext)():
+                if not members:
+                    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+                    continue
+                out = pair_logps(model, batch)
+            index = batch["pair_index"].cpu().long()
+            for row, values in enumerate((out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens)):
+                table[row, index] = values.detach().double().cpu()
+    model.train(was_training)
+    if world > 1:
+        table = table.to(device) if dist.get_backend() != "gloo" else table
+        dist.all_reduce(table)
+        table = table.cpu()
+    values = table.numpy()
+    return Scores(values[0].copy(), values[1].copy(), values[2].astype(np.int32), values[3].astype(np.int32))
+
