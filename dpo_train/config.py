@@ -69,7 +69,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    name: str = "adamw"
+    """adamw | sgd (plain SGD: its parameters follow the gradient linearly, which the invariance tests use)."""
     lr: float = 1.0e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: the moment decay rates."""
+    eps: float = 1.0e-8
+    """adamw: added to the root of the second moment."""
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     scheduler: str = "constant"

@@ -52,8 +52,7 @@ class Trainer:
         if config.loss.needs_reference and config.reference.mode == "precomputed":
             self.table = load_sidecar(config.reference.path, store, self.weights, place.precision)
         self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=config.optim.lr,
-                                           weight_decay=config.optim.weight_decay)
+        self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.sums, self.step_index, self._started = new_sums(len(self.sources)), 0, time.perf_counter()
 
@@ -140,6 +139,13 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         evaluator.run(step=trainer.step_index)
     _export(trainer.policy, config, out, rank, world)
     return out
+
+
+def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
+    o = config.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _keeps_initial(config: TrainConfig) -> bool:

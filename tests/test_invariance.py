@@ -1,0 +1,199 @@
+"""The trainer's contract: after 2 optimizer steps the parameters do not depend on how a step's pairs are
+split into micro-batches and ranks. Real gloo process groups, the real Trainer, a tiny random model in fp32.
+
+Both step gradients (after accumulation and the data-parallel reduction) and the parameters after 2
+steps are compared. The parameters are stepped with plain SGD (lr 1, so they move by the gradient):
+AdamW divides each gradient element by its own root second moment plus eps, so an element whose
+gradient is near eps turns fp32 rounding (1e-7 relative in the gradient, measured) into a large
+relative change; that is a property of Adam, not of the objective. test_trainer.py runs AdamW across
+world sizes.
+
+Every layout below trains on the same pairs per step; the baseline is one process, one micro-batch per
+step. The mean-of-micro-batch-means reduction (what TRL, OpenRLHF and others do) fails the same test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+RTOL = 1e-6  # ||a - b|| / ||a|| per tensor, for gradients and parameters, fp32 on CPU
+
+MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+
+
+def _config(dataset: str, budget: int = 4096, strategy: str = "ddp") -> dict:
+    return {
+        "model": {"init": {"config": MODEL, "seed": 0}},
+        "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": budget},
+        "optim": {"name": "sgd", "lr": 1.0},
+        "train": {"output_dir": "unused", "max_steps": 2},
+        "distributed": {"strategy": strategy, "device": "cpu"},
+    }
+
+
+def _mean_of_means(pair_losses, step_pairs, *_, **__):
+    """The common reduction: each micro-batch's mean, divided by the accumulation steps (set per batch)."""
+    return pair_losses.mean() / _mean_of_means.microbatches
+
+
+def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: bool, reduction: str, result: str):
+    """One rank: train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader."""
+    import torch.distributed as dist
+
+    import dpo_train.trainer as trainer_module
+    from dpo_data.microbatch import pack_microbatch
+    from dpo_data.store import PairStore
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if reduction == "mean_of_means":
+        trainer_module.microbatch_loss = _mean_of_means
+    cfg = load_config(config)
+    store = PairStore([cfg.data.path])
+    trainer = trainer_module.Trainer(cfg, placement("cpu", "fp32"), rank, world, store)
+    grads = []
+    if use_loader:
+        loader = trainer_module.DPOLoader([cfg.data.path], trainer_module._loader_config(cfg, rank, world),
+                                          pad_to_multiple_of=8)
+        batches = iter(loader)
+        for _ in range(2):
+            while True:
+                batch = next(batches)
+                _mean_of_means.microbatches = batch["microbatches_in_step"]
+                trainer.microbatch(batch)
+                if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+                    break
+            grads.append(_step_gradient(trainer.policy))
+            trainer.step()
+    else:
+        for step in steps:
+            pairs = [store.pair(i) for micro in step for mb in micro for i in mb]
+            step_pairs, chosen = len(pairs), sum(len(p.chosen) for p in pairs)
+            mine = step[rank]
+            _mean_of_means.microbatches = len(mine)
+            for k, members in enumerate(mine):
+                batch = pack_microbatch([store.pair(i) for i in members], pad_to_multiple_of=8)
+                batch.update(microbatch=k, microbatches_in_step=len(mine), step_pairs=step_pairs,
+                             step_chosen_tokens=chosen)
+                trainer.microbatch(batch)
+            grads.append(_step_gradient(trainer.policy))
+            trainer.step()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({**{k: v.clone() for k, v in state.items()},
+                    **{f"grad{i}/{k}": v for i, g in enumerate(grads) for k, v in g.items()}}, result)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _step_gradient(policy) -> dict:
+    """The step gradient as the optimizer sees it (FSDP shards gathered: every rank must call)."""
+    out = {}
+    for name, p in policy.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().clone()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(tmp_path, name, config, steps=None, world=1, use_loader=False, reduction="exact") -> dict:
+    result = str(tmp_path / f"{name}-{reduction}.pt")
+    args = (world, _free_port(), config, steps, use_loader, reduction, result)
+    if world == 1:
+        _worker(0, *args)
+    else:
+        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+    return torch.load(result, weights_only=True)
+
+
+def _worst(a: dict, b: dict) -> float:
+    """The largest per-tensor relative difference, ||a - b|| / ||a|| (2-norms), over parameters and both
+    step gradients."""
+    assert a.keys() == b.keys() and any(k.startswith("grad1/") for k in a)
+    return max(float((a[k] - b[k]).double().norm() / a[k].double().norm().clamp(min=1e-30)) for k in a)
+
+
+@pytest.fixture(scope="module")
+def step_pairs(sample_dataset):
+    """The pairs of the first two steps (4 each) as the real loader chooses them."""
+    from dpo_data.loader import DPOLoader
+    from dpo_data.schedule import LoaderConfig
+
+    loader = DPOLoader([str(sample_dataset)], LoaderConfig(batching="pairs", pairs_per_step=4,
+                                                            max_tokens_per_microbatch=4096))
+    steps: list[list[int]] = [[], []]
+    for batch in loader:
+        if batch["step"] >= 2:
+            break
+        steps[batch["step"]] += batch["pair_index"].tolist()
+    assert [len(s) for s in steps] == [4, 4]
+    return steps
+
+
+def _layouts(s: list[list[int]]) -> dict:
+    """name -> (world size, per step: per rank: micro-batches of pair indices)."""
+    def each(f):
+        return [f(pairs) for pairs in s]
+
+    return {
+        "packing: [4] (baseline)": (1, each(lambda p: [[p]])),
+        "one pair per micro-batch": (1, each(lambda p: [[[i] for i in p]])),
+        "pair counts [1,3]": (1, each(lambda p: [[p[:1], p[1:]]])),
+        "pair counts [2,2]": (1, each(lambda p: [[p[:2], p[2:]]])),
+        "world 2, [1] and [3]": (2, each(lambda p: [[p[:1]], [p[1:]]])),
+        "world 2, one rank without a pair": (2, each(lambda p: [[p[:1], p[1:]], [[], []]])),
+        "world 4, one pair each": (4, each(lambda p: [[[i]] for i in p])),
+        "world 4, uneven, two ranks empty": (4, each(lambda p: [[p[:1], p[1:3]], [p[3:], []], [[], []], [[], []]])),
+    }
+
+
+@pytest.mark.slow
+def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(sample_dataset, step_pairs, tmp_path):
+    config = _config(str(sample_dataset))
+    layouts = _layouts(step_pairs)
+    baseline = _train(tmp_path, "baseline", config, layouts.pop("packing: [4] (baseline)")[1])
+    worst = {}
+    for name, (world, steps) in layouts.items():
+        for strategy in (("ddp", "fsdp") if world == 2 else ("ddp",)) if world > 1 else ("ddp",):
+            params = _train(tmp_path, f"{len(worst)}", {**config, "distributed": {"strategy": strategy,
+                                                                                  "device": "cpu"}}, steps, world)
+            worst[f"{name} ({strategy})"] = _worst(baseline, params)
+    for budget, world in ((4096, 1), (160, 1), (160, 2)):  # the real loader: one micro-batch vs many, 1 and 2 ranks
+        params = _train(tmp_path, f"loader-{budget}-{world}", _config(str(sample_dataset), budget), world=world,
+                        use_loader=True)
+        worst[f"loader, budget {budget}, world {world}"] = _worst(baseline, params)
+    print("worst relative differences:", worst)
+    assert max(worst.values()) <= RTOL, worst
+
+
+@pytest.mark.slow
+def test_a_mean_of_micro_batch_means_fails_the_same_test(sample_dataset, step_pairs, tmp_path):
+    """The test can fail: the common reduction weights pairs 1/2, 1/6, 1/6, 1/6 in a [1,3] split."""
+    config = _config(str(sample_dataset))
+    layouts = _layouts(step_pairs)
+    baseline = _train(tmp_path, "baseline", config, layouts["packing: [4] (baseline)"][1], reduction="mean_of_means")
+    even = _train(tmp_path, "even", config, layouts["pair counts [2,2]"][1], reduction="mean_of_means")
+    uneven = _train(tmp_path, "uneven", config, layouts["pair counts [1,3]"][1], reduction="mean_of_means")
+    ranks = _train(tmp_path, "ranks", config, layouts["world 2, [1] and [3]"][1], world=2, reduction="mean_of_means")
+    assert _worst(baseline, even) <= RTOL  # equal micro-batches: the common reduction is right only here
+    assert _worst(baseline, uneven) > 100 * RTOL
+    assert _worst(baseline, ranks) > 100 * RTOL
