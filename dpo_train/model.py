@@ -50,4 +50,8 @@ def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> 
     if activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support it; set it to false")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs that need none
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

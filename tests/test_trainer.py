@@ -26,10 +26,10 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
     return path
 
 
-def run(config, *extra):
+def run(config, *extra, code=0, env=None):
     proc = subprocess.run([sys.executable, "-m", "cli.train", str(config), *extra], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                          timeout=600, env=env)
+    assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
 
@@ -41,8 +41,17 @@ def metrics(out):
 def single(sample_dataset, smollm2_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     out = tmp / "single"
-    run(write_config(tmp, sample_dataset, smollm2_dir, out))
+    proc = run(write_config(tmp, sample_dataset, smollm2_dir, out))
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
+
+
+@pytest.mark.slow
+def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(single, sample_dataset, smollm2_dir, tmp_path):
+    lines = [x for x in (single / "stderr.txt").read_text().splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"] and "pairs/s" in lines[0]
+    quiet = run(write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q"), "--quiet", "--set", "train.max_steps=1")
+    assert not [x for x in quiet.stderr.splitlines() if x.startswith("step ")]
 
 
 @pytest.mark.slow
@@ -94,3 +103,58 @@ def test_unbuilt_settings_fail_loudly(tmp_path, override, message):
     proc = subprocess.run([sys.executable, "-m", "cli.train", str(path), "--set", override],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_every_rank_with_its_error_named(sample_dataset, smollm2_dir, tmp_path):
+    import os
+    import time
+
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "fail", "ddp")
+    started = time.monotonic()
+    proc = run(config, "--nproc-per-node", "2", code=1, env={**os.environ, "DPO_TRAIN_FAULT": "1:1"})
+    assert time.monotonic() - started < 120  # no hang: the healthy rank, blocked in a collective, is stopped
+    assert "rank 1: OSError: injected fault" in proc.stderr and "a rank failed" in proc.stderr
+    assert len((tmp_path / "fail" / "metrics.jsonl").read_text().splitlines()) == 1  # step 0 finished, step 1 not
+
+
+@pytest.mark.slow
+def test_a_precomputed_reference_trains_like_the_live_one(single, sample_dataset, smollm2_dir, tmp_path):
+    out = tmp_path / "pre"
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, out)
+    sidecar = tmp_path / "sidecar"
+    ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}"]
+    assert "reference sidecar written" in run(config, "--precompute-reference", *ref).stdout
+    document = json.loads((sidecar / "reference.json").read_text())
+    assert document["dataset"]["num_pairs"] == 342 and document["reference"]["precision"] == "fp32"
+    run(config, *ref, "--set", f"eval.path={sample_dataset}")
+    for a, b in zip(metrics(single), metrics(out)):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=1e-5)
+    one, two = load_file(single / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4  # AdamW, lr 1e-3, as across world sizes
+    before, after = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert (before["step"], before["accuracy"], before["ties"]) == (0, 0.0, 1.0)  # policy = reference: all ties
+    assert after["step"] == 3 and after["ties"] < 0.05 and after["pairs"] == 342
+
+
+@pytest.mark.slow
+def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(sample_dataset, smollm2_dir, tmp_path):
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "r")
+    sidecar = tmp_path / "sidecar"
+    ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}", "--set", "train.max_steps=1"]
+    run(config, "--precompute-reference", *ref)
+    other_weights = run(config, *ref, "--set", "model.init={config: {model_type: llama, vocab_size: 49152, "
+                        "hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
+                        "num_key_value_heads: 2}, seed: 1}", code=2)
+    assert "reference weights: the sidecar was computed with" in other_weights.stderr
+    assert "--precompute-reference" in other_weights.stderr
+    bf16 = run(config, *ref, "--set", "train.precision=bf16", code=2)
+    assert "precision: the sidecar was computed in fp32, this run uses bf16" in bf16.stderr
+    table = sidecar / "logps.safetensors"
+    data = bytearray(table.read_bytes())
+    data[-3] ^= 1
+    table.write_bytes(bytes(data))
+    assert "does not match its sha256" in run(config, *ref, code=2).stderr
+    (sidecar / "reference.json").write_text("{not json")
+    assert "is not valid JSON" in run(config, *ref, code=2).stderr
