@@ -1,16 +1,121 @@
-"""`dpo-state`: inspect, diff and verify checkpoints (the commands land with the checkpoint-state issue)."""
+"""`dpo-state`: inspect, diff and verify checkpoints, without a process group and without unpickling state."""
+
+from __future__ import annotations
+
+import json
+import sys
 
 import click
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+def _guard(fn, *args, **kwargs):
+    """Bad input (a missing path, a malformed or hostile state file) is a named error, exit 2."""
+    from dpo_state.jsonfile import StateFileError
+
+    try:
+        return fn(*args, **kwargs)
+    except (StateFileError, FileNotFoundError, NotADirectoryError) as e:
+        _fail(str(e))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dpo-toolkit")
 def main() -> None:
-    """Audit checkpoints: inspect, diff, verify.
+    """Audit training checkpoints (docs/checkpoints.md).
 
-    Not available yet: these commands arrive with the checkpoint-state package (issue 5).
-    Today this command only reports its version.
+    PATH is a step directory (OUTPUT/checkpoints/step-NNNNNN) or a run's output directory, which means
+    its latest committed checkpoint. State files are JSON and safetensors; nothing is unpickled except
+    DCP's own metadata with `diff --values`, and only after its hash matched the commit record.
     """
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(path, as_json) -> None:
+    """What a checkpoint holds: step, epoch, consumption, identity, tensors per group, per-rank loader
+    positions, lineage. Reads JSON files only."""
+    from dpo_state.audit import inspect_checkpoint
+
+    info = _guard(inspect_checkpoint, path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    ident = info["identity"]
+    lines = [
+        f"checkpoint  {info['path']} ({'committed' if info['committed'] else 'INCOMPLETE: no commit record'})",
+        f"format      {info['format_version']}, written by {info['package']['name']} {info['package']['version']}",
+        f"position    step {info['step']}, epoch {info['epoch']}; consumed {info['consumed']['pairs']} pairs, "
+        f"{info['consumed']['input_tokens']} input tokens, {info['consumed']['supervised_tokens']} supervised",
+        f"files       {info['files']} files, {info['bytes']:,} bytes",
+    ]
+    for group, t in info["tensors"].items():
+        lines.append(f"tensors     {group}: {t['count']} tensors, {t['bytes']:,} bytes")
+    lines += [
+        f"dataset     {ident['dataset']['fingerprint']} ({ident['dataset']['num_pairs']} pairs)",
+        f"tokenizer   {ident['tokenizer']['fingerprint']}",
+        f"reference   {ident['reference']['mode']}, weights {ident['reference']['weights_fingerprint']}",
+        f"objective   " + ", ".join(f"{k}={v}" for k, v in ident["objective"].items()),
+        f"optimizer   {ident['optimizer']['class']}, {len(ident['optimizer']['parameters'])} parameters, "
+        + ", ".join(f"{k}={v}" for k, v in ident["optimizer"]["hyperparameters"][0].items()),
+        f"scheduler   {ident['scheduler']['class']} ({ident['scheduler']['kind']})",
+        "layout      " + ", ".join(f"{k}={v}" for k, v in ident["layout"].items()),
+        f"lineage     run {info['lineage']['run_id']}, parent {info['lineage']['parent']}"
+        + (f", resumed from {info['lineage']['resumed_from']}" if info["lineage"].get("resumed_from") else ""),
+    ]
+    for r in info["ranks"]:
+        lines.append(f"rank {r['rank']:<6} {r['file']}: loader at {r['loader_position']}")
+    click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--values", is_flag=True, help="Also compare tensor values: the largest absolute difference per tensor.")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="With --values: differences up to this count as equal.")
+def diff(a, b, as_json, values, atol) -> None:
+    """Differences between two checkpoints: config, data, tokenizer, objective, optimizer and scheduler
+    identity, layout and positions; with --values, tensors. Exit 0 equal, 1 different, 2 error."""
+    from dpo_state.audit import diff_checkpoints
+
+    result = _guard(diff_checkpoints, a, b, values=values, atol=atol)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for section, rows in result["sections"].items():
+            click.echo(f"[{section}]")
+            for row in rows:
+                click.echo(f"  {row['path']}: {json.dumps(row['a'])} -> {json.dumps(row['b'])}")
+        if values:
+            t = result["tensors"]
+            for row in t["per_tensor"]:
+                if row["max_abs_diff"] is None or row["max_abs_diff"] > atol:
+                    click.echo(f"  tensor {row['tensor']}: " + (row.get("note") or f"max |a - b| = {row['max_abs_diff']:.3g}"))
+            click.echo(f"tensors: {t['differ']} of {t['count']} differ (atol {atol})")
+        click.echo("equal" if result["equal"] else "different")
+    sys.exit(0 if result["equal"] else 1)
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+def verify(path) -> None:
+    """Check the commit record, every file's size and sha256, the schemas and the rank files.
+    Exit 0 when all hold, 1 with every failure named."""
+    from dpo_state.audit import verify_checkpoint
+
+    problems = verify_checkpoint(path)
+    if problems:
+        click.echo(f"FAILED: {path}", err=True)
+        for p in problems:
+            click.echo(f"  - {p}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {path}")
 
 
 if __name__ == "__main__":

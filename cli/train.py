@@ -29,8 +29,11 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
     before and after) and the final policy in OUTPUT/final/ (a Hugging Face directory). On a terminal a
     progress line shows step, loss, accuracy, pairs/s and ETA.
 
-    Exit 0 on success; 2 on a config, data or reference-sidecar error; 1 when a rank fails (every rank
-    stops, the failing rank names its error).
+    With train.save_every, checkpoints go to OUTPUT/checkpoints/step-NNNNNN/ and a rerun resumes from the
+    newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).
+
+    Exit 0 on success; 2 on a config, data, reference-sidecar or resume error; 1 when a rank fails
+    (every rank stops, the failing rank names its error) or a save fails (nothing is committed).
     """
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
@@ -48,6 +51,8 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) 
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
     from dpo_data.errors import DataError
+    from dpo_state.jsonfile import StateFileError
+    from dpo_train.checkpointing import CheckpointError, ResumeError
     from dpo_train.config import ConfigError, load_config
     from dpo_train.reference import ReferenceError
 
@@ -65,9 +70,12 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) 
         from dpo_train.trainer import train
 
         out = train(resolved, progress=not quiet)
-    except (ConfigError, DataError, ReferenceError) as e:
+    except (ConfigError, DataError, ReferenceError, ResumeError, StateFileError) as e:
         click.echo(f"error: {prefix}{e}", err=True)
         return _exit(2)
+    except CheckpointError as e:
+        click.echo(f"error: {prefix}{e}", err=True)
+        return _exit(1)
     except Exception as e:  # noqa: BLE001 - a rank's failure must end every rank, named
         click.echo(f"error: {prefix}{type(e).__name__}: {e}\n{traceback.format_exc()}", err=True)
         return _exit(1)

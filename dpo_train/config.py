@@ -93,7 +93,11 @@ class TrainSection:
     log_every: int = 1
     seed: int = 0
     resume: str = "auto"
-    """auto | never | PATH of a checkpoint."""
+    """auto (the newest committed checkpoint that verifies, else a fresh start) | never | PATH of a checkpoint."""
+    resume_strict: bool = False
+    """auto: fail on a committed checkpoint that does not verify, instead of reporting and skipping it."""
+    weights_from: str | None = None
+    """Start a new run from a checkpoint's model weights alone (they also become the reference)."""
     precision: str = "auto"
     """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
     activation_checkpointing: bool = False

@@ -24,10 +24,12 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(labels[t] | logits[t]) per position, 0 where labels[t] is the ignore index.
 
     Labels are pre-shifted by the loader (position t predicts labels[t]), so no shift happens here.
+    `logits` is [T, V] for every position, or [M, V] for the M supervised positions only.
     """
     mask = labels != IGNORE_INDEX
+    selected = (logits[mask] if logits.shape[0] == labels.shape[0] else logits).float()
+    picked = selected.gather(-1, labels[mask, None])[:, 0] - torch.logsumexp(selected, dim=-1)
     out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    picked = torch.log_softmax(logits[mask].float(), dim=-1).gather(-1, labels[mask, None])[:, 0]
     return out.masked_scatter(mask, picked)
 
 
@@ -36,9 +38,15 @@ def pair_logps(model: Any, batch: dict[str, Any]) -> PairLogps:
 
     On CPU with sdpa/eager attention, transformers keeps packed segments apart when it gets
     `position_ids` restarting at 0, no attention mask and `use_cache=False` (REFERENCE.md §3).
+    The vocabulary projection runs only at supervised positions (`logits_to_keep` with a boolean
+    mask): prompt positions never need logits, and on a 135M model the projection is a fifth of the
+    forward.
     """
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
-    labels = batch["labels"][0].to(logits.device)
+    labels = batch["labels"][0].to(batch["input_ids"].device)
+    mask = labels != IGNORE_INDEX
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                   logits_to_keep=mask[None]).logits
+    logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
     sums = pair_sums(token_logps(logits, labels), batch)
-    counts = pair_sums((labels != IGNORE_INDEX).float(), batch)
+    counts = pair_sums(mask.float(), batch)
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])

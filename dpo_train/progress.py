@@ -8,12 +8,12 @@ import sys
 class Progress:
     """Rank 0's view of training. On a TTY a tqdm bar; in logs one line per step; nothing when disabled."""
 
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool = True, start: int = 0):
         self.total, self.enabled, self.bar = total, enabled, None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def __enter__(self) -> "Progress":
         return self

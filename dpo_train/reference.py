@@ -46,6 +46,8 @@ class ReferenceTable:
 
     chosen: torch.Tensor
     rejected: torch.Tensor
+    sha256: str = ""
+    """The table file's sha256 (part of the run identity recorded in checkpoints)."""
 
     def lookup(self, pair_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         index = pair_index.cpu().long()
@@ -106,7 +108,7 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str) -> Refer
     if any(arrays[k].shape != (n,) for k in ("chosen", "rejected")):
         raise ReferenceError(_message(path, [f"the table does not hold {n} pairs"]))
     return ReferenceTable(torch.from_numpy(np.asarray(arrays["chosen"], dtype=np.float64)),
-                          torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)))
+                          torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)), document["table"]["sha256"])
 
 
 def _read_document(path: Path) -> Any:

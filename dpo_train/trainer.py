@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ import yaml
 from dpo_data.loader import DPOLoader
 from dpo_data.schedule import LoaderConfig
 from dpo_data.store import PairStore
+from dpo_train.checkpointing import check_resume_config, find_resume, load_weights, new_lineage, restore, save
 from dpo_train.config import ConfigError, TrainConfig
 from dpo_train.device import Placement, placement
 from dpo_train.evaluation import Evaluator
@@ -44,6 +46,8 @@ class Trainer:
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
         policy = load_policy(config.model)
+        if config.train.weights_from:
+            load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)
         self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
         policy.to(place.device)
@@ -55,6 +59,7 @@ class Trainer:
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.sums, self.step_index, self._started = new_sums(len(self.sources)), 0, time.perf_counter()
+        self.consumed = {"pairs": 0, "input_tokens": 0, "supervised_tokens": 0}
 
     @property
     def live_reference(self):
@@ -99,6 +104,8 @@ class Trainer:
             self.sums = sums.cpu()
         record = step_record(self.sums, self.sources, grad_norm, self.scheduler.get_last_lr()[0], self.step_index,
                              time.perf_counter() - self._started)
+        for key in self.consumed:
+            self.consumed[key] += record[key]
         self.sums.zero_()
         self.step_index, self._started = self.step_index + 1, time.perf_counter()
         return record
@@ -106,7 +113,7 @@ class Trainer:
 
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
-    _refuse_unbuilt(config)
+    _check_settings(config)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = _init_distributed(place)
     out = Path(config.train.output_dir)
@@ -116,12 +123,25 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     loader = DPOLoader(_paths(config), _loader_config(config, rank, world), max_epochs=config.train.epochs,
                        pad_to_multiple_of=8)
     trainer = Trainer(config, place, rank, world, loader.stream.store)
+    lineage = new_lineage()
+    resume_from = find_resume(config, out, rank)
+    if resume_from is not None:
+        state = restore(trainer, loader, resume_from)
+        lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
+        if rank == 0:
+            _truncate_logs(out, trainer.step_index)
+            print(f"resumed from {resume_from} at step {trainer.step_index}", file=sys.stderr, flush=True)
+    elif rank == 0 and _truncate_logs(out, 0):
+        print(f"warning: {out} held logs of an earlier run without a checkpoint to resume; they are replaced",
+              file=sys.stderr, flush=True)
     evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
-    if evaluator:
+    if evaluator and resume_from is None:
         evaluator.run(step=0)
     fault = _fault(rank)
-    with _metrics_file(out, rank) as metrics, Progress(config.train.max_steps, enabled=progress and rank == 0) as bar:
-        for batch in loader:
+    saved_step = trainer.step_index  # 0 on a fresh start, else the checkpoint's step
+    with _metrics_file(out, rank) as metrics, Progress(config.train.max_steps, enabled=progress and rank == 0,
+                                                       start=trainer.step_index) as bar:
+        for batch in loader if trainer.step_index < config.train.max_steps else ():
             fault(trainer.step_index)
             trainer.microbatch(batch)
             if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
@@ -133,8 +153,14 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             bar.update(record)
             if evaluator and config.eval.every and trainer.step_index % config.eval.every == 0:
                 evaluator.run(step=trainer.step_index)
-            if trainer.step_index >= config.train.max_steps:
+            done = trainer.step_index >= config.train.max_steps
+            if config.train.save_every and (trainer.step_index % config.train.save_every == 0 or done):
+                lineage = {**lineage, "parent": save(trainer, loader, out, lineage).name}
+                saved_step = trainer.step_index
+            if done:
                 break
+    if config.train.save_every and trainer.step_index != saved_step:
+        save(trainer, loader, out, lineage)  # the data ran out before max_steps: keep the last step
     if evaluator and (not config.eval.every or trainer.step_index % config.eval.every):
         evaluator.run(step=trainer.step_index)
     _export(trainer.policy, config, out, rank, world)
@@ -148,19 +174,28 @@ def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
 
 
+def _truncate_logs(out: Path, step: int) -> int:
+    """On resume, drop log lines of steps after the checkpoint: they are trained again (on a fresh
+    start, all of them). Returns how many lines were dropped."""
+    dropped = 0
+    for name, keep in (("metrics.jsonl", lambda r: r["step"] < step), ("eval.jsonl", lambda r: r["step"] <= step and step > 0)):
+        path = out / name
+        if path.is_file():
+            lines = [x for x in path.read_bytes().splitlines() if x.strip()]
+            kept = [x for x in lines if keep(orjson.loads(x))]
+            path.write_bytes(b"".join(x + b"\n" for x in kept))
+            dropped += len(lines) - len(kept)
+    return dropped
+
+
 def _keeps_initial(config: TrainConfig) -> bool:
     """The initial policy is kept (frozen) as the live reference, and for held-out evaluation."""
     return (config.loss.needs_reference and config.reference.mode == "live") or bool(config.eval.path)
 
 
-def _refuse_unbuilt(config: TrainConfig) -> None:
-    """Settings whose machinery has not landed fail loudly instead of being ignored."""
-    if config.train.save_every:
-        raise ConfigError(f"train.save_every is {config.train.save_every}; checkpoints are not built yet "
-                          "(the checkpoint-state issue): set it to 0")
-    if config.train.resume not in ("auto", "never"):
-        raise ConfigError(f"train.resume is {config.train.resume!r}; resuming from a path needs checkpoints, "
-                          "not built yet: use auto or never")
+def _check_settings(config: TrainConfig) -> None:
+    """Settings that cannot work together fail before anything starts."""
+    check_resume_config(config)
     if config.reference.mode == "precomputed" and not config.reference.path:
         raise ConfigError("reference.mode is precomputed but reference.path is empty; set it to the sidecar "
                           "directory and create it with `dpo-train CONFIG --precompute-reference`")

@@ -1,0 +1,222 @@
+"""Training throughput on SmolLM2-135M-Instruct on CPU: dpo-train against TRL 1.16 DPOTrainer, same pairs.
+
+Both train the same pairs in the same order on identical token ids (our loader picks each step's 8 pairs;
+TRL gets them as pre-tokenized rows, in that order, with a sequential sampler, batch 4 x accumulation
+2), with the same hyperparameters (sigmoid, beta 0.1, AdamW lr 1e-5 constant, clipping 1.0, fp32,
+dropout off). Each method runs in a fresh process; the first step (warm-up) is not timed. It also
+checks equality: per-pair log-probs of the first micro-batch (TRL's padded forward vs our packed one)
+and the step-1 and step-2 losses.
+
+    .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--methods ours-precomputed trl ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("ours-precomputed", "ours-live", "trl-precomputed", "trl")
+PAIRS_PER_STEP, MICRO = 8, 4
+HYPER = {"beta": 0.1, "lr": 1.0e-5}
+
+
+def _model_and_data(work: Path) -> tuple[str, str]:
+    from dpo_data.build import BuildOptions, build
+    from dpo_data.smollm2 import materialize_smollm2
+
+    model = str(materialize_smollm2())
+    data = work / "train"
+    if not (data / "manifest.json").is_file():
+        sample = ROOT / "examples" / "sample"
+        inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
+        build(inputs, model, data, BuildOptions())
+    return model, str(data)
+
+
+def _config(model: str, data: str, out: Path, steps: int, reference: dict) -> dict:
+    return {"model": {"path": model}, "reference": reference,
+            "data": {"path": data, "batching": "pairs", "pairs_per_step": PAIRS_PER_STEP,
+                     "max_tokens_per_microbatch": 1024},
+            "loss": {"type": "sigmoid", "beta": HYPER["beta"]},
+            "optim": {"lr": HYPER["lr"], "scheduler": "constant", "max_grad_norm": 1.0},
+            "train": {"output_dir": str(out), "max_steps": steps, "precision": "fp32"},
+            "distributed": {"device": "cpu"}}
+
+
+def _step_pairs(data: str, steps: int) -> list[list[int]]:
+    """The pairs of each step, as dpo-train's loader chooses them."""
+    from dpo_data.loader import DPOLoader
+    from dpo_data.schedule import LoaderConfig
+
+    out: list[list[int]] = [[] for _ in range(steps)]
+    for batch in DPOLoader([data], LoaderConfig(batching="pairs", pairs_per_step=PAIRS_PER_STEP,
+                                                max_tokens_per_microbatch=1024)):
+        if batch["step"] >= steps:
+            break
+        out[batch["step"]] += sorted(batch["pair_index"].tolist())
+    return out
+
+
+def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
+    from dpo_train.config import load_config
+    from dpo_train.precompute import precompute_reference
+    from dpo_train.trainer import train
+
+    reference = {"mode": "precomputed", "path": str(work / "sidecar")} if precomputed else {"mode": "live"}
+    out = work / f"ours-{precomputed}"
+    shutil.rmtree(out, ignore_errors=True)
+    config = load_config(_config(model, data, out, steps, reference))
+    if precomputed and not (work / "sidecar" / "reference.json").is_file():
+        precompute_reference(config)  # once, not timed (TRL's precompute is not timed either)
+    train(config, progress=False)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[1:]
+    return {"pairs_per_s": sum(r["pairs"] for r in timed) / sum(r["pairs"] / r["pairs/s"] for r in timed),
+            "losses": [r["loss"] for r in rows], "logps_chosen": [r["logps/chosen"] for r in rows]}
+
+
+def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from dpo_data.store import PairStore
+
+    store = PairStore([data])
+    order = [i for step in _step_pairs(data, steps) for i in step]
+    rows = [{"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
+            for p in (store.pair(i) for i in order)]
+    ids = datasets.Dataset.from_list(rows)
+    args = DPOConfig(output_dir=str(work / "trl"), report_to=[], use_cpu=True, bf16=False, seed=0,
+                     per_device_train_batch_size=MICRO, gradient_accumulation_steps=PAIRS_PER_STEP // MICRO,
+                     learning_rate=HYPER["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     max_grad_norm=1.0, beta=HYPER["beta"], loss_type=["sigmoid"], max_length=None,
+                     max_steps=steps, logging_steps=1, save_strategy="no", dataloader_num_workers=0,
+                     disable_tqdm=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    trainer = DPOTrainer(model=policy, args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]))
+    trainer._get_train_sampler = lambda *a, **k: SequentialSampler(trainer.train_dataset)
+    if precomputed:  # TRL's own precompute pass over the same rows, not timed
+        trainer.precompute_ref_logps = True
+        ids = trainer._precompute_ref_logps(ids, "train", MICRO)
+    trainer.train_dataset = ids
+    first = _trl_first_microbatch_logps(trainer, ids)
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    timed = stamps[-1] - stamps[0]
+    return {"pairs_per_s": PAIRS_PER_STEP * (len(stamps) - 1) / timed, "losses": [e["loss"] for e in logs],
+            "logps_chosen": [e["logps/chosen"] for e in logs], "first_microbatch": first}
+
+
+def _trl_first_microbatch_logps(trainer, ids) -> dict:
+    """TRL's per-sequence log-probs of the first micro-batch, computed the way its `_compute_loss` does."""
+    import torch
+
+    batch = trainer.data_collator([ids[i] for i in range(MICRO)])
+    mask = batch["completion_mask"]
+    labels = batch["input_ids"].masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
+                            use_cache=False, fused_lm_head=True)
+    logps = out.log_probs[:, -(mask.shape[1] - 1):].sum(dim=1)
+    chosen, rejected = logps.chunk(2)
+    return {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
+
+
+def ours_first_microbatch_logps(model: str, data: str, steps: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpo_data.microbatch import pack_microbatch
+    from dpo_data.store import PairStore
+    from dpo_train.logps import pair_logps
+
+    store = PairStore([data])
+    first = _step_pairs(data, steps)[0][:MICRO]
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        out = pair_logps(policy, pack_microbatch([store.pair(i) for i in first]))
+    return {"chosen": out.chosen.tolist(), "rejected": out.rejected.tolist()}
+
+
+def child(method: str, work: Path, steps: int) -> dict:
+    model, data = _model_and_data(work)
+    precomputed = method.endswith("precomputed")
+    if method.startswith("trl"):
+        return run_trl(model, data, work, steps, precomputed)
+    result = run_ours(model, data, work, steps, precomputed)
+    if method == "ours-live":
+        result["first_microbatch"] = ours_first_microbatch_logps(model, data, steps)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per method (the first is not timed)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="dpo-train-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, work, args.steps)))
+        return
+    _model_and_data(work)
+    results = {}
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    for method in args.methods:
+        proc = subprocess.run([sys.executable, __file__, "--child", method, "--steps", str(args.steps),
+                               "--work", str(work)], capture_output=True, text=True, env=env)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            sys.exit(f"{method} failed:\n{proc.stderr[-4000:]}")
+        results[method] = json.loads(line[0][7:])
+        print(f"{method:18s} {results[method]['pairs_per_s']:.3f} pairs/s  losses "
+              + " ".join(f"{x:.5f}" for x in results[method]["losses"]), flush=True)
+    summary = _summary(results)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    print("JSON " + json.dumps({"results": results, "summary": summary}))
+
+
+def _summary(results: dict) -> dict:
+    out = {}
+    rate = {m: r["pairs_per_s"] for m, r in results.items()}
+    for ours, trl in (("ours-precomputed", "trl"), ("ours-live", "trl"), ("ours-precomputed", "trl-precomputed")):
+        if ours in rate and trl in rate:
+            out[f"{ours} / {trl}"] = round(rate[ours] / rate[trl], 3)
+    if "ours-live" in results and "trl" in results:
+        a, b = results["ours-live"], results["trl"]
+        out["first micro-batch max |logp ours - TRL|"] = max(
+            abs(x - y) for side in ("chosen", "rejected")
+            for x, y in zip(a["first_microbatch"][side], b["first_microbatch"][side]))
+        out["step-1 |loss ours - TRL|"] = abs(a["losses"][0] - b["losses"][0])
+        out["step-2 |loss ours - TRL|"] = abs(a["losses"][1] - b["losses"][1])
+        out["step-1 |logps/chosen ours - TRL|"] = abs(a["logps_chosen"][0] - b["logps_chosen"][0])
+    return out
+
+
+if __name__ == "__main__":
+    main()

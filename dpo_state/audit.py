@@ -1,0 +1,157 @@
+"""`dpo-state inspect / diff / verify`: read checkpoints without a process group and without unpickling state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
+from dpo_state.jsonfile import StateFileError, read_json
+from dpo_state.layout import resolve
+from dpo_state.state import IDENTITY_PARTS, STATE_FILE, differences, read_state
+
+DCP_METADATA = "dcp/.metadata"
+
+
+def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint holds, from its JSON files only (no tensor is read, nothing is unpickled)."""
+    directory = resolve(path)
+    committed = (directory / COMMIT_FILE).is_file()
+    state = read_state(directory)
+    files = read_commit(directory)["files"] if committed else []
+    ranks = []
+    for entry in state["ranks"]:
+        rank_file = directory / entry["state"]
+        position = read_json(rank_file)["loader"]["position"] if rank_file.is_file() else None
+        ranks.append({"rank": entry["rank"], "file": entry["state"], "loader_position": position})
+    identity = state["identity"]
+    return {
+        "path": str(directory), "committed": committed, "format_version": state["format_version"],
+        "step": state["step"], "epoch": state["epoch"], "consumed": state["consumed"],
+        "files": len(files), "bytes": sum(f["bytes"] for f in files), "tensors": state["tensors"],
+        "ranks": ranks, "config_sha256": state["config_sha256"], "identity": identity,
+        "lineage": state["lineage"], "package": state["package"],
+    }
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """Every failure of a checkpoint: commit record, sizes, hashes, schemas, rank files. Empty = sound."""
+    try:
+        directory = resolve(path)
+    except FileNotFoundError as e:
+        return [str(e)]
+    problems = commit_problems(directory)
+    try:
+        state = read_state(directory)
+    except StateFileError as e:
+        return problems + [str(e)]
+    try:
+        listed = {f["path"] for f in read_commit(directory)["files"]}
+    except StateFileError:
+        listed = set()
+    for required in (STATE_FILE, DCP_METADATA):
+        if listed and required not in listed:
+            problems.append(f"{required}: not in the commit record")
+    for entry in state["ranks"]:
+        for name in (entry["state"], entry["rng"]):
+            if listed and name not in listed:
+                problems.append(f"{name}: rank {entry['rank']}'s file is not in the commit record")
+        try:
+            document = read_json(directory / entry["state"])
+            if not isinstance(document, dict) or "loader" not in document:
+                problems.append(f"{entry['state']}: not a rank state (no 'loader')")
+        except StateFileError as e:
+            problems.append(str(e))
+        problems += _rng_problems(directory / entry["rng"])
+    return sorted(set(problems), key=problems.index)
+
+
+def _rng_problems(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return [f"{path.name}: missing"]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if "cpu" not in f.keys():
+                return [f"{path.name}: no 'cpu' RNG state"]
+    except Exception as e:  # noqa: BLE001 - any parse failure of the header is a named problem
+        return [f"{path.name}: not a readable safetensors file ({e})"]
+    return []
+
+
+def diff_checkpoints(a: str | Path, b: str | Path, values: bool = False, atol: float = 0.0) -> dict[str, Any]:
+    """Differences between two checkpoints by section; with `values`, the largest absolute difference
+    per tensor (reads the tensors: DCP metadata is hash-checked against each commit record first)."""
+    da, db = resolve(a), resolve(b)
+    sa, sb = read_state(da), read_state(db)
+    sections: dict[str, list] = {}
+    sections["config"] = _lines(differences(_without(sa["config"], "train.output_dir"),
+                                            _without(sb["config"], "train.output_dir")))
+    for part in IDENTITY_PARTS:
+        sections[part] = _lines(differences(sa["identity"][part], sb["identity"][part]))
+    sections["positions"] = _lines(differences(
+        {"step": sa["step"], "epoch": sa["epoch"], "loader": sa["loader"]["position"], "consumed": sa["consumed"]},
+        {"step": sb["step"], "epoch": sb["epoch"], "loader": sb["loader"]["position"], "consumed": sb["consumed"]}))
+    sections["scheduler_state"] = _lines(differences(sa["scheduler_state"], sb["scheduler_state"]))
+    result: dict[str, Any] = {"a": str(da), "b": str(db), "sections": {k: v for k, v in sections.items() if v}}
+    if values:
+        result["tensors"] = _tensor_differences(da, db, atol)
+    result["equal"] = not result["sections"] and not (values and result["tensors"]["differ"])
+    return result
+
+
+def _without(config: dict, dotted: str) -> dict:
+    section, key = dotted.split(".")
+    return {**config, section: {k: v for k, v in config.get(section, {}).items() if k != key}}
+
+
+def _lines(diffs: list) -> list[dict]:
+    return [{"path": p, "a": x, "b": y} for p, x, y in diffs]
+
+
+def _tensor_differences(da: Path, db: Path, atol: float) -> dict[str, Any]:
+    ta, tb = load_tensors(da), load_tensors(db)
+    rows, differ = [], 0
+    for key in sorted(set(ta) | set(tb)):
+        if key not in ta or key not in tb:
+            rows.append({"tensor": key, "max_abs_diff": None, "note": "only in " + ("a" if key in ta else "b")})
+            differ += 1
+            continue
+        x, y = ta[key], tb[key]
+        if x.shape != y.shape:
+            rows.append({"tensor": key, "max_abs_diff": None, "note": f"shape {list(x.shape)} vs {list(y.shape)}"})
+            differ += 1
+            continue
+        gap = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        rows.append({"tensor": key, "max_abs_diff": gap})
+        differ += gap > atol
+    return {"count": len(rows), "differ": differ, "atol": atol, "per_tensor": rows}
+
+
+def load_tensors(directory: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint's DCP state, flattened by name, on CPU, without a process group.
+    DCP's `.metadata` is a pickle, and DCP stores non-tensor values (optimizer hyperparameters) as
+    pickled bytes: every file must match the commit record before DCP may read any of them."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    problems = commit_problems(directory)
+    if problems:
+        raise StateFileError(f"{directory}: refusing to let DCP read it: " + "; ".join(problems))
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        state = _load_state_dict_from_keys(checkpoint_id=str(directory / "dcp"))
+    flat: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        prefix, item = stack.pop()
+        if isinstance(item, dict):
+            stack += [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            stack += [(f"{prefix}[{i}]", v) for i, v in enumerate(item)]
+        elif torch.is_tensor(item):
+            flat[prefix] = item
+    return flat

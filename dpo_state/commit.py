@@ -1,0 +1,71 @@
+"""The commit record: the last file of a checkpoint, listing every other file with its bytes and sha256."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpo_state.digest import sha256_file
+from dpo_state.jsonfile import StateFileError, read_json, write_json_atomic
+from dpo_state.schema import schema_problems
+
+COMMIT_FORMAT_VERSION = 1
+COMMIT_SCHEMA = "checkpoint-commit"
+COMMIT_FILE = "commit.json"
+
+
+def write_commit(directory: str | Path, step: int) -> dict:
+    """Hash every file under `directory` and write `commit.json` by atomic rename. From that moment
+    the checkpoint exists; before it, it is incomplete and is never loaded."""
+    directory = Path(directory)
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel in (COMMIT_FILE, COMMIT_FILE + ".tmp"):
+            continue
+        files.append({"path": rel, "bytes": path.stat().st_size, "sha256": "sha256:" + sha256_file(path)})
+    record = {"format_version": COMMIT_FORMAT_VERSION, "step": step, "files": files}
+    write_json_atomic(directory / COMMIT_FILE, record)
+    return record
+
+
+def read_commit(directory: str | Path) -> dict:
+    """The commit record, schema-checked; raises StateFileError when missing or malformed."""
+    record = read_json(Path(directory) / COMMIT_FILE)
+    problems = schema_problems(COMMIT_SCHEMA, record)
+    if problems:
+        raise StateFileError(f"{Path(directory) / COMMIT_FILE} does not match its schema: " + "; ".join(problems))
+    if record["format_version"] != COMMIT_FORMAT_VERSION:
+        raise StateFileError(f"{Path(directory) / COMMIT_FILE} has format_version {record['format_version']}; "
+                             f"this version reads {COMMIT_FORMAT_VERSION}")
+    return record
+
+
+def commit_problems(directory: str | Path, hashes: bool = True, only: set[str] | None = None) -> list[str]:
+    """Every way the files of `directory` differ from its commit record: missing, resized, altered
+    (sha256, unless `hashes` is False), or present but unlisted. `only` limits the check to those paths."""
+    directory = Path(directory)
+    try:
+        record = read_commit(directory)
+    except StateFileError as e:
+        return [str(e)]
+    problems, listed = [], set()
+    for entry in record["files"]:
+        rel = entry["path"]
+        listed.add(rel)
+        if only is not None and rel not in only:
+            continue
+        path = directory / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"{rel}: a path outside the checkpoint")
+        elif not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != entry["bytes"]:
+            problems.append(f"{rel}: {path.stat().st_size} bytes, the commit record says {entry['bytes']} (truncated or grown)")
+        elif hashes and "sha256:" + sha256_file(path) != entry["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the commit record (corrupted or replaced)")
+    if only is None:
+        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+            rel = path.relative_to(directory).as_posix()
+            if rel not in listed and rel != COMMIT_FILE:
+                problems.append(f"{rel}: present but not in the commit record")
+    return problems

@@ -1,0 +1,67 @@
+"""Where checkpoints live: OUTPUT/checkpoints/step-NNNNNN/; committed vs incomplete; latest; retention."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpo_state.commit import COMMIT_FILE
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A run's checkpoints by step: committed ones (commit record present) and incomplete ones."""
+
+    committed: list[tuple[int, Path]]
+    incomplete: list[tuple[int, Path]]
+
+    @property
+    def latest(self) -> Path | None:
+        return self.committed[-1][1] if self.committed else None
+
+
+def list_checkpoints(run_dir: str | Path) -> Listing:
+    root = Path(run_dir) / CHECKPOINTS
+    committed, incomplete = [], []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir():
+            (committed if (path / COMMIT_FILE).is_file() else incomplete).append((int(match.group(1)), path))
+    return Listing(sorted(committed), sorted(incomplete))
+
+
+def resolve(path: str | Path) -> Path:
+    """A step directory as given, or for a run's output directory its latest committed step."""
+    path = Path(path)
+    if (path / COMMIT_FILE).is_file() or _STEP_DIR.match(path.name):
+        return path
+    listing = list_checkpoints(path)
+    if listing.latest is None:
+        raise FileNotFoundError(f"{path} holds no committed checkpoint (looked in {path / CHECKPOINTS}); "
+                                "give a step directory or a run's output directory")
+    return listing.latest
+
+
+def retain(run_dir: str | Path, keep_last: int, writing: Path | None = None) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last`, and incomplete ones older than the
+    newest committed. Never the newest committed one, never `writing`. Returns what was deleted."""
+    listing = list_checkpoints(run_dir)
+    keep = {p for _, p in listing.committed[-max(1, keep_last):]}
+    newest = listing.committed[-1][0] if listing.committed else -1
+    doomed = [p for _, p in listing.committed if p not in keep]
+    doomed += [p for s, p in listing.incomplete if s < newest]
+    doomed = [p for p in doomed if writing is None or p.resolve() != Path(writing).resolve()]
+    for path in doomed:
+        # remove the commit record first: a half-deleted checkpoint must read as incomplete, never as committed
+        (path / COMMIT_FILE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -1,0 +1,70 @@
+"""The global checkpoint state (state.json): what a run was, where it stood, and the identity checks on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dpo_state.jsonfile import StateFileError, read_json
+from dpo_state.schema import schema_problems
+
+CHECKPOINT_FORMAT_VERSION = 1
+STATE_SCHEMA = "checkpoint-state"
+STATE_FILE = "state.json"
+IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "scheduler", "layout")
+ELASTIC_LAYOUT = ("world_size", "strategy", "max_tokens_per_microbatch", "num_workers")
+"""Layout keys that may change on resume in `pairs` batching: the loader re-deals the same steps."""
+
+
+def read_state(directory: str | Path) -> dict:
+    """state.json of a checkpoint, schema-checked, format version checked."""
+    path = Path(directory) / STATE_FILE
+    state = read_json(path)
+    problems = schema_problems(STATE_SCHEMA, state)
+    if problems:
+        raise StateFileError(f"{path} does not match schemas/checkpoint-state.schema.json:\n  - " + "\n  - ".join(problems))
+    if state["format_version"] != CHECKPOINT_FORMAT_VERSION:
+        raise StateFileError(f"{path} has format_version {state['format_version']}; this version of dpo-toolkit "
+                             f"reads {CHECKPOINT_FORMAT_VERSION}: use the version that wrote it")
+    return state
+
+
+def normalized(value: Any) -> Any:
+    """The JSON form of a value (tuples become lists), so saved and live identities compare equal."""
+    return orjson.loads(orjson.dumps(value))
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(path, a value, b value) for every leaf that differs between two JSON values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += differences(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            out += differences(x, y, f"{path}[{i}]")
+        return out
+    return [] if a == b else [(path, a, b)]
+
+
+def identity_mismatches(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """Compare a checkpoint's identity with the run's. Returns (mismatches, elastic changes): layout keys
+    in ELASTIC_LAYOUT may differ when both use `pairs` batching; anything else is a mismatch."""
+    saved, current = normalized(saved), normalized(current)
+    elastic_ok = saved.get("layout", {}).get("batching") == "pairs" == current.get("layout", {}).get("batching")
+    mismatches, elastic = [], []
+    for part in IDENTITY_PARTS:
+        for path, was, now in differences(saved.get(part), current.get(part), part):
+            line = f"{path}: checkpoint {_short(was)}, this run {_short(now)}"
+            key = path.split(".", 1)[1] if "." in path else ""
+            (elastic if part == "layout" and elastic_ok and key in ELASTIC_LAYOUT else mismatches).append(line)
+    return mismatches, elastic
+
+
+def _short(value: Any) -> str:
+    text = orjson.dumps(value).decode() if not isinstance(value, str) else value
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,186 @@
+"""Checkpoints end to end through the real CLI: exact resume after a real SIGKILL, crash safety during saves,
+fail-closed identity checks, retention, and a failing save on one rank committing nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import chat, write_jsonl
+
+MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+TIMING = ("pairs/s", "tokens/s")
+
+
+@pytest.fixture(scope="module")
+def small_dataset(smollm2_dir, tmp_path_factory):
+    """24 pairs: 6 steps of 4 pairs per epoch, so runs cross epoch boundaries quickly."""
+    from dpo_data.build import BuildOptions, build
+
+    tmp = tmp_path_factory.mktemp("small")
+    rows = [chat(f"What is {i} plus {i * 3}?", f"It is {4 * i}." + " Indeed." * (i % 5),
+                 f"It is {4 * i + 1}." + " Hmm." * (i % 3)) for i in range(24)]
+    result = build([str(write_jsonl(tmp / "pairs.jsonl", rows))], str(smollm2_dir), tmp / "data", BuildOptions())
+    assert result.manifest["totals"]["pairs"] == 24
+    return tmp / "data"
+
+
+def config(tmp_path, dataset, tokenizer, name, **over) -> tuple:
+    out = tmp_path / name
+    c = {
+        "model": {"init": {"config": MODEL, "seed": 0}, "tokenizer": str(tokenizer)},
+        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": 256},
+        "optim": {"lr": 1.0e-3, "scheduler": "cosine", "warmup_steps": 2},
+        "train": {"output_dir": str(out), "max_steps": 8, "epochs": 3, "save_every": 1, "keep_last": 2},
+        "distributed": {"strategy": "fsdp"},
+    }
+    for key, value in over.items():
+        section, name_ = key.split("__")
+        c[section][name_] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(c))
+    return path, out
+
+
+def train(path, *extra, nproc=1, env=None, check=0):
+    args = [sys.executable, "-m", "cli.train", str(path), "--quiet", *extra]
+    if nproc > 1:
+        args += ["--nproc-per-node", str(nproc)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
+                          start_new_session=True)
+    if check is not None:
+        assert proc.returncode == check, proc.stderr[-4000:]
+    return proc
+
+
+def state_cli(*args):
+    return subprocess.run([sys.executable, "-m", "cli.state", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def metrics(out):
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING}
+            for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+CASES = [  # (k, world, workers, batching): mid-epoch, at the epoch boundary (step 6), in the last steps
+    (3, 1, 0, "pairs"), (6, 1, 0, "pairs"), (7, 1, 0, "pairs"),
+    (6, 2, 0, "pairs"), (3, 1, 2, "tokens"), (7, 2, 2, "tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
+    """One uninterrupted run per (world, workers, batching), computed on first use."""
+    runs = {}
+
+    def get(world, workers, batching):
+        key = (world, workers, batching)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("full")
+            path, out = config(tmp, small_dataset, smollm2_dir, "full", data__num_workers=workers,
+                               data__batching=batching, distributed__strategy="fsdp" if world > 1 else "ddp")
+            train(path, nproc=world)
+            runs[key] = out
+        return runs[key]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k, world, workers, batching", CASES)
+def test_sigkill_after_step_k_then_resume_is_bitwise_identical(k, world, workers, batching, uninterrupted,
+                                                               small_dataset, smollm2_dir, tmp_path):
+    full = uninterrupted(world, workers, batching)
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "cut", data__num_workers=workers,
+                       data__batching=batching, distributed__strategy="fsdp" if world > 1 else "ddp")
+    killed = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
+    assert killed.returncode != 0  # the process group died by SIGKILL right after committing step k
+    assert json.loads(state_cli("inspect", out, "--json").stdout)["step"] == k
+    resumed = train(path, nproc=world)
+    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed.stderr
+    assert metrics(resumed_out := out) == metrics(full)  # every step's metrics, timing aside
+    same = state_cli("diff", full, resumed_out, "--values")
+    assert same.returncode == 0, same.stdout[-3000:]  # model and optimizer state bitwise equal (atol 0)
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(small_dataset, smollm2_dir, tmp_path, uninterrupted):
+    """Kills at each phase of a save, and at random moments: the latest committed checkpoint always
+    verifies, the partial one is reported and ignored, and the resumed run still ends identical."""
+    full = uninterrupted(1, 0, "pairs")
+    rng = random.Random(0)
+    kills = [f"in-save:{s}:{phase}" for s, phase in ((2, "after-dcp"), (3, "after-rank-files"),
+                                                     (4, "after-state"), (5, "after-commit"))]
+    kills += ["random"] * 6
+    for trial, kill in enumerate(kills):
+        path, out = config(tmp_path, small_dataset, smollm2_dir, f"crash{trial}")
+        if kill == "random":
+            _kill_at_random(path, rng)
+        else:
+            assert train(path, env={"DPO_TRAIN_KILL": kill}, check=None).returncode != 0
+        checkpoints = sorted((out / "checkpoints").glob("step-*"))
+        committed = [c for c in checkpoints if (c / "commit.json").is_file()]
+        if committed:
+            assert state_cli("verify", out).returncode == 0, f"trial {trial} ({kill})"
+        resumed = train(path)
+        partial = [c for c in checkpoints if c not in committed]
+        for c in partial:
+            if int(c.name[5:]) > (int(committed[-1].name[5:]) if committed else -1):
+                assert f"ignoring incomplete checkpoint {c}" in resumed.stderr
+        assert metrics(out) == metrics(full), f"trial {trial} ({kill})"
+
+
+def _kill_at_random(path, rng) -> None:
+    """Start a run, wait for its first commit, then SIGKILL its process group a random moment later."""
+    out = yaml.safe_load(path.read_text())["train"]["output_dir"]
+    proc = subprocess.Popen([sys.executable, "-m", "cli.train", str(path), "--quiet"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list((Path(out) / "checkpoints").glob("*/commit.json")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 0.25))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, smollm2_dir, tmp_path):
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "run", train__max_steps=2)
+    train(path)
+    changed = train(path, "--set", "loss.beta=0.2", "--set", "optim.eps=1e-6", "--set", "data.seed=1",
+                    "--set", "train.max_steps=4", check=2)
+    for expected in ("objective.beta: checkpoint 0.1, this run 0.2", "optimizer.hyperparameters[0].eps",
+                     "layout.data_seed: checkpoint 0, this run 1", "train.weights_from", "refusing to resume"):
+        assert expected in changed.stderr
+    tokens = train(path, "--set", "data.batching=tokens", "--set", "train.max_steps=4", check=2)
+    assert "layout.batching: checkpoint pairs, this run tokens" in tokens.stderr
+    never = train(path, "--set", "train.resume=never", check=2)
+    assert "already holds committed checkpoints" in never.stderr
+    fresh = config(tmp_path, small_dataset, smollm2_dir, "fresh", train__max_steps=1, train__save_every=0,
+                   train__weights_from=str(out))[0]
+    train(fresh)  # a new run from the weights alone: allowed, explicitly
+
+
+@pytest.mark.slow
+def test_retention_keeps_the_newest_and_a_failing_save_on_one_rank_commits_nothing(small_dataset, smollm2_dir,
+                                                                                    tmp_path):
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "keep", train__max_steps=5)
+    train(path)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "fault", train__max_steps=4, train__save_every=2)
+    failed = train(path, nproc=2, env={"DPO_TRAIN_SAVE_FAULT": "1:4"}, check=1)
+    assert "saving step 4 failed, nothing was committed" in failed.stderr and "rank 1: OSError" in failed.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    assert state_cli("verify", out).returncode == 0
