@@ -93,7 +93,8 @@ def save(trainer, loader, out: Path, lineage: dict) -> Path:
     _agree(step, world)  # every rank is at the same step before anyone writes
     directory = step_dir(out, step)
     if rank == 0:
-        if directory.exists():  # a leftover from a save that never committed (a committed one is never redone)
+        if directory.exists():  # a save that never committed, or a damaged checkpoint resume skipped
+            (directory / "commit.json").unlink(missing_ok=True)  # first: a half-removed one reads as incomplete
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
     _barrier(world)
