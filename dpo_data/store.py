@@ -53,6 +53,11 @@ class PairStore:
         self._open()
 
     @property
+    def tokenizer_attestation(self) -> dict:
+        """The tokenizer attestation (v2) the datasets were built with (one tokenizer for all of them)."""
+        return self._manifests[0]["tokenizer"]
+
+    @property
     def num_pairs(self) -> int:
         return int(self.dataset_offsets[-1])
 

@@ -59,7 +59,7 @@ def run_identity(trainer, loader) -> dict:
     return normalized({
         "dataset": {"fingerprint": store.fingerprint, "datasets": store.dataset_fingerprints,
                     "num_pairs": store.num_pairs},
-        "tokenizer": {"fingerprint": store.tokenizer_fingerprint},
+        "tokenizer": {"fingerprint": store.tokenizer_fingerprint, "attestation": store.tokenizer_attestation},
         "reference": {"mode": config.reference.mode if config.loss.needs_reference else "none",
                       "weights_fingerprint": trainer.weights,
                       "sidecar_table": trainer.table.sha256 if trainer.table is not None else None},

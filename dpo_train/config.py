@@ -44,6 +44,8 @@ class ModelConfig:
     """Random initialization instead of `path`: {config: FILE_OR_MAPPING, seed: 0} (for tests)."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
+    attention: str = "auto"
+    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, else sdpa) | sdpa | eager | flash_attention_2."""
 
 
 @dataclass(frozen=True)

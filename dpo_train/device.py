@@ -64,3 +64,15 @@ def placement(device_kind: str, precision: str) -> Placement:
     if precision == "auto":
         precision = "bf16" if kind == "npu" or (kind == "cuda" and torch.cuda.is_bf16_supported()) else "fp32"
     return Placement(device, _BACKENDS[kind], precision)
+
+
+def attention_for(requested: str, place: Placement) -> str:
+    """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed), else sdpa, which
+    keeps packed segments apart through position_ids (REFERENCE.md §3)."""
+    if requested != "auto":
+        if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
+            raise ConfigError("model.attention flash_attention_2 needs distributed.device cuda and train.precision "
+                              "bf16; use auto or sdpa")
+        return requested
+    usable = place.device.type == "cuda" and place.precision == "bf16" and importlib.util.find_spec("flash_attn")
+    return "flash_attention_2" if usable else "sdpa"

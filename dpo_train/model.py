@@ -7,18 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from dpo_train.config import ConfigError, ModelConfig
 
 
-def load_policy(config: ModelConfig) -> Any:
-    """The policy in fp32 with sdpa attention (packed rows need sdpa or eager on CPU)."""
+def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
+    """The policy in fp32 (master weights) with `attention`: sdpa on CPU (packed rows need sdpa or
+    eager there), flash_attention_2 (varlen over the packed segments) on CUDA when installed."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_logging.disable_progress_bar()  # our own progress line is the one to read
 
     if config.path:
         if not Path(config.path).is_dir():
             raise ConfigError(f"model.path {config.path} is not a directory; give a local Hugging Face model directory")
-        return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation=attention)
     if not config.init or "config" not in config.init:
         raise ConfigError("model needs path: DIR, or init: {config: FILE_OR_MAPPING, seed: 0}")
     spec = config.init["config"]
@@ -28,7 +32,7 @@ def load_policy(config: ModelConfig) -> Any:
         hf_config = AutoConfig.for_model(model_type, **spec)
     else:
         hf_config = AutoConfig.from_pretrained(spec)
-    hf_config._attn_implementation = "sdpa"
+    hf_config._attn_implementation = attention
     torch.manual_seed(int(config.init.get("seed", 0)))
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dpo_data.store import PairStore
 from dpo_train.config import ConfigError, TrainConfig
-from dpo_train.device import placement
+from dpo_train.device import attention_for, placement
 from dpo_train.model import load_policy, prepare_for_training
 from dpo_train.reference import weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
@@ -26,7 +26,7 @@ def precompute_reference(config: TrainConfig) -> Path:
     place = placement(config.distributed.device, config.train.precision)
     rank, _ = _init_distributed(place)
     store = PairStore(_paths(config))
-    model = load_policy(config.model)
+    model = load_policy(config.model, attention_for(config.model.attention, place))
     prepare_for_training(model)  # same dropout settings as the trainer's reference
     weights = weights_fingerprint(model)
     model.to(place.device)

@@ -20,7 +20,7 @@ from dpo_data.schedule import LoaderConfig
 from dpo_data.store import PairStore
 from dpo_train.checkpointing import check_resume_config, find_resume, load_weights, new_lineage, restore, save
 from dpo_train.config import ConfigError, TrainConfig
-from dpo_train.device import Placement, placement
+from dpo_train.device import Placement, attention_for, placement
 from dpo_train.evaluation import Evaluator
 from dpo_train.logps import pair_logps
 from dpo_train.loss import pair_losses
@@ -45,7 +45,7 @@ class Trainer:
         self.config, self.place, self.rank, self.world = config, place, rank, world
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
-        policy = load_policy(config.model)
+        policy = load_policy(config.model, attention_for(config.model.attention, place))
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)

@@ -21,14 +21,28 @@ for split in train heldout; do
 done
 echo; echo "== dpo-data plan (train, 2 ranks, 32 pairs per step, 512-token micro-batches)"
 dpo-data plan "$out/train" --batching pairs --world-size 2 --pairs-per-step 32 --max-tokens-per-microbatch 512 --steps 2
-echo; echo "== dpo-train (SmolLM2-135M-Instruct, 4 steps of 8 pairs, CPU)"
-rm -rf runs/demo/train
-dpo-train examples/demo-train.yaml --set "model.path=$model" --set "data.path=$out/train"
+ref=runs/demo/reference
+sets=(--set "model.path=$model" --set "data.path=$out/train" --set "reference.path=$ref" --set "eval.path=$out/heldout")
+echo; echo "== dpo-train --precompute-reference (the reference's log-probs, once)"
+rm -rf runs/demo/train "$ref"
+dpo-train examples/demo-train.yaml "${sets[@]}" --precompute-reference
+echo; echo "== dpo-train (SmolLM2-135M-Instruct, 24 steps of 8 pairs, CPU, a checkpoint every 12 steps)"
+dpo-train examples/demo-train.yaml "${sets[@]}"
+echo; echo "== dpo-state inspect (the last checkpoint) and verify"
+dpo-state inspect runs/demo/train
+dpo-state verify runs/demo/train
+echo; echo "== held-out preference accuracy ($out/heldout)"
 python - <<'PY'
 import json
-for line in open("runs/demo/train/metrics.jsonl"):
-    m = json.loads(line)
-    print(f"step {m['step']}: loss {m['loss']:.4f}  accuracy {m['rewards/accuracies']:.3f}  "
-          f"margin {m['rewards/margins']:+.4f}  {m['pairs']} pairs  {m['tokens/s']:.0f} tokens/s")
+rows = [json.loads(line) for line in open("runs/demo/train/eval.jsonl")]
+before, after = rows[0], rows[-1]
+print(f"pairs whose chosen margin over the reference is positive: {before['accuracy']:.1%} before "
+      f"(step {before['step']}: policy = reference, every margin ties) -> {after['accuracy']:.1%} after "
+      f"(step {after['step']}), mean margin {after['margin']:+.3f}")
+print(f"pairs whose chosen completion is more likely than the rejected one (policy alone): "
+      f"{before['logp_accuracy']:.1%} -> {after['logp_accuracy']:.1%}")
+m = [json.loads(line) for line in open("runs/demo/train/metrics.jsonl")]
+print(f"training: {len(m)} steps, loss {m[0]['loss']:.4f} -> {m[-1]['loss']:.4f}, "
+      f"{sum(r['pairs'] for r in m)} pairs, {sum(r['pairs'] for r in m) / sum(r['pairs'] / r['pairs/s'] for r in m):.2f} pairs/s")
 PY
-echo; echo "demo done: datasets in $out/, training run in runs/demo/train/ (metrics.jsonl, final/)"
+echo; echo "demo done: datasets in $out/, run in runs/demo/train/ (metrics.jsonl, eval.jsonl, checkpoints/, final/)"

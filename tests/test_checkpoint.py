@@ -166,6 +166,8 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
         assert expected in changed.stderr
     tokens = train(path, "--set", "data.batching=tokens", "--set", "train.max_steps=4", check=2)
     assert "layout.batching: checkpoint pairs, this run tokens" in tokens.stderr
+    by_path = train(path, "--set", f"train.resume={out / 'checkpoints' / 'step-000001'}")
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in by_path.stderr
     never = train(path, "--set", "train.resume=never", check=2)
     assert "already holds committed checkpoints" in never.stderr
     fresh = config(tmp_path, small_dataset, smollm2_dir, "fresh", train__max_steps=1, train__save_every=0,

@@ -20,6 +20,7 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
         "optim": {"lr": 1.0e-3},
         "train": {"output_dir": str(out), "max_steps": 3},
         "distributed": {"strategy": strategy},
+        "eval": {"path": str(dataset)},
     }
     path = tmp_path / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -83,6 +84,9 @@ def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
     one, two = load_file(single / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
+    evals = [[json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()] for run in (single, out)]
+    assert [e["step"] for e in evals[1]] == [0, 3] and evals[1][1]["pairs"] == 342  # scored across both ranks
+    assert evals[1][1]["margin"] == pytest.approx(evals[0][1]["margin"], abs=1e-4)
 
 
 def test_a_config_error_exits_2_naming_the_key(tmp_path):
@@ -127,7 +131,7 @@ def test_a_precomputed_reference_trains_like_the_live_one(single, sample_dataset
     assert "reference sidecar written" in run(config, "--precompute-reference", *ref).stdout
     document = json.loads((sidecar / "reference.json").read_text())
     assert document["dataset"]["num_pairs"] == 342 and document["reference"]["precision"] == "fp32"
-    run(config, *ref, "--set", f"eval.path={sample_dataset}")
+    run(config, *ref)
     for a, b in zip(metrics(single), metrics(out)):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=1e-5)
