@@ -60,7 +60,7 @@ def inspect(path, as_json) -> None:
         f"dataset     {ident['dataset']['fingerprint']} ({ident['dataset']['num_pairs']} pairs)",
         f"tokenizer   {ident['tokenizer']['fingerprint']}",
         f"reference   {ident['reference']['mode']}, weights {ident['reference']['weights_fingerprint']}",
-        f"objective   " + ", ".join(f"{k}={v}" for k, v in ident["objective"].items()),
+        "objective   " + ", ".join(f"{k}={v}" for k, v in ident["objective"].items()),
         f"optimizer   {ident['optimizer']['class']}, {len(ident['optimizer']['parameters'])} parameters, "
         + ", ".join(f"{k}={v}" for k, v in ident["optimizer"]["hyperparameters"][0].items()),
         f"scheduler   {ident['scheduler']['class']} ({ident['scheduler']['kind']})",

@@ -202,6 +202,9 @@ def _check_settings(config: TrainConfig) -> None:
     if config.loss.needs_reference and config.reference.mode == "none":
         raise ConfigError(f"loss.type {config.loss.type} needs a reference; set reference.mode: live or "
                           "precomputed, or use simpo")
+    if not config.data.path:
+        raise ConfigError("data.path is empty; set it to a dataset directory written by `dpo-data build` "
+                          "(or a list of them)")
 
 
 def _fault(rank: int) -> Callable[[int], None]:

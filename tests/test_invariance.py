@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import socket
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp

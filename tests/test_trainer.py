@@ -97,11 +97,11 @@ def test_a_config_error_exits_2_naming_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.save_every=5", "checkpoints are not built yet"),
+    ("data.path=''", "data.path is empty"),
     ("reference.mode=precomputed", "reference.path is empty"),
     ("reference.mode=none", "needs a reference"),
 ])
-def test_unbuilt_settings_fail_loudly(tmp_path, override, message):
+def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, override, message):
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: /nowhere}\n")
     proc = subprocess.run([sys.executable, "-m", "cli.train", str(path), "--set", override],
