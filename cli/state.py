@@ -29,8 +29,9 @@ def main() -> None:
     """Audit training checkpoints (docs/checkpoints.md).
 
     PATH is a step directory (OUTPUT/checkpoints/step-NNNNNN) or a run's output directory, which means
-    its latest committed checkpoint. State files are JSON and safetensors; nothing is unpickled except
-    DCP's own metadata with `diff --values`, and only after its hash matched the commit record.
+    its latest committed checkpoint. State files are JSON and safetensors and are never unpickled; only
+    `diff --values` lets DCP read its own files (its metadata is a pickle), after every file's sha256
+    matched the commit record.
     """
 
 
