@@ -1,1 +1,1 @@
-"""The thin distributed DPO trainer; imports dpo_data and dpo_state (lands with issue 4)."""
+"""The thin distributed DPO trainer (dpo-train); imports dpo_data and dpo_state."""
