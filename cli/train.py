@@ -9,6 +9,8 @@ import traceback
 
 import click
 
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("config", metavar="CONFIG")
@@ -35,11 +37,13 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
     Exit 0 on success; 2 on a config, data, reference-sidecar or resume error; 1 when a rank fails
     (every rank stops, the failing rank names its error) or a save fails (nothing is committed).
     """
-    if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+    if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
                 "-m", "cli.train", config, *(a for o in overrides for a in ("--set", o)),
                 *(["--precompute-reference"] if precompute_reference else []), *(["--quiet"] if quiet else [])]
-        code = subprocess.call(args)
+        # rank variables inherited from an enclosing job would mislead torchrun's children: torchrun sets its own
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+        code = subprocess.call(args, env=env)
         if code:
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)

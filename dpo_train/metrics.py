@@ -31,12 +31,13 @@ def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> 
     sums.index_add_(0, 1 + batch["pair_source"].cpu().long(), per_pair)
 
 
-def step_record(sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float) -> dict:
+def step_record(sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float,
+                world_size: int = 1) -> dict:
     """The metrics.jsonl object of one optimizer step, from sums over all ranks."""
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
     return {
-        "step": step, "loss": s["loss"] / pairs, "rewards/chosen": s["chosen_reward"] / pairs,
+        "step": step, "world_size": world_size, "loss": s["loss"] / pairs, "rewards/chosen": s["chosen_reward"] / pairs,
         "rewards/rejected": s["rejected_reward"] / pairs, "rewards/accuracies": s["correct"] / pairs,
         "rewards/margins": s["margin"] / pairs, "logps/chosen": s["chosen_logp"] / pairs,
         "logps/rejected": s["rejected_logp"] / pairs,

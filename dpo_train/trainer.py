@@ -103,7 +103,7 @@ class Trainer:
             dist.all_reduce(sums)
             self.sums = sums.cpu()
         record = step_record(self.sums, self.sources, grad_norm, self.scheduler.get_last_lr()[0], self.step_index,
-                             time.perf_counter() - self._started)
+                             time.perf_counter() - self._started, self.world)
         for key in self.consumed:
             self.consumed[key] += record[key]
         self.sums.zero_()

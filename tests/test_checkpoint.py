@@ -199,4 +199,4 @@ def test_pairs_mode_resumes_elastically_on_another_world_size(small_dataset, smo
         assert (a["step"], a["pairs"], a["input_tokens"], a["sources"].keys()) == \
                (b["step"], b["pairs"], b["input_tokens"], b["sources"].keys())
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
-    assert len(metrics(out)) == 8
+    assert len(metrics(out)) == 8 and [r["world_size"] for r in metrics(out)] == [1] * 3 + [2] * 5

@@ -117,8 +117,13 @@ def _free_port() -> int:
 def _train(tmp_path, name, config, steps=None, world=1, use_loader=False, reduction="exact") -> dict:
     result = str(tmp_path / f"{name}-{reduction}.pt")
     args = (world, _free_port(), config, steps, use_loader, reduction, result)
-    if world == 1:
-        _worker(0, *args)
+    if world == 1:  # in this process: keep the rank variables the worker sets out of later tests' subprocesses
+        saved = dict(os.environ)
+        try:
+            _worker(0, *args)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
     else:
         mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return torch.load(result, weights_only=True)

@@ -79,6 +79,7 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
 def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir, tmp_path, strategy):
     out = tmp_path / f"two-{strategy}"
     run(write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy), "--nproc-per-node", "2")
+    assert {r["world_size"] for r in metrics(out)} == {2} and {r["world_size"] for r in metrics(single)} == {1}
     for a, b in zip(metrics(single), metrics(out)):
         assert a["pairs"] == b["pairs"] and a["input_tokens"] == b["input_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
