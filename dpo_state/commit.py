@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpo_state.digest import sha256_file
-from dpo_state.jsonfile import StateFileError, read_json, write_json_atomic
-from dpo_state.schema import schema_problems
+from dpo_state.jsonfile import StateFileError, read_document, write_json_atomic
 
 COMMIT_FORMAT_VERSION = 1
 COMMIT_SCHEMA = "checkpoint-commit"
@@ -30,14 +29,7 @@ def write_commit(directory: str | Path, step: int) -> dict:
 
 def read_commit(directory: str | Path) -> dict:
     """The commit record, schema-checked; raises StateFileError when missing or malformed."""
-    record = read_json(Path(directory) / COMMIT_FILE)
-    problems = schema_problems(COMMIT_SCHEMA, record)
-    if problems:
-        raise StateFileError(f"{Path(directory) / COMMIT_FILE} does not match its schema: " + "; ".join(problems))
-    if record["format_version"] != COMMIT_FORMAT_VERSION:
-        raise StateFileError(f"{Path(directory) / COMMIT_FILE} has format_version {record['format_version']}; "
-                             f"this version reads {COMMIT_FORMAT_VERSION}")
-    return record
+    return read_document(Path(directory) / COMMIT_FILE, COMMIT_SCHEMA, COMMIT_FORMAT_VERSION)
 
 
 def commit_problems(directory: str | Path, hashes: bool = True, only: set[str] | None = None) -> list[str]:

@@ -31,6 +31,20 @@ def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
         raise StateFileError(f"{path} is not valid JSON ({e}); the file is truncated or corrupted") from None
 
 
+def read_document(path: str | Path, schema: str, version: int) -> Any:
+    """A JSON document checked against `schemas/<schema>.schema.json` and its format version."""
+    from dpo_state.schema import schema_problems
+
+    document = read_json(path)
+    problems = schema_problems(schema, document)
+    if problems:
+        raise StateFileError(f"{path} does not match schemas/{schema}.schema.json:\n  - " + "\n  - ".join(problems))
+    if document["format_version"] != version:
+        raise StateFileError(f"{path} has format_version {document['format_version']}; this version of dpo-toolkit "
+                             f"reads {version}: use the version that wrote it")
+    return document
+
+
 def write_json_atomic(path: str | Path, document: Any) -> None:
     """Write `path` via a temporary file, fsync and rename: readers see the old file or the whole new one."""
     path = Path(path)

@@ -7,8 +7,7 @@ from typing import Any
 
 import orjson
 
-from dpo_state.jsonfile import StateFileError, read_json
-from dpo_state.schema import schema_problems
+from dpo_state.jsonfile import read_document
 
 CHECKPOINT_FORMAT_VERSION = 1
 STATE_SCHEMA = "checkpoint-state"
@@ -20,15 +19,7 @@ ELASTIC_LAYOUT = ("world_size", "strategy", "max_tokens_per_microbatch", "num_wo
 
 def read_state(directory: str | Path) -> dict:
     """state.json of a checkpoint, schema-checked, format version checked."""
-    path = Path(directory) / STATE_FILE
-    state = read_json(path)
-    problems = schema_problems(STATE_SCHEMA, state)
-    if problems:
-        raise StateFileError(f"{path} does not match schemas/checkpoint-state.schema.json:\n  - " + "\n  - ".join(problems))
-    if state["format_version"] != CHECKPOINT_FORMAT_VERSION:
-        raise StateFileError(f"{path} has format_version {state['format_version']}; this version of dpo-toolkit "
-                             f"reads {CHECKPOINT_FORMAT_VERSION}: use the version that wrote it")
-    return state
+    return read_document(Path(directory) / STATE_FILE, STATE_SCHEMA, CHECKPOINT_FORMAT_VERSION)
 
 
 def normalized(value: Any) -> Any:

@@ -8,6 +8,7 @@ is ever read; DCP's pickled `.metadata` is hash-checked before DCP opens it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -101,15 +102,15 @@ def save(trainer, loader, out: Path, lineage: dict) -> Path:
     failure = ""
     try:
         model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
-        with warnings.catch_warnings():  # DCP warns that one process means a single-process save: intended
-            warnings.filterwarnings("ignore", message=".*single process.*")
+        with _single_process_ok():
             # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
             writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
             dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, no_dist=world == 1)
         _kill_point(f"in-save:{step}:after-dcp")
         if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
             raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
-        _write_rank_files(directory, rank, loader)
+        loader_state = loader.state_dict()
+        _write_rank_files(directory, rank, loader_state)
         _kill_point(f"in-save:{step}:after-rank-files")
         tensors = {"model": _tensor_summary(model_state), "optim": _tensor_summary(optim_state)}
     except Exception as e:  # noqa: BLE001 - reported to every rank below
@@ -121,7 +122,8 @@ def save(trainer, loader, out: Path, lineage: dict) -> Path:
         raise CheckpointError(f"saving step {step} failed, nothing was committed (the previous checkpoint stays "
                               "the latest): " + "; ".join(failures))
     if rank == 0:
-        write_json_atomic(directory / STATE_FILE, _state_document(trainer, loader, tensors, lineage, world))
+        document = _state_document(trainer, loader, loader_state["position"], tensors, lineage, world)
+        write_json_atomic(directory / STATE_FILE, document)
         _kill_point(f"in-save:{step}:after-state")
         write_commit(directory, step)
         _kill_point(f"in-save:{step}:after-commit")
@@ -131,20 +133,19 @@ def save(trainer, loader, out: Path, lineage: dict) -> Path:
     return directory
 
 
-def _write_rank_files(directory: Path, rank: int, loader) -> None:
+def _write_rank_files(directory: Path, rank: int, loader_state: dict) -> None:
     from safetensors.torch import save_file
 
     state_name, rng_name = rank_files(rank)
-    write_json_atomic(directory / state_name, {"rank": rank, "loader": loader.state_dict()})
+    write_json_atomic(directory / state_name, {"rank": rank, "loader": loader_state})
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, str(directory / rng_name))
 
 
-def _state_document(trainer, loader, tensors: dict, lineage: dict, world: int) -> dict:
+def _state_document(trainer, loader, position: dict, tensors: dict, lineage: dict, world: int) -> dict:
     resolved = trainer.config.resolved()
-    position = loader.state_dict()["position"]
     return normalized({
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "step": trainer.step_index, "epoch": position["epoch"],
@@ -196,14 +197,7 @@ def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
                               "or set train.resume: auto")
         return None
     if mode != "auto":
-        try:
-            path = resolve(mode)
-        except FileNotFoundError as e:
-            raise ResumeError(f"train.resume: {e}") from None
-        problems = commit_problems(path)
-        if problems:
-            raise ResumeError(f"train.resume: checkpoint {path} does not verify:\n  - " + "\n  - ".join(problems))
-        return path
+        return _verified("train.resume", mode)
     listing = list_checkpoints(out)
     for step, path in listing.incomplete:
         _report(rank, f"ignoring incomplete checkpoint {path} (no commit record: a save that never finished)")
@@ -242,8 +236,7 @@ def restore(trainer, loader, path: Path) -> dict:
         raise ResumeError(f"checkpoint {path} changed while resuming:\n  - " + "\n  - ".join(problems))
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     loaded = {"model": model_state, "optim": optim_state}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
+    with _single_process_ok():
         dcp.load(loaded, checkpoint_id=str(path / DCP_DIR), no_dist=trainer.world == 1)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optim"])
@@ -268,18 +261,31 @@ def load_weights(policy, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     import torch.distributed.checkpoint as dcp
 
+    directory = _verified("train.weights_from", path)
+    state = {"model": get_model_state_dict(policy)}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(directory / DCP_DIR), no_dist=True)
+    set_model_state_dict(policy, state["model"])
+
+
+def _verified(key: str, path: str) -> Path:
+    """The checkpoint a setting names (a step or run directory), whose files match its commit record."""
     try:
         directory = resolve(path)
     except FileNotFoundError as e:
-        raise ResumeError(f"train.weights_from: {e}") from None
+        raise ResumeError(f"{key}: {e}") from None
     problems = commit_problems(directory)
     if problems:
-        raise ResumeError(f"train.weights_from: checkpoint {directory} does not verify:\n  - " + "\n  - ".join(problems))
-    state = {"model": get_model_state_dict(policy)}
+        raise ResumeError(f"{key}: checkpoint {directory} does not verify:\n  - " + "\n  - ".join(problems))
+    return directory
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns that an uninitialized process group means a single-process save or load: intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR), no_dist=True)
-    set_model_state_dict(policy, state["model"])
+        yield
 
 
 def _restore_rng(path: Path) -> None:

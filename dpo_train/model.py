@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from dpo_train.config import ConfigError, ModelConfig
 
@@ -16,6 +15,7 @@ def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
     """The policy in fp32 (master weights) with `attention`: sdpa on CPU (packed rows need sdpa or
     eager there), flash_attention_2 (varlen over the packed segments) on CUDA when installed."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress line is the one to read
 
