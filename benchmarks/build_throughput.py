@@ -6,7 +6,7 @@
 One run generates N conversational explicit-prompt pairs (TRL field names) deterministically into a
 temporary JSONL file and measures, for the same rows, at each process count:
 
-  ours   dpo_data.build.build(...): read, validate, render, tokenize, check prefix stability at
+  ours   dpo_data.prepare.build.build(...): read, validate, render, tokenize, check prefix stability at
          token level, write Arrow shards + rejects + manifest (fsynced), commit the directory.
   trl    TRL's real `DPOTrainer._prepare_dataset` (called on an instance from
          `DPOTrainer.__new__`) on a `datasets.Dataset` built from the same rows, with
@@ -78,10 +78,51 @@ small recent early late local global public private correct wrong strong weak br
 explain describe compare consider suggest include provide require allow ensure improve reduce
 increase change check verify update create delete remove replace convert translate calculate
 """.split()
-_RARE = ["café", "naïve", "façade", "Zürich", "São", "Paulo", "résumé", "jalapeño", "Ångström", "–", "€", "£",
-         "μs", "°C", "×", "≈", "François", "Kraków", "Dvořák"]
-_NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hiro", "Ines", "Jonas", "Python", "Rust",
-          "Linux", "PostgreSQL", "Kubernetes", "Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Monday", "March"]
+_RARE = [
+    "café",
+    "naïve",
+    "façade",
+    "Zürich",
+    "São",
+    "Paulo",
+    "résumé",
+    "jalapeño",
+    "Ångström",
+    "–",
+    "€",
+    "£",
+    "μs",
+    "°C",
+    "×",
+    "≈",
+    "François",
+    "Kraków",
+    "Dvořák",
+]
+_NAMES = [
+    "Alice",
+    "Bob",
+    "Chen",
+    "Dana",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Python",
+    "Rust",
+    "Linux",
+    "PostgreSQL",
+    "Kubernetes",
+    "Paris",
+    "Tokyo",
+    "Nairobi",
+    "Lima",
+    "Oslo",
+    "Monday",
+    "March",
+]
 _SYSTEMS = [
     "You are a helpful assistant.",
     "You are a concise technical assistant. Answer in at most three sentences.",
@@ -90,8 +131,20 @@ _SYSTEMS = [
     "You are a careful code reviewer. Point out bugs first, then style issues.",
     "Reply in plain English. If you are not sure, say so and explain what would settle it.",
 ]
-_OPENERS = ["Can you", "Could you", "Please", "How do I", "Why does", "What is the best way to", "Is it true that",
-            "I need to", "Help me", "Explain how to", "Compare", "Write a short note that"]
+_OPENERS = [
+    "Can you",
+    "Could you",
+    "Please",
+    "How do I",
+    "Why does",
+    "What is the best way to",
+    "Is it true that",
+    "I need to",
+    "Help me",
+    "Explain how to",
+    "Compare",
+    "Write a short note that",
+]
 
 
 def _token(rng: random.Random) -> str:
@@ -115,7 +168,7 @@ def _token(rng: random.Random) -> str:
         return f"{rng.randrange(1, 500)}{rng.choice(['kg', 'ms', 'GB', 'km', 'mL', 'px'])}"
     if r < 0.97:
         return rng.choice(_RARE)
-    return rng.choice(["(", "\"", "'"]) + rng.choice(_WORDS) + rng.choice([")", "\"", "'"])
+    return rng.choice(["(", '"', "'"]) + rng.choice(_WORDS) + rng.choice([")", '"', "'"])
 
 
 def _text(rng: random.Random, n_words: int, opener: bool = False) -> str:
@@ -173,8 +226,11 @@ def make_row(rng: random.Random) -> dict:
     rejected = _text(rng, rng.randint(20, 100))
     while rejected == chosen:
         rejected = _text(rng, rng.randint(20, 100))
-    return {"prompt": messages, "chosen": [{"role": "assistant", "content": chosen}],
-            "rejected": [{"role": "assistant", "content": rejected}]}
+    return {
+        "prompt": messages,
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
 
 
 def write_rows(path: Path, n: int, seed: int) -> None:
@@ -197,7 +253,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def run_ours(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
-    from dpo_data.build import BuildOptions, build
+    from dpo_data.prepare.build import BuildOptions, build
 
     out = work / f"ours-{time.monotonic_ns()}"
     t0 = time.perf_counter()
@@ -206,10 +262,16 @@ def run_ours(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     if result.error or result.manifest is None:
         raise SystemExit(f"build failed: {result.error}")
     totals = result.manifest["totals"]
-    return {"seconds": seconds, "pairs": result.pairs, "rows": result.rows_read, "rejected": result.rejected,
-            "tokens": totals["prompt_tokens"] + totals["completion_tokens"],
-            "prompt_tokens": totals["prompt_tokens"], "completion_tokens": totals["completion_tokens"],
-            "build_seconds": result.seconds}
+    return {
+        "seconds": seconds,
+        "pairs": result.pairs,
+        "rows": result.rows_read,
+        "rejected": result.rejected,
+        "tokens": totals["prompt_tokens"] + totals["completion_tokens"],
+        "prompt_tokens": totals["prompt_tokens"],
+        "completion_tokens": totals["completion_tokens"],
+        "build_seconds": result.seconds,
+    }
 
 
 def run_trl(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
@@ -222,8 +284,9 @@ def run_trl(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     datasets.logging.disable_progress_bar()
     # max_length=None: the same work as `build` with its default (no length bound). TRL's default
     # (1024) would add a filter pass over the dataset, slowing TRL down; we do not count that.
-    args = DPOConfig(output_dir=str(work / "trl-out"), dataset_num_proc=num_proc, max_length=None,
-                     report_to=[], use_cpu=True)
+    args = DPOConfig(
+        output_dir=str(work / "trl-out"), dataset_num_proc=num_proc, max_length=None, report_to=[], use_cpu=True
+    )
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     t1 = time.perf_counter()
@@ -233,11 +296,19 @@ def run_trl(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     trainer._tokenizer = tokenizer
     prepared = trainer._prepare_dataset(dataset, tokenizer, args, "train")
     t3 = time.perf_counter()
-    counts = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
-              for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
-    return {"seconds": t3 - t0, "pairs": len(prepared), "rows": len(dataset), "tokens": sum(counts.values()),
-            "prompt_tokens": counts["prompt_ids"], "completion_tokens": counts["chosen_ids"] + counts["rejected_ids"],
-            "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "prepare_dataset": t3 - t2}}
+    counts = {
+        c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
+        for c in ("prompt_ids", "chosen_ids", "rejected_ids")
+    }
+    return {
+        "seconds": t3 - t0,
+        "pairs": len(prepared),
+        "rows": len(dataset),
+        "tokens": sum(counts.values()),
+        "prompt_tokens": counts["prompt_ids"],
+        "completion_tokens": counts["chosen_ids"] + counts["rejected_ids"],
+        "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "prepare_dataset": t3 - t2},
+    }
 
 
 _floor: dict = {}
@@ -251,11 +322,11 @@ def _floor_encode(bounds: tuple[int, int]) -> tuple[int, int, int]:
     # In batches: one encode_batch_fast over all rows at once is slower (memory) than bounded batches.
     for batch in range(start, stop, FLOOR_BATCH_ROWS):
         texts: list[str] = []
-        for row in rows[batch:min(batch + FLOOR_BATCH_ROWS, stop)]:
+        for row in rows[batch : min(batch + FLOOR_BATCH_ROWS, stop)]:
             prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
             chosen = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
             rejected = tokenizer.apply_chat_template(row["prompt"] + row["rejected"], tokenize=False)
-            texts += (prompt, chosen[len(prompt):], rejected[len(prompt):])
+            texts += (prompt, chosen[len(prompt) :], rejected[len(prompt) :])
         lengths = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
         prompt_tokens += sum(lengths[0::3])
         completion_tokens += sum(lengths[1::3]) + sum(lengths[2::3])
@@ -282,9 +353,15 @@ def run_floor(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     t3 = time.perf_counter()
     _floor.clear()
     pairs, prompt, completion = (sum(p[i] for p in parts) for i in range(3))
-    return {"seconds": t3 - t0, "pairs": pairs, "rows": n, "tokens": prompt + completion,
-            "prompt_tokens": prompt, "completion_tokens": completion,
-            "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "render_encode": t3 - t2}}
+    return {
+        "seconds": t3 - t0,
+        "pairs": pairs,
+        "rows": n,
+        "tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "phases": {"load_tokenizer": t1 - t0, "read_rows": t2 - t1, "render_encode": t3 - t2},
+    }
 
 
 RUNNERS = {"ours": run_ours, "trl": run_trl, "floor": run_floor}
@@ -294,10 +371,11 @@ def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_
     """Warm up (imports, template compile, page cache) on a few rows, then time the full run once."""
     import logging
 
-    import dpo_data.build  # noqa: F401  -- imports outside the clock, for every method alike
-    import datasets  # noqa: F401
-    import trl.trainer.dpo_trainer  # noqa: F401
+    import datasets  # noqa: F401 - imported outside the clock, as below
+    import trl.trainer.dpo_trainer  # noqa: F401 - imported outside the clock, as below
     from transformers.utils import logging as hf_logging
+
+    import dpo_data.prepare.build  # noqa: F401 - imports outside the clock, for every method alike
 
     hf_logging.set_verbosity_error()
     logging.getLogger("trl").setLevel(logging.ERROR)
@@ -344,30 +422,46 @@ def _wait_quiet(max_wait: float, threshold: float = 0.3) -> None:
 
 
 def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str, threads: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", method, str(num_proc), str(data), str(warmup),
-           tokenizer_dir]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_child",
+        method,
+        str(num_proc),
+        str(data),
+        str(warmup),
+        tokenizer_dir,
+    ]
     env = dict(os.environ)
     if threads == "off":  # the Rust tokenizer's thread pool off: one core per process for every method
         env["TOKENIZERS_PARALLELISM"] = "false"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{method} num_proc={num_proc} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    line = next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
 
 
 def _summarize(runs: list[dict]) -> dict:
     seconds = [r["seconds"] for r in runs]
     med = statistics.median(seconds)
     first = runs[0]
-    return {"median_seconds": med, "min_seconds": min(seconds), "max_seconds": max(seconds),
-            "seconds": seconds, "pairs": first["pairs"], "tokens": first["tokens"],
-            "prompt_tokens": first["prompt_tokens"], "completion_tokens": first["completion_tokens"],
-            "pairs_per_s": first["pairs"] / med, "tokens_per_s": first["tokens"] / med,
-            "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
-            "other_load": [round(r["other_load"], 2) for r in runs if "other_load" in r],
-            "discarded": sum(r.get("discarded_before", 0) for r in runs),
-            "phases_median": {k: statistics.median(r["phases"][k] for r in runs) for k in first.get("phases", {})}}
+    return {
+        "median_seconds": med,
+        "min_seconds": min(seconds),
+        "max_seconds": max(seconds),
+        "seconds": seconds,
+        "pairs": first["pairs"],
+        "tokens": first["tokens"],
+        "prompt_tokens": first["prompt_tokens"],
+        "completion_tokens": first["completion_tokens"],
+        "pairs_per_s": first["pairs"] / med,
+        "tokens_per_s": first["tokens"] / med,
+        "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
+        "other_load": [round(r["other_load"], 2) for r in runs if "other_load" in r],
+        "discarded": sum(r.get("discarded_before", 0) for r in runs),
+        "phases_median": {k: statistics.median(r["phases"][k] for r in runs) for k in first.get("phases", {})},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,28 +472,43 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pairs", type=int, default=20_000, help="rows to generate (default 20000)")
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts (default 1 2)")
     parser.add_argument("--repeat", type=int, default=3, help="measurements per method and process count; median")
     parser.add_argument("--seed", type=int, default=1234, help="data seed (default 1234)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--tokenizer-threads", choices=["default", "off"], default="default",
-                        help="'off' sets TOKENIZERS_PARALLELISM=false for every method, so no process uses the "
-                             "Rust tokenizer's thread pool (batch encodes use ~1.5 cores per process otherwise)")
-    parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
-                        help="before each measurement wait up to S seconds for other jobs to leave the cores idle "
-                             "(default 120; 0 disables)")
-    parser.add_argument("--max-other-load", type=float, default=0.3, metavar="CORES",
-                        help="discard and redo a measurement during which other jobs kept more cores busy (default 0.3)")
+    parser.add_argument(
+        "--tokenizer-threads",
+        choices=["default", "off"],
+        default="default",
+        help="'off' sets TOKENIZERS_PARALLELISM=false for every method, so no process uses the "
+        "Rust tokenizer's thread pool (batch encodes use ~1.5 cores per process otherwise)",
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="before each measurement wait up to S seconds for other jobs to leave the cores idle "
+        "(default 120; 0 disables)",
+    )
+    parser.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.3,
+        metavar="CORES",
+        help="discard and redo a measurement during which other jobs kept more cores busy (default 0.3)",
+    )
     parser.add_argument("--retries", type=int, default=3, help="redos per measurement at most (default 3)")
     parser.add_argument("--json-out", default=None, help="also write the JSON summary to this file")
     args = parser.parse_args(argv)
 
     if args.tokenizer is None:
-        from dpo_data.smollm2 import materialize_smollm2
+        from dpo_train.bundled_model import materialize_smollm2
 
         args.tokenizer = str(materialize_smollm2())
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
@@ -407,8 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         write_rows(data, args.pairs, args.seed)
         write_rows(warmup, WARMUP_ROWS, args.seed + 1)
-        print(f"generated {args.pairs} pairs ({data.stat().st_size / 1e6:.1f} MB, seed {args.seed}) "
-              f"in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        print(
+            f"generated {args.pairs} pairs ({data.stat().st_size / 1e6:.1f} MB, seed {args.seed}) "
+            f"in {time.perf_counter() - t:.1f} s",
+            file=sys.stderr,
+        )
         runs: dict[tuple[str, int], list[dict]] = {}
         for rep in range(args.repeat):  # interleaved, so slow phases of a noisy machine hit every method
             for num_proc in args.procs:
@@ -418,13 +530,20 @@ def main(argv: list[str] | None = None) -> int:
                         r = _spawn(method, num_proc, data, warmup, args.tokenizer, args.tokenizer_threads)
                         if r.get("other_load", 0.0) <= args.max_other_load or attempt == args.retries:
                             break
-                        print(f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: discarded {r['seconds']:.2f} s, "
-                              f"other jobs kept {r['other_load']:.2f} cores busy; again", file=sys.stderr)
+                        print(
+                            f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: "
+                            f"discarded {r['seconds']:.2f} s, "
+                            f"other jobs kept {r['other_load']:.2f} cores busy; again",
+                            file=sys.stderr,
+                        )
                     r["discarded_before"] = attempt
                     runs.setdefault((method, num_proc), []).append(r)
-                    print(f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: {r['seconds']:7.2f} s  "
-                          f"{r['pairs'] / r['seconds']:8.0f} pairs/s  cpu {r['cpu_seconds']:.1f} s  "
-                          f"other load {r.get('other_load', float('nan')):.2f} cores", file=sys.stderr)
+                    print(
+                        f"[{rep + 1}/{args.repeat}] {method:5s} num_proc={num_proc}: {r['seconds']:7.2f} s  "
+                        f"{r['pairs'] / r['seconds']:8.0f} pairs/s  cpu {r['cpu_seconds']:.1f} s  "
+                        f"other load {r.get('other_load', float('nan')):.2f} cores",
+                        file=sys.stderr,
+                    )
 
     summary = {f"{m}@{n}": _summarize(rs) for (m, n), rs in runs.items()}
     ratios = {}
@@ -444,18 +563,25 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {k: v["tokens"] for k, v in summary.items()}
 
     print()
-    print(f"{args.pairs} pairs, {os.cpu_count()} CPUs, tokenizer threads {args.tokenizer_threads}, "
-          f"median of {args.repeat} (wall time from the JSONL file, "
-          "tokenizer load included; cpu s = CPU seconds incl. workers; other load = cores busy with other jobs)")
-    header = f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} {'cpu s':>6s} {'other load':>10s}"
+    print(
+        f"{args.pairs} pairs, {os.cpu_count()} CPUs, tokenizer threads {args.tokenizer_threads}, "
+        f"median of {args.repeat} (wall time from the JSONL file, "
+        "tokenizer load included; cpu s = CPU seconds incl. workers; other load = cores busy with other jobs)"
+    )
+    header = (
+        f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} "
+        f"{'cpu s':>6s} {'other load':>10s}"
+    )
     print(header)
     print("-" * len(header))
     for n in args.procs:
         for m in args.methods:
             s = summary[f"{m}@{n}"]
             spread = f"{s['min_seconds']:.2f}-{s['max_seconds']:.2f}"
-            print(f"{m:6s} {n:5d} {s['median_seconds']:8.2f} {spread:>13s} {s['pairs_per_s']:9.0f} "
-                  f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f} {_median_or_nan(s['other_load']):10.2f}")
+            print(
+                f"{m:6s} {n:5d} {s['median_seconds']:8.2f} {spread:>13s} {s['pairs_per_s']:9.0f} "
+                f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f} {_median_or_nan(s['other_load']):10.2f}"
+            )
     print()
     for k, v in ratios.items():
         print(f"{k:16s} {v:5.2f}")
@@ -463,10 +589,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target {k:18s} {'met' if v else 'MISSED'}")
     if len(set(tokens.values())) > 1:
         print(f"note: token totals differ between methods: {tokens}")
-    record = {"pairs": args.pairs, "seed": args.seed, "repeat": args.repeat, "cpus": os.cpu_count(),
-              "tokenizer_threads": args.tokenizer_threads,
-              "procs": args.procs, "results": summary, "ratios": ratios, "targets_met": targets,
-              "versions": _versions()}
+    record = {
+        "pairs": args.pairs,
+        "seed": args.seed,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "tokenizer_threads": args.tokenizer_threads,
+        "procs": args.procs,
+        "results": summary,
+        "ratios": ratios,
+        "targets_met": targets,
+        "versions": _versions(),
+    }
     line = json.dumps(record, sort_keys=True)
     print("JSON " + line)
     if args.json_out:
@@ -490,7 +624,9 @@ def _versions() -> dict:
     out = {"python": sys.version.split()[0], "dpo_data_path": str(src), "dpo_data_sha256": digest.hexdigest()[:16]}
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True, text=True
+        )
         if head.returncode == 0:
             out["dpo_data_git"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except OSError:

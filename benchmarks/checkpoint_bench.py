@@ -1,7 +1,8 @@
 """Checkpoint save and load against plain torch.save / torch.load of the same tensors; inspect and diff time.
 
 A random Llama (hidden 384, 4 layers, the SmolLM2 vocabulary of 49152: 45M parameters) trained one step
-with AdamW gives a checkpoint of about 540 MB (weights and two moments in fp32). Timed, each the median of --repeat runs:
+with AdamW gives a checkpoint of about 540 MB (weights and two moments in fp32). Timed, each the median of
+--repeat runs:
 - save: `dpo_train.checkpointing.save` (DCP with 2 writer threads and fsync, rank files, state.json,
   sha256 of every file, commit record) against `torch.save({"model", "optim"})` of the same state
   dicts to one file, and against the same torch.save followed by fsync (a durable save);
@@ -28,13 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 384, "intermediate_size": 1024,
-         "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 6}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+}
 
 
 def _dataset(work: Path) -> str:
-    from dpo_data.build import BuildOptions, build
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_data.prepare.build import BuildOptions, build
+    from dpo_train.bundled_model import materialize_smollm2
 
     data = work / "train"
     sample = ROOT / "examples" / "sample"
@@ -45,16 +53,22 @@ def _dataset(work: Path) -> str:
 
 def _trainer(data: str, out: Path):
 
-    from dpo_data.loader import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
     from dpo_train.config import load_config
     from dpo_train.device import placement
-    from dpo_train.trainer import Trainer, _loader_config
+    from dpo_train.trainer import Trainer
 
-    config = load_config({"model": {"init": {"config": MODEL, "seed": 0}}, "reference": {"mode": "none"},
-                          "loss": {"type": "simpo"}, "data": {"path": data, "pairs_per_step": 4},
-                          "train": {"output_dir": str(out), "save_every": 1, "keep_last": 100},
-                          "distributed": {"device": "cpu"}})
-    loader = DPOLoader([data], _loader_config(config, 0, 1), pad_to_multiple_of=8)
+    config = load_config(
+        {
+            "model": {"init": {"config": MODEL, "seed": 0}},
+            "reference": {"mode": "none"},
+            "loss": {"type": "simpo"},
+            "data": {"path": data, "pairs_per_step": 4},
+            "train": {"output_dir": str(out), "save_every": 1, "keep_last": 100},
+            "distributed": {"device": "cpu"},
+        }
+    )
+    loader = DPOLoader([data], config.data.loader_config(0, 1), pad_to_multiple_of=8)
     trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
     it = iter(loader)
     while True:  # one optimizer step, so the optimizer has its moments
@@ -93,19 +107,22 @@ def main() -> None:
     try:
         data = _dataset(work)
         trainer, loader = _trainer(data, work / "run")
+        parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, work / "run")
         model_sd, optim_sd = trainer.policy.state_dict(), trainer.optimizer.state_dict()
-        times: dict[str, list[float]] = {k: [] for k in ("save", "torch.save", "torch.save+fsync", "load", "torch.load",
-                                                         "inspect", "diff")}
+        times: dict[str, list[float]] = {
+            k: [] for k in ("save", "torch.save", "torch.save+fsync", "load", "torch.load", "inspect", "diff")
+        }
         for i in range(args.repeat):
             plain = work / f"plain-{i}.pt"
             times["torch.save"].append(_time(lambda: torch.save({"model": model_sd, "optim": optim_sd}, plain)))
             plain_bytes = plain.stat().st_size
             durable = work / f"durable-{i}.pt"
-            times["torch.save+fsync"].append(_time(lambda: _save_fsync(torch, {"model": model_sd, "optim": optim_sd},
-                                                                       durable)))
+            times["torch.save+fsync"].append(
+                _time(lambda: _save_fsync(torch, {"model": model_sd, "optim": optim_sd}, durable))
+            )
             durable.unlink()
-            trainer.step_index = i + 1
-            times["save"].append(_time(lambda: save(trainer, loader, work / "run", new_lineage())))
+            trainer.state.step = i + 1
+            times["save"].append(_time(lambda: save(parts, ctx, new_lineage())))
 
             def plain_load():
                 state = torch.load(plain, weights_only=True)
@@ -113,19 +130,24 @@ def main() -> None:
                 trainer.optimizer.load_state_dict(state["optim"])
 
             times["torch.load"].append(_time(plain_load))
-            times["load"].append(_time(lambda: restore(trainer, loader, step_dir(work / "run", i + 1))))
-            cli = [sys.executable, "-m", "cli.state"]
+            times["load"].append(_time(lambda: restore(parts, ctx, step_dir(work / "run", i + 1))))
+            cli = [sys.executable, "-m", "dpo_cli.state"]
             a, b = step_dir(work / "run", i + 1), step_dir(work / "run", max(1, i))
-            times["inspect"].append(_time(lambda: subprocess.run([*cli, "inspect", str(a)], check=True,
-                                                                 capture_output=True)))
+            times["inspect"].append(
+                _time(lambda: subprocess.run([*cli, "inspect", str(a)], check=True, capture_output=True))
+            )
             times["diff"].append(_time(lambda: subprocess.run([*cli, "diff", str(a), str(b)], capture_output=True)))
             plain.unlink()
         size = sum(p.stat().st_size for p in step_dir(work / "run", 1).rglob("*") if p.is_file())
         med = {k: statistics.median(v) for k, v in times.items()}
-        summary = {"checkpoint_bytes": size, "torch_save_bytes": plain_bytes, **{f"{k}_s": round(v, 3) for k, v in med.items()},
-                   "save / torch.save": round(med["save"] / med["torch.save"], 2),
-                   "save / (torch.save + fsync)": round(med["save"] / med["torch.save+fsync"], 2),
-                   "load / torch.load": round(med["load"] / med["torch.load"], 2)}
+        summary = {
+            "checkpoint_bytes": size,
+            "torch_save_bytes": plain_bytes,
+            **{f"{k}_s": round(v, 3) for k, v in med.items()},
+            "save / torch.save": round(med["save"] / med["torch.save"], 2),
+            "save / (torch.save + fsync)": round(med["save"] / med["torch.save+fsync"], 2),
+            "load / torch.load": round(med["load"] / med["torch.load"], 2),
+        }
         for key, value in summary.items():
             print(f"{key}: {value}")
         print("JSON " + json.dumps(summary))

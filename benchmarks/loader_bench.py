@@ -3,7 +3,7 @@
 
     python benchmarks/loader_bench.py [--quick] [--pairs 5000] [--repeat 11] [--workdir DIR]
 
-One run builds three datasets with `dpo_data.build.build` (SmolLM2-135M-Instruct tokenizer) into a
+One run builds three datasets with `dpo_data.prepare.build.build` (SmolLM2-135M-Instruct tokenizer) into a
 temporary directory:
 
   sample    every file of examples/sample/ (not heldout/, not README.md): 342 short pairs.
@@ -17,7 +17,7 @@ The token budget of a dataset is the power of two nearest (on a log scale) to 6x
 (the middle of the 4-8x range); a sweep over 4x, 6x and 8x the median (rounded to 64, where every pair
 fits) shows how much the result depends on that choice.
 
-1. Packing efficiency, computed by `dpo_data.plan.plan_document` (the loader's own schedule, epoch 0):
+1. Packing efficiency, computed by `dpo_data.loading.preview.plan_document` (the loader's own schedule, epoch 0):
    input tokens / (micro-batches holding a pair x budget).
      tokens mode  world 2, 2 micro-batches per rank per step (target >= 97 %)
      pairs mode   world 2, 32 pairs per step (target >= 93 %)
@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402 - after the sys.path set-up above, so the repo checkout wins
 
 TARGETS = {"tokens_eff": 0.97, "pairs_eff": 0.93, "trainer_ratio": 20.0, "restore_ratio": 1.5, "memory_ratio": 1.10}
 WORLD, TOKENS_MB_PER_STEP, PAIRS_PER_STEP, SEED = 2, 2, 32, 0
@@ -98,18 +98,45 @@ quickly carefully roughly exactly probably usually rarely clearly simply directl
 different possible available similar common specific general simple difficult large small recent
 explain describe compare consider suggest include provide require allow ensure improve reduce
 """.split()
-_NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Hiro", "Ines", "Python", "Rust", "Linux",
-          "Paris", "Tokyo", "Nairobi", "Oslo", "Monday", "March"]
-_SYSTEMS = ["You are a helpful assistant.", "Answer in at most three sentences.",
-            "You are a careful code reviewer.", "Reply in plain English."]
+_NAMES = [
+    "Alice",
+    "Bob",
+    "Chen",
+    "Dana",
+    "Emeka",
+    "Farah",
+    "Hiro",
+    "Ines",
+    "Python",
+    "Rust",
+    "Linux",
+    "Paris",
+    "Tokyo",
+    "Nairobi",
+    "Oslo",
+    "Monday",
+    "March",
+]
+_SYSTEMS = [
+    "You are a helpful assistant.",
+    "Answer in at most three sentences.",
+    "You are a careful code reviewer.",
+    "Reply in plain English.",
+]
 
 
 def _text(rng: random.Random, n_words: int) -> str:
     out, words = [], 0
     while words < n_words:
         k = min(n_words - words, rng.randrange(4, 16))
-        sent = [rng.choice(_NAMES) if rng.random() < 0.05 else
-                str(rng.randrange(1, 1000)) if rng.random() < 0.04 else rng.choice(_WORDS) for _ in range(k)]
+        sent = [
+            rng.choice(_NAMES)
+            if rng.random() < 0.05
+            else str(rng.randrange(1, 1000))
+            if rng.random() < 0.04
+            else rng.choice(_WORDS)
+            for _ in range(k)
+        ]
         sent[0] = sent[0][:1].upper() + sent[0][1:]
         out.append(" ".join(sent) + rng.choice([".", ".", ".", "?", "!"]))
         words += k
@@ -127,9 +154,12 @@ def synth_rows(n: int, seed: int = SEED):
         prompt = [{"role": "user", "content": _text(rng, n_prompt)}]
         if rng.random() < 0.3:
             prompt.insert(0, {"role": "system", "content": rng.choice(_SYSTEMS)})
-        yield {"id": f"synth-{i:06d}", "prompt": prompt,
-               "chosen": [{"role": "assistant", "content": _text(rng, n_chosen)}],
-               "rejected": [{"role": "assistant", "content": _text(rng, n_rejected)}]}
+        yield {
+            "id": f"synth-{i:06d}",
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": _text(rng, n_chosen)}],
+            "rejected": [{"role": "assistant", "content": _text(rng, n_rejected)}],
+        }
 
 
 def write_jsonl(path: Path, rows) -> None:
@@ -144,7 +174,7 @@ def sample_files() -> list[str]:
 
 
 def build_dataset(inputs: list[str], tok_dir: Path, out: Path) -> dict:
-    from dpo_data.build import BuildOptions, build
+    from dpo_data.prepare.build import BuildOptions, build
 
     t0 = time.perf_counter()
     result = build(inputs, str(tok_dir), out, BuildOptions(overwrite=True))
@@ -155,8 +185,9 @@ def build_dataset(inputs: list[str], tok_dir: Path, out: Path) -> dict:
 
 # -- helpers --------------------------------------------------------------------------------------
 
+
 def lengths(ds: Path):
-    from dpo_data.store import PairStore
+    from dpo_data.dataset.store import PairStore
 
     store = PairStore([ds])
     idx = np.arange(store.num_pairs)
@@ -165,9 +196,19 @@ def lengths(ds: Path):
 
 def length_stats(pt: np.ndarray) -> dict:
     p = np.percentile(pt, [1, 5, 50, 95, 99])
-    return {"pairs": int(len(pt)), "min": int(pt.min()), "p1": float(p[0]), "p5": float(p[1]), "median": float(p[2]),
-            "p95": float(p[3]), "p99": float(p[4]), "max": int(pt.max()), "mean": round(float(pt.mean()), 1),
-            "spread_p95_p5": round(float(p[3] / p[1]), 1), "spread_p99_p1": round(float(p[4] / p[0]), 1)}
+    return {
+        "pairs": int(len(pt)),
+        "min": int(pt.min()),
+        "p1": float(p[0]),
+        "p5": float(p[1]),
+        "median": float(p[2]),
+        "p95": float(p[3]),
+        "p99": float(p[4]),
+        "max": int(pt.max()),
+        "mean": round(float(pt.mean()), 1),
+        "spread_p95_p5": round(float(p[3] / p[1]), 1),
+        "spread_p99_p1": round(float(p[4] / p[0]), 1),
+    }
 
 
 def budget_rule(median: float) -> int:
@@ -176,20 +217,29 @@ def budget_rule(median: float) -> int:
 
 
 def cfg(batching: str, budget: int, num_workers: int = 0, rank: int = 0):
-    from dpo_data.schedule import LoaderConfig
+    from dpo_data import LoaderConfig
 
-    return LoaderConfig(batching=batching, pairs_per_step=PAIRS_PER_STEP, max_tokens_per_microbatch=budget,
-                        microbatches_per_step=TOKENS_MB_PER_STEP, world_size=WORLD, rank=rank,
-                        num_workers=num_workers, seed=SEED)
+    return LoaderConfig(
+        batching=batching,
+        pairs_per_step=PAIRS_PER_STEP,
+        max_tokens_per_microbatch=budget,
+        microbatches_per_step=TOKENS_MB_PER_STEP,
+        world_size=WORLD,
+        rank=rank,
+        num_workers=num_workers,
+        seed=SEED,
+    )
 
 
 def code_version() -> dict:
     """The commit, and the files of the code under test that differ from it (other work in progress)."""
+
     def git(*a):
         try:
             return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.rstrip()
         except (OSError, subprocess.CalledProcessError):
             return None
+
     dirty = git("status", "--porcelain", "--", "dpo_data")
     return {"commit": git("rev-parse", "HEAD"), "dpo_data_uncommitted": dirty.splitlines() if dirty else []}
 
@@ -200,9 +250,10 @@ def med(xs):
 
 # -- 1. packing -----------------------------------------------------------------------------------
 
+
 def packing(ds: Path, budget: int) -> dict:
-    from dpo_data.plan import plan_document
-    from dpo_data.schedule import Schedule
+    from dpo_data.loading.preview import plan_document
+    from dpo_data.loading.steps import StepPlanner
 
     store, pt = lengths(ds)
     seg_c = (store.prompt_len + store.chosen_len).astype(np.int64)
@@ -211,27 +262,38 @@ def packing(ds: Path, budget: int) -> dict:
     for mode in ("tokens", "pairs"):
         doc = plan_document([ds], cfg(mode, budget))
         t = doc["totals"]
-        out[mode] = {"efficiency": doc["packing_efficiency"], "steps": t["steps"], "microbatches": t["microbatches"],
-                     "empty_microbatches": t["empty_microbatches"], "pairs": t["pairs"],
-                     "pairs_per_microbatch": round(t["pairs"] / t["microbatches"], 3)}
+        out[mode] = {
+            "efficiency": doc["packing_efficiency"],
+            "steps": t["steps"],
+            "microbatches": t["microbatches"],
+            "empty_microbatches": t["empty_microbatches"],
+            "pairs": t["pairs"],
+            "pairs_per_microbatch": round(t["pairs"] / t["microbatches"], 3),
+        }
         if mode == "pairs":
             # Lower bound on micro-batches once each rank-step's pairs are fixed: ceil(tokens / budget).
-            need = sum(math.ceil(sum(mb["tokens"] for mb in r["microbatches"]) / budget)
-                       for s in doc["steps"] for r in s["ranks"])
+            need = sum(
+                math.ceil(sum(mb["tokens"] for mb in r["microbatches"]) / budget)
+                for s in doc["steps"]
+                for r in s["ranks"]
+            )
             out[mode]["bound_microbatches"] = need
             out[mode]["bound_efficiency"] = round(t["input_tokens"] / (need * budget), 6)
             # Any split of a step's pairs across ranks: at least ceil(step tokens / budget) micro-batches.
-            need_any = sum(math.ceil(sum(mb["tokens"] for r in s["ranks"] for mb in r["microbatches"]) / budget)
-                           for s in doc["steps"])
+            need_any = sum(
+                math.ceil(sum(mb["tokens"] for r in s["ranks"] for mb in r["microbatches"]) / budget)
+                for s in doc["steps"]
+            )
             out[mode]["step_bound_efficiency"] = round(t["input_tokens"] / (need_any * budget), 6)
             out[mode]["rank_step_tokens_over_budget"] = round(
-                t["input_tokens"] / (len(doc["steps"]) * WORLD) / budget, 3)
+                t["input_tokens"] / (len(doc["steps"]) * WORLD) / budget, 3
+            )
     # Padded batching of the same pairs, in the loader's epoch order, B pairs a batch.
     b = max(1, round(out["pairs"]["pairs_per_microbatch"]))
-    order = Schedule(pt, store.dataset_sizes, store.fingerprint, cfg("pairs", budget)).order(0)
+    order = StepPlanner(pt, store.dataset_sizes, store.fingerprint, cfg("pairs", budget)).order(0)
     real = padded = 0
     for i in range(0, len(order), b):
-        chunk = order[i:i + b]
+        chunk = order[i : i + b]
         real += int(pt[chunk].sum())
         padded += 2 * len(chunk) * int(max(seg_c[chunk].max(), seg_r[chunk].max()))
     out["padded"] = {"pairs_per_batch": b, "efficiency": round(real / padded, 6), "batches": math.ceil(len(order) / b)}
@@ -239,7 +301,7 @@ def packing(ds: Path, budget: int) -> dict:
 
 
 def sweep(ds: Path) -> list[dict]:
-    from dpo_data.plan import plan_document
+    from dpo_data.loading.preview import plan_document
 
     _, pt = lengths(ds)
     median, rows = float(np.median(pt)), []
@@ -257,8 +319,9 @@ def sweep(ds: Path) -> list[dict]:
 
 # -- 2. throughput --------------------------------------------------------------------------------
 
+
 def loader_epoch(ds: Path, budget: int, num_workers: int) -> dict:
-    from dpo_data.loader import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
 
     t0 = time.perf_counter()
     loader = DPOLoader([ds], cfg("tokens", budget, num_workers), max_epochs=1)
@@ -272,12 +335,19 @@ def loader_epoch(ds: Path, budget: int, num_workers: int) -> dict:
         tokens += batch["num_input_tokens"]
         sizes.append(batch["num_input_tokens"])
     t2 = time.perf_counter()
-    return {"construct_s": t1 - t0, "epoch_s": t2 - t1, "first_s": first - t1, "steady_s": t2 - first,
-            "microbatches": n, "tokens": tokens, "sizes": sizes}
+    return {
+        "construct_s": t1 - t0,
+        "epoch_s": t2 - t1,
+        "first_s": first - t1,
+        "steady_s": t2 - first,
+        "microbatches": n,
+        "tokens": tokens,
+        "sizes": sizes,
+    }
 
 
 def typical_microbatch(ds: Path, budget: int, size: int) -> dict:
-    from dpo_data.loader import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
 
     for batch in DPOLoader([ds], cfg("tokens", budget), max_epochs=1):
         if batch["num_input_tokens"] == size:
@@ -290,8 +360,15 @@ def trainer_step_time(batch: dict, repeat: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+    )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
     model.train()
@@ -312,8 +389,13 @@ def trainer_step_time(batch: dict, repeat: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"step_s": med(times), "step_s_all": [round(t, 4) for t in times], "tokens": int(ids.shape[1]),
-            "torch_threads": torch.get_num_threads(), "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "step_s": med(times),
+        "step_s_all": [round(t, 4) for t in times],
+        "tokens": int(ids.shape[1]),
+        "torch_threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def throughput(ds: Path, budget: int, repeat: int, trainer_repeat: int) -> dict:
@@ -323,8 +405,10 @@ def throughput(ds: Path, budget: int, repeat: int, trainer_repeat: int) -> dict:
         sizes = sizes or runs[0]["sizes"]
         epoch = med([r["epoch_s"] for r in runs])
         out[f"workers_{nw}"] = {
-            "microbatches": runs[0]["microbatches"], "tokens": runs[0]["tokens"],
-            "epoch_s": round(epoch, 3), "epoch_s_all": [round(r["epoch_s"], 3) for r in runs],
+            "microbatches": runs[0]["microbatches"],
+            "tokens": runs[0]["tokens"],
+            "epoch_s": round(epoch, 3),
+            "epoch_s_all": [round(r["epoch_s"], 3) for r in runs],
             "construct_s": round(med([r["construct_s"] for r in runs]), 3),
             "microbatches_per_s": round(runs[0]["microbatches"] / epoch, 1),
             "tokens_per_s": round(runs[0]["tokens"] / epoch),
@@ -337,14 +421,17 @@ def throughput(ds: Path, budget: int, repeat: int, trainer_repeat: int) -> dict:
     trainer["microbatches_per_s"] = round(1.0 / trainer["step_s"], 2)
     out["trainer"] = trainer
     for nw in (0, 2):
-        out[f"ratio_workers_{nw}"] = round(out[f"workers_{nw}"]["microbatches_per_s"] / trainer["microbatches_per_s"], 1)
+        out[f"ratio_workers_{nw}"] = round(
+            out[f"workers_{nw}"]["microbatches_per_s"] / trainer["microbatches_per_s"], 1
+        )
     return out
 
 
 # -- 3. restore -----------------------------------------------------------------------------------
 
+
 def restore(ds: Path, budget: int, repeat: int) -> dict:
-    from dpo_data.loader import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
 
     config = cfg("tokens", budget)
     reference = [b["pair_index"].tolist() for b in DPOLoader([ds], config, max_epochs=1)]
@@ -372,8 +459,10 @@ def restore(ds: Path, budget: int, repeat: int) -> dict:
     for name in points:  # warm-up, and the exactness check
         got, _ = once(states[name])
         if got != reference[points[name]]:
-            raise SystemExit(f"restore at {name} (after {points[name]} micro-batches) fetched pairs {got}; the "
-                             f"uninterrupted epoch has {reference[points[name]]} there")
+            raise SystemExit(
+                f"restore at {name} (after {points[name]} micro-batches) fetched pairs {got}; the "
+                f"uninterrupted epoch has {reference[points[name]]} there"
+            )
     times = {name: [] for name in points}
     for _ in range(repeat):
         for name in points:
@@ -381,16 +470,21 @@ def restore(ds: Path, budget: int, repeat: int) -> dict:
     out = {"epoch_microbatches": n, "exact": True}
     for name, at in points.items():
         ts = times[name]
-        out[name] = {"after_microbatches": at, "total_s": round(med([t[0] for t in ts]), 4),
-                     "construct_s": round(med([t[1] for t in ts]), 4), "load_state_s": round(med([t[2] for t in ts]), 4),
-                     "first_fetch_s": round(med([t[3] for t in ts]), 4),
-                     "total_s_all": [round(t[0], 4) for t in ts],
-                     "state_json_bytes": len(json.dumps(states[name]))}
+        out[name] = {
+            "after_microbatches": at,
+            "total_s": round(med([t[0] for t in ts]), 4),
+            "construct_s": round(med([t[1] for t in ts]), 4),
+            "load_state_s": round(med([t[2] for t in ts]), 4),
+            "first_fetch_s": round(med([t[3] for t in ts]), 4),
+            "total_s_all": [round(t[0], 4) for t in ts],
+            "state_json_bytes": len(json.dumps(states[name])),
+        }
     out["ratio"] = round(out["p90"]["total_s"] / out["p01"]["total_s"], 3)
     return out
 
 
 # -- 4. memory ------------------------------------------------------------------------------------
+
 
 def _status() -> dict:
     vals = {}
@@ -404,10 +498,10 @@ def _status() -> dict:
 
 def memory_child(ds: str, budget: int) -> None:
     """Runs in a fresh process: RSS before the loader, and after 200 micro-batches."""
-    import torch  # noqa: F401
-    from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401
+    import torch  # noqa: F401 - loaded before the "before" RSS, so it is not counted as the loader's
+    from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401 - likewise
 
-    from dpo_data.loader import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
 
     before = _status()
     loader = DPOLoader([ds], cfg("tokens", budget), max_epochs=None)
@@ -418,15 +512,36 @@ def memory_child(ds: str, budget: int) -> None:
             break
     after = _status()
     store = loader.stream.store
-    per_pair = sum(a.nbytes for a in (store.prompt_len, store.chosen_len, store.rejected_len, store.source_id,
-                                      store._batch_of, store._row_of, loader.stream.schedule.pair_tokens))
-    print("MEM " + json.dumps({
-        "pairs": store.num_pairs, "microbatches": n, "rss_before": before["VmRSS"], "rss_after": after["VmRSS"],
-        "anon_before": before["RssAnon"], "anon_after": after["RssAnon"],
-        "file_before": before["RssFile"], "file_after": after["RssFile"],
-        "hwm_after": after["VmHWM"],
-        "in_memory_bytes_per_pair": round(per_pair / store.num_pairs, 1),
-        "dataset_bytes": sum(p.stat().st_size for p in Path(ds).rglob("*") if p.is_file())}))
+    per_pair = sum(
+        a.nbytes
+        for a in (
+            store.prompt_len,
+            store.chosen_len,
+            store.rejected_len,
+            store.source_id,
+            store._batch_of,
+            store._row_of,
+            loader.stream.schedule.pair_tokens,
+        )
+    )
+    print(
+        "MEM "
+        + json.dumps(
+            {
+                "pairs": store.num_pairs,
+                "microbatches": n,
+                "rss_before": before["VmRSS"],
+                "rss_after": after["VmRSS"],
+                "anon_before": before["RssAnon"],
+                "anon_after": after["RssAnon"],
+                "file_before": before["RssFile"],
+                "file_after": after["RssFile"],
+                "hwm_after": after["VmHWM"],
+                "in_memory_bytes_per_pair": round(per_pair / store.num_pairs, 1),
+                "dataset_bytes": sum(p.stat().st_size for p in Path(ds).rglob("*") if p.is_file()),
+            }
+        )
+    )
 
 
 def memory(datasets: dict[str, Path], budget: int, repeat: int) -> dict:
@@ -434,13 +549,16 @@ def memory(datasets: dict[str, Path], budget: int, repeat: int) -> dict:
     for name, ds in datasets.items():
         runs = []
         for _ in range(repeat):
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", str(ds), str(budget)],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--memory-child", str(ds), str(budget)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             line = [x for x in proc.stdout.splitlines() if x.startswith("MEM ")][-1]
             runs.append(json.loads(line[4:]))
         r = dict(runs[0])
-        for key in ("rss_before", "rss_after", "hwm_after", "anon_before", "anon_after", "file_before",
-                    "file_after"):
+        for key in ("rss_before", "rss_after", "hwm_after", "anon_before", "anon_after", "file_before", "file_after"):
             r[key] = int(med([x[key] for x in runs]))
         r["growth"] = r["rss_after"] - r["rss_before"]
         r["anon_growth"] = r["anon_after"] - r["anon_before"]
@@ -456,6 +574,7 @@ def memory(datasets: dict[str, Path], budget: int, repeat: int) -> dict:
 
 
 # -- report ---------------------------------------------------------------------------------------
+
 
 def pct(x: float) -> str:
     return f"{100 * x:.1f} %"
@@ -474,26 +593,64 @@ def report(res: dict) -> str:
     for name in ("sample", "synth"):
         p = res["packing"][name]
         tag = f"{name} (budget {p['budget']} = {p['budget_over_median']}x median)"
-        rows.append((f"{tag}: tokens mode", pct(p["tokens"]["efficiency"]), ">= 97 %",
-                     yes(p["tokens"]["efficiency"] >= TARGETS["tokens_eff"])))
-        rows.append((f"{tag}: pairs mode", pct(p["pairs"]["efficiency"]), ">= 93 %",
-                     yes(p["pairs"]["efficiency"] >= TARGETS["pairs_eff"])))
+        rows.append(
+            (
+                f"{tag}: tokens mode",
+                pct(p["tokens"]["efficiency"]),
+                ">= 97 %",
+                yes(p["tokens"]["efficiency"] >= TARGETS["tokens_eff"]),
+            )
+        )
+        rows.append(
+            (
+                f"{tag}: pairs mode",
+                pct(p["pairs"]["efficiency"]),
+                ">= 93 %",
+                yes(p["pairs"]["efficiency"] >= TARGETS["pairs_eff"]),
+            )
+        )
         rows.append((f"{tag}: pairs-mode ceiling, this rank split", pct(p["pairs"]["bound_efficiency"]), "", ""))
         rows.append((f"{tag}: pairs-mode ceiling, any rank split", pct(p["pairs"]["step_bound_efficiency"]), "", ""))
-        rows.append((f"{tag}: padded, {p['padded']['pairs_per_batch']} pairs/batch", pct(p["padded"]["efficiency"]), "", ""))
+        rows.append(
+            (f"{tag}: padded, {p['padded']['pairs_per_batch']} pairs/batch", pct(p["padded"]["efficiency"]), "", "")
+        )
     t = res["throughput"]
     for nw in (0, 2):
         w = t[f"workers_{nw}"]
-        rows.append((f"loader, num_workers {nw}: micro-batches/s (tokens/s), whole epoch",
-                     f"{w['microbatches_per_s']:.0f} ({w['tokens_per_s'] / 1e6:.2f} M)", "", ""))
-        rows.append((f"loader, num_workers {nw}: first micro-batch; micro-batches/s after it",
-                     f"{1000 * w['first_microbatch_s']:.0f} ms; {w['steady_microbatches_per_s']:.0f}", "", ""))
+        rows.append(
+            (
+                f"loader, num_workers {nw}: micro-batches/s (tokens/s), whole epoch",
+                f"{w['microbatches_per_s']:.0f} ({w['tokens_per_s'] / 1e6:.2f} M)",
+                "",
+                "",
+            )
+        )
+        rows.append(
+            (
+                f"loader, num_workers {nw}: first micro-batch; micro-batches/s after it",
+                f"{1000 * w['first_microbatch_s']:.0f} ms; {w['steady_microbatches_per_s']:.0f}",
+                "",
+                "",
+            )
+        )
     tr = t["trainer"]
-    rows.append((f"tiny Llama fwd+bwd, {tr['tokens']}-token micro-batch: micro-batches/s",
-                 f"{tr['microbatches_per_s']:.2f} ({1000 * tr['step_s']:.0f} ms)", "", ""))
+    rows.append(
+        (
+            f"tiny Llama fwd+bwd, {tr['tokens']}-token micro-batch: micro-batches/s",
+            f"{tr['microbatches_per_s']:.2f} ({1000 * tr['step_s']:.0f} ms)",
+            "",
+            "",
+        )
+    )
     for nw in (0, 2):
-        rows.append((f"loader / trainer, num_workers {nw}", f"{t[f'ratio_workers_{nw}']:.0f}x", ">= 20x",
-                     yes(t[f"ratio_workers_{nw}"] >= TARGETS["trainer_ratio"])))
+        rows.append(
+            (
+                f"loader / trainer, num_workers {nw}",
+                f"{t[f'ratio_workers_{nw}']:.0f}x",
+                ">= 20x",
+                yes(t[f"ratio_workers_{nw}"] >= TARGETS["trainer_ratio"]),
+            )
+        )
     r = res["restore"]
     rows.append(("restore at 1 % (construct + load + first fetch)", f"{1000 * r['p01']['total_s']:.1f} ms", "", ""))
     rows.append(("restore at 90 %", f"{1000 * r['p90']['total_s']:.1f} ms", "", ""))
@@ -501,14 +658,33 @@ def report(res: dict) -> str:
     m = res["memory"]
     for name in ("synth", "synth4x"):
         x = m[name]
-        rows.append((f"RSS after {MEMORY_MICROBATCHES} micro-batches, {name} ({x['pairs']} pairs)",
-                     f"{mib(x['rss_after'])} (+{mib(x['growth'])} over imports)", "", ""))
-        rows.append(("  of which anonymous / file-backed (growth over imports)",
-                     f"{mib(x['anon_after'])} (+{mib(x['anon_growth'])}) / {mib(x['file_after'])} "
-                     f"(+{mib(x['file_growth'])})", "", ""))
+        rows.append(
+            (
+                f"RSS after {MEMORY_MICROBATCHES} micro-batches, {name} ({x['pairs']} pairs)",
+                f"{mib(x['rss_after'])} (+{mib(x['growth'])} over imports)",
+                "",
+                "",
+            )
+        )
+        rows.append(
+            (
+                "  of which anonymous / file-backed (growth over imports)",
+                f"{mib(x['anon_after'])} (+{mib(x['anon_growth'])}) / {mib(x['file_after'])} "
+                f"(+{mib(x['file_growth'])})",
+                "",
+                "",
+            )
+        )
     rows.append(("RSS 4x / 1x", f"{m['rss_ratio']:.3f}", "<= 1.10", yes(m["rss_ratio"] <= TARGETS["memory_ratio"])))
     rows.append(("anonymous RSS 4x / 1x", f"{m['anon_ratio']:.3f}", "", ""))
-    rows.append(("loader growth over imports 4x / 1x (all; anonymous)", f"{m['growth_ratio']}; {m['anon_growth_ratio']}", "", ""))
+    rows.append(
+        (
+            "loader growth over imports 4x / 1x (all; anonymous)",
+            f"{m['growth_ratio']}; {m['anon_growth_ratio']}",
+            "",
+            "",
+        )
+    )
     widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
     lines = [" | ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -521,7 +697,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=None, help="synthetic pairs (default 5000, --quick 1000)")
     ap.add_argument("--repeat", type=int, default=None, help="restore rounds (default 11, --quick 3)")
     ap.add_argument("--workdir", default=None, help="keep the datasets here (default: a temporary directory)")
-    ap.add_argument("--pairs-per-step", type=int, default=32, help="pairs mode: pairs per step (default 32)", dest="pairs_per_step")
+    ap.add_argument(
+        "--pairs-per-step", type=int, default=32, help="pairs mode: pairs per step (default 32)", dest="pairs_per_step"
+    )
     ap.add_argument("--memory-child", nargs=2, metavar=("DATASET", "BUDGET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     globals()["PAIRS_PER_STEP"] = args.pairs_per_step
@@ -532,30 +710,42 @@ def main() -> None:
     repeat = args.repeat or (3 if args.quick else 11)
     epoch_repeat, trainer_repeat, mem_repeat = (1, 3, 1) if args.quick else (3, 10, 3)
 
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_train.bundled_model import materialize_smollm2
 
     tok = materialize_smollm2()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="loader_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        res: dict = {"date": datetime.date.today().isoformat(), "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "code": code_version(), "quick": args.quick, "config": {"world_size": WORLD, "tokens_microbatches_per_step": TOKENS_MB_PER_STEP,
-                                            "pairs_per_step": PAIRS_PER_STEP, "seed": SEED}}
+        res: dict = {
+            "date": datetime.date.today().isoformat(),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "code": code_version(),
+            "quick": args.quick,
+            "config": {
+                "world_size": WORLD,
+                "tokens_microbatches_per_step": TOKENS_MB_PER_STEP,
+                "pairs_per_step": PAIRS_PER_STEP,
+                "seed": SEED,
+            },
+        }
         rows = list(synth_rows(4 * n))
         write_jsonl(work / "synth.jsonl", rows[:n])
         write_jsonl(work / "synth4x.jsonl", rows)
         del rows
         ds = {"sample": work / "sample", "synth": work / "synth", "synth4x": work / "synth4x"}
-        res["build"] = {"sample": build_dataset(sample_files(), tok, ds["sample"]),
-                        "synth": build_dataset([str(work / "synth.jsonl")], tok, ds["synth"]),
-                        "synth4x": build_dataset([str(work / "synth4x.jsonl")], tok, ds["synth4x"])}
+        res["build"] = {
+            "sample": build_dataset(sample_files(), tok, ds["sample"]),
+            "synth": build_dataset([str(work / "synth.jsonl")], tok, ds["synth"]),
+            "synth4x": build_dataset([str(work / "synth4x.jsonl")], tok, ds["synth4x"]),
+        }
         res["lengths"] = {name: length_stats(lengths(d)[1]) for name, d in ds.items()}
         budgets = {name: budget_rule(res["lengths"][name]["median"]) for name in ("sample", "synth")}
         for name in ("synth", "synth4x"):
             if res["lengths"][name]["max"] > budgets["synth"]:
-                raise SystemExit(f"{name}: a pair has {res['lengths'][name]['max']} tokens, over the budget "
-                                 f"{budgets['synth']}; lower SYNTH_CAP_WORDS")
+                raise SystemExit(
+                    f"{name}: a pair has {res['lengths'][name]['max']} tokens, over the budget "
+                    f"{budgets['synth']}; lower SYNTH_CAP_WORDS"
+                )
         print(f"built in {work}: " + json.dumps(res["build"]), flush=True)
         res["packing"] = {name: packing(ds[name], budgets[name]) for name in ("sample", "synth")}
         res["sweep"] = {name: sweep(ds[name]) for name in ("sample", "synth")}
@@ -577,9 +767,14 @@ def main() -> None:
             "memory_ratio": m["rss_ratio"] <= TARGETS["memory_ratio"],
         }
         print()
-        print("lengths (pair tokens): " + "; ".join(
-            f"{k}: median {v['median']:.0f}, p5 {v['p5']:.0f}, p95 {v['p95']:.0f} ({v['spread_p95_p5']}x), max {v['max']}"
-            for k, v in res["lengths"].items()))
+        print(
+            "lengths (pair tokens): "
+            + "; ".join(
+                f"{k}: median {v['median']:.0f}, p5 {v['p5']:.0f}, p95 {v['p95']:.0f} "
+                f"({v['spread_p95_p5']}x), max {v['max']}"
+                for k, v in res["lengths"].items()
+            )
+        )
         print("budget sweep: " + json.dumps(res["sweep"]))
         print(report(res))
         for w in ("workers_0", "workers_2"):

@@ -31,8 +31,8 @@ HYPER = {"beta": 0.1, "lr": 1.0e-5}
 
 
 def _model_and_data(work: Path) -> tuple[str, str]:
-    from dpo_data.build import BuildOptions, build
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_data.prepare.build import BuildOptions, build
+    from dpo_train.bundled_model import materialize_smollm2
 
     model = str(materialize_smollm2())
     data = work / "train"
@@ -44,23 +44,31 @@ def _model_and_data(work: Path) -> tuple[str, str]:
 
 
 def _config(model: str, data: str, out: Path, steps: int, reference: dict) -> dict:
-    return {"model": {"path": model}, "reference": reference,
-            "data": {"path": data, "batching": "pairs", "pairs_per_step": PAIRS_PER_STEP,
-                     "max_tokens_per_microbatch": 1024},
-            "loss": {"type": "sigmoid", "beta": HYPER["beta"]},
-            "optim": {"lr": HYPER["lr"], "scheduler": "constant", "max_grad_norm": 1.0},
-            "train": {"output_dir": str(out), "max_steps": steps, "precision": "fp32"},
-            "distributed": {"device": "cpu"}}
+    return {
+        "model": {"path": model},
+        "reference": reference,
+        "data": {
+            "path": data,
+            "batching": "pairs",
+            "pairs_per_step": PAIRS_PER_STEP,
+            "max_tokens_per_microbatch": 1024,
+        },
+        "loss": {"type": "sigmoid", "beta": HYPER["beta"]},
+        "optim": {"lr": HYPER["lr"], "scheduler": "constant", "max_grad_norm": 1.0},
+        "train": {"output_dir": str(out), "max_steps": steps, "precision": "fp32"},
+        "distributed": {"device": "cpu"},
+    }
 
 
 def _step_pairs(data: str, steps: int) -> list[list[int]]:
     """The pairs of each step, as dpo-train's loader chooses them."""
-    from dpo_data.loader import DPOLoader
-    from dpo_data.schedule import LoaderConfig
+    from dpo_data import LoaderConfig
+    from dpo_data.loading.loader import DPOLoader
 
     out: list[list[int]] = [[] for _ in range(steps)]
-    for batch in DPOLoader([data], LoaderConfig(batching="pairs", pairs_per_step=PAIRS_PER_STEP,
-                                                max_tokens_per_microbatch=1024)):
+    for batch in DPOLoader(
+        [data], LoaderConfig(batching="pairs", pairs_per_step=PAIRS_PER_STEP, max_tokens_per_microbatch=1024)
+    ):
         if batch["step"] >= steps:
             break
         out[batch["step"]] += sorted(batch["pair_index"].tolist())
@@ -81,8 +89,11 @@ def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -
     train(config, progress=False)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:]
-    return {"pairs_per_s": sum(r["pairs"] for r in timed) / sum(r["pairs"] / r["pairs/s"] for r in timed),
-            "losses": [r["loss"] for r in rows], "logps_chosen": [r["logps/chosen"] for r in rows]}
+    return {
+        "pairs_per_s": sum(r["pairs"] for r in timed) / sum(r["pairs"] / r["pairs/s"] for r in timed),
+        "losses": [r["loss"] for r in rows],
+        "logps_chosen": [r["logps/chosen"] for r in rows],
+    }
 
 
 def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
@@ -92,23 +103,45 @@ def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from dpo_data.store import PairStore
+    from dpo_data.dataset.store import PairStore
 
     store = PairStore([data])
     order = [i for step in _step_pairs(data, steps) for i in step]
-    rows = [{"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
-            for p in (store.pair(i) for i in order)]
+    rows = [
+        {"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
+        for p in (store.pair(i) for i in order)
+    ]
     ids = datasets.Dataset.from_list(rows)
-    args = DPOConfig(output_dir=str(work / "trl"), report_to=[], use_cpu=True, bf16=False, seed=0,
-                     per_device_train_batch_size=MICRO, gradient_accumulation_steps=PAIRS_PER_STEP // MICRO,
-                     learning_rate=HYPER["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                     max_grad_norm=1.0, beta=HYPER["beta"], loss_type=["sigmoid"], max_length=None,
-                     max_steps=steps, logging_steps=1, save_strategy="no", dataloader_num_workers=0,
-                     disable_tqdm=True)
+    args = DPOConfig(
+        output_dir=str(work / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=PAIRS_PER_STEP // MICRO,
+        learning_rate=HYPER["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=HYPER["beta"],
+        loss_type=["sigmoid"],
+        max_length=None,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    trainer = DPOTrainer(model=policy, args=args, processing_class=tokenizer,
-                         train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]))
+    trainer = DPOTrainer(
+        model=policy,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
+    )
     trainer._get_train_sampler = lambda *a, **k: SequentialSampler(trainer.train_dataset)
     if precomputed:  # TRL's own precompute pass over the same rows, not timed
         trainer.precompute_ref_logps = True
@@ -125,8 +158,12 @@ def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) ->
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     timed = stamps[-1] - stamps[0]
-    return {"pairs_per_s": PAIRS_PER_STEP * (len(stamps) - 1) / timed, "losses": [e["loss"] for e in logs],
-            "logps_chosen": [e["logps/chosen"] for e in logs], "first_microbatch": first}
+    return {
+        "pairs_per_s": PAIRS_PER_STEP * (len(stamps) - 1) / timed,
+        "losses": [e["loss"] for e in logs],
+        "logps_chosen": [e["logps/chosen"] for e in logs],
+        "first_microbatch": first,
+    }
 
 
 def _trl_first_microbatch_logps(trainer, ids) -> dict:
@@ -137,9 +174,14 @@ def _trl_first_microbatch_logps(trainer, ids) -> dict:
     mask = batch["completion_mask"]
     labels = batch["input_ids"].masked_fill(mask == 0, -100)
     with torch.no_grad():
-        out = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
-                            use_cache=False, fused_lm_head=True)
-    logps = out.log_probs[:, -(mask.shape[1] - 1):].sum(dim=1)
+        out = trainer.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=labels,
+            use_cache=False,
+            fused_lm_head=True,
+        )
+    logps = out.log_probs[:, -(mask.shape[1] - 1) :].sum(dim=1)
     chosen, rejected = logps.chunk(2)
     return {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
 
@@ -148,8 +190,8 @@ def ours_first_microbatch_logps(model: str, data: str, steps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dpo_data.microbatch import pack_microbatch
-    from dpo_data.store import PairStore
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.logps import pair_logps
 
     store = PairStore([data])
@@ -187,14 +229,21 @@ def main() -> None:
     results = {}
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     for method in args.methods:
-        proc = subprocess.run([sys.executable, __file__, "--child", method, "--steps", str(args.steps),
-                               "--work", str(work)], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", method, "--steps", str(args.steps), "--work", str(work)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             sys.exit(f"{method} failed:\n{proc.stderr[-4000:]}")
         results[method] = json.loads(line[0][7:])
-        print(f"{method:18s} {results[method]['pairs_per_s']:.3f} pairs/s  losses "
-              + " ".join(f"{x:.5f}" for x in results[method]["losses"]), flush=True)
+        print(
+            f"{method:18s} {results[method]['pairs_per_s']:.3f} pairs/s  losses "
+            + " ".join(f"{x:.5f}" for x in results[method]["losses"]),
+            flush=True,
+        )
     summary = _summary(results)
     for key, value in summary.items():
         print(f"{key}: {value}")
@@ -210,8 +259,10 @@ def _summary(results: dict) -> dict:
     if "ours-live" in results and "trl" in results:
         a, b = results["ours-live"], results["trl"]
         out["first micro-batch max |logp ours - TRL|"] = max(
-            abs(x - y) for side in ("chosen", "rejected")
-            for x, y in zip(a["first_microbatch"][side], b["first_microbatch"][side]))
+            abs(x - y)
+            for side in ("chosen", "rejected")
+            for x, y in zip(a["first_microbatch"][side], b["first_microbatch"][side])
+        )
         out["step-1 |loss ours - TRL|"] = abs(a["losses"][0] - b["losses"][0])
         out["step-2 |loss ours - TRL|"] = abs(a["losses"][1] - b["losses"][1])
         out["step-1 |logps/chosen ours - TRL|"] = abs(a["logps_chosen"][0] - b["logps_chosen"][0])

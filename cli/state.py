@@ -7,20 +7,13 @@ import sys
 
 import click
 
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(2)
+from dpo_cli.errors import user_errors
 
 
 def _guard(fn, *args, **kwargs):
     """Bad input (a missing path, a malformed or hostile state file) is a named error, exit 2."""
-    from dpo_state.jsonfile import StateFileError
-
-    try:
+    with user_errors(OSError):
         return fn(*args, **kwargs)
-    except (StateFileError, FileNotFoundError, NotADirectoryError) as e:
-        _fail(str(e))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -41,7 +34,7 @@ def main() -> None:
 def inspect(path, as_json) -> None:
     """What a checkpoint holds: step, epoch, consumption, identity, tensors per group, per-rank loader
     positions, lineage. Reads JSON files only."""
-    from dpo_state.audit import inspect_checkpoint
+    from dpo_state import inspect_checkpoint
 
     info = _guard(inspect_checkpoint, path)
     if as_json:
@@ -79,11 +72,13 @@ def inspect(path, as_json) -> None:
 @click.argument("b", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--values", is_flag=True, help="Also compare tensor values: the largest absolute difference per tensor.")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="With --values: differences up to this count as equal.")
+@click.option(
+    "--atol", type=float, default=0.0, show_default=True, help="With --values: differences up to this count as equal."
+)
 def diff(a, b, as_json, values, atol) -> None:
     """Differences between two checkpoints: config, data, tokenizer, objective, optimizer and scheduler
     identity, layout and positions; with --values, tensors. Exit 0 equal, 1 different, 2 error."""
-    from dpo_state.audit import diff_checkpoints
+    from dpo_state import diff_checkpoints
 
     result = _guard(diff_checkpoints, a, b, values=values, atol=atol)
     if as_json:
@@ -97,7 +92,9 @@ def diff(a, b, as_json, values, atol) -> None:
             t = result["tensors"]
             for row in t["per_tensor"]:
                 if row["max_abs_diff"] is None or row["max_abs_diff"] > atol:
-                    click.echo(f"  tensor {row['tensor']}: " + (row.get("note") or f"max |a - b| = {row['max_abs_diff']:.3g}"))
+                    click.echo(
+                        f"  tensor {row['tensor']}: " + (row.get("note") or f"max |a - b| = {row['max_abs_diff']:.3g}")
+                    )
             click.echo(f"tensors: {t['differ']} of {t['count']} differ (atol {atol})")
         click.echo("equal" if result["equal"] else "different")
     sys.exit(0 if result["equal"] else 1)
@@ -108,7 +105,7 @@ def diff(a, b, as_json, values, atol) -> None:
 def verify(path) -> None:
     """Check the commit record, every file's size and sha256, the schemas and the rank files.
     Exit 0 when all hold, 1 with every failure named."""
-    from dpo_state.audit import verify_checkpoint
+    from dpo_state import verify_checkpoint
 
     problems = verify_checkpoint(path)
     if problems:

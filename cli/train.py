@@ -14,13 +14,27 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("config", metavar="CONFIG")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one config key (value read as YAML); repeatable.")
-@click.option("--nproc-per-node", type=int, default=1, show_default=True, metavar="N",
-              help="Processes on this machine; N > 1 relaunches under torchrun (running under torchrun works too).")
-@click.option("--precompute-reference", is_flag=True,
-              help="Score every pair of data.path with the reference (the initial policy) once and write the "
-                   "sidecar at reference.path, bound to the dataset and the weights; then exit.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one config key (value read as YAML); repeatable.",
+)
+@click.option(
+    "--nproc-per-node",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Processes on this machine; N > 1 relaunches under torchrun (running under torchrun works too).",
+)
+@click.option(
+    "--precompute-reference",
+    is_flag=True,
+    help="Score every pair of data.path with the reference (the initial policy) once and write the "
+    "sidecar at reference.path, bound to the dataset and the weights; then exit.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
 @click.version_option(package_name="dpo-toolkit")
 def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None:
@@ -38,9 +52,19 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
     (every rank stops, the failing rank names its error) or a save fails (nothing is committed).
     """
     if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-                "-m", "cli.train", config, *(a for o in overrides for a in ("--set", o)),
-                *(["--precompute-reference"] if precompute_reference else []), *(["--quiet"] if quiet else [])]
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc_per_node}",
+            "-m",
+            "dpo_cli.train",
+            config,
+            *(a for o in overrides for a in ("--set", o)),
+            *(["--precompute-reference"] if precompute_reference else []),
+            *(["--quiet"] if quiet else []),
+        ]
         # rank variables inherited from an enclosing job would mislead torchrun's children: torchrun sets its own
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
         code = subprocess.call(args, env=env)
@@ -54,11 +78,8 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) 
     """One rank's run. Bad input: a one-line error and exit 2. Anything else: the rank's traceback and
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
-    from dpo_data.errors import DataError
-    from dpo_state.jsonfile import StateFileError
-    from dpo_train.checkpointing import CheckpointError, ResumeError
-    from dpo_train.config import ConfigError, load_config
-    from dpo_train.reference import ReferenceError
+    from dpo_state.errors import ToolkitError
+    from dpo_train.config import load_config
 
     rank = int(os.environ.get("RANK", "0"))
     prefix = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -74,12 +95,9 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) 
         from dpo_train.trainer import train
 
         out = train(resolved, progress=not quiet)
-    except (ConfigError, DataError, ReferenceError, ResumeError, StateFileError) as e:
+    except ToolkitError as e:  # the user's to fix (exit 2), or a save that failed on some rank (exit 1)
         click.echo(f"error: {prefix}{e}", err=True)
-        return _exit(2)
-    except CheckpointError as e:
-        click.echo(f"error: {prefix}{e}", err=True)
-        return _exit(1)
+        return _exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - a rank's failure must end every rank, named
         click.echo(f"error: {prefix}{type(e).__name__}: {e}\n{traceback.format_exc()}", err=True)
         return _exit(1)

@@ -1,3 +1,62 @@
-"""Raw preference rows -> attested Arrow shards -> micro-batches. Imports `dpo_state` only, never `dpo_train`."""
+"""Raw preference rows -> attested Arrow shards -> micro-batches. Imports `dpo_state` only, never `dpo_train`.
+
+The public API, for trainers that reuse the data pipeline alone (docs/loader.md, docs/data-build.md):
+
+    from dpo_data import DPOLoader, LoaderConfig, pair_sums
+
+Names are imported on first use, so `import dpo_data` stays cheap (torch loads only with the loader).
+Three subpackages hold the rest: `prepare` (input files -> rows -> tokens, the build), `dataset` (the
+on-disk contract: shards, manifest, verification, the pair store) and `loading` (order -> bin packing
+-> steps -> micro-batches -> the loader). Anything not listed here is internal and may change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    # loading: the loader, its config, the micro-batch contract
+    "DPOLoader": "dpo_data.loading.loader",
+    "LoaderConfig": "dpo_data.loading.config",
+    "PlannerState": "dpo_data.loading.steps",
+    "pack_microbatch": "dpo_data.loading.microbatch",
+    "pack_shared_prompt": "dpo_data.loading.microbatch",
+    "pair_sums": "dpo_data.loading.microbatch",
+    "IGNORE_INDEX": "dpo_data.loading.microbatch",
+    "CHOSEN": "dpo_data.loading.microbatch",
+    "REJECTED": "dpo_data.loading.microbatch",
+    "PROMPT": "dpo_data.loading.microbatch",
+    "PADDING": "dpo_data.loading.microbatch",
+    "plan_document": "dpo_data.loading.preview",
+    "format_plan": "dpo_data.loading.preview",
+    # dataset: the on-disk contract
+    "PairStore": "dpo_data.dataset.store",
+    "read_manifest": "dpo_data.dataset.manifest",
+    "inspect_dataset": "dpo_data.dataset.verify",
+    "format_inspection": "dpo_data.dataset.verify",
+    "verify_dataset": "dpo_data.dataset.verify",
+    # prepare: building a dataset
+    "build": "dpo_data.prepare.build",
+    "BuildOptions": "dpo_data.prepare.build",
+    "BuildResult": "dpo_data.prepare.build",
+    # errors
+    "DataError": "dpo_data.errors",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dpo_data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

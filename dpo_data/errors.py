@@ -1,8 +1,13 @@
-"""Error types of the data pipeline: each message names the field, the value, what is allowed and the fix."""
+"""Error types of the data pipeline, in the project's one family (`dpo_state.errors.ToolkitError`)."""
+
+from __future__ import annotations
+
+from dpo_state.errors import ToolkitError
 
 
-class DataError(Exception):
-    """A user-facing error of the data pipeline (bad option, unreadable input, failed check)."""
+class DataError(ToolkitError):
+    """A user-facing error of the data pipeline (bad option, unreadable input, damaged dataset, a pair
+    over the token budget); the message names the field, the value, what is allowed and the fix."""
 
 
 class InputFileError(DataError):

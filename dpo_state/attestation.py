@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from dpo_state.digest import sha256_json
+from dpo_state.errors import AttestationError
 
 TOKENIZER_ATTESTATION_VERSION = 2
 _PREFIX = f"v{TOKENIZER_ATTESTATION_VERSION}:"
@@ -18,11 +19,7 @@ _PREFIX = f"v{TOKENIZER_ATTESTATION_VERSION}:"
 _FLAGS = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "split_special_tokens")
 
 # One attestation per live tokenizer object, invalidated when its added tokens or template change.
-_cache: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
-
-
-class AttestationError(Exception):
-    """A tokenizer that cannot be attested (for example a slow tokenizer without a Rust backend)."""
+_cache: weakref.WeakKeyDictionary[Any, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
 def tokenizer_attestation(tokenizer: Any) -> dict:
@@ -101,5 +98,8 @@ def _plain(value: Any) -> Any:
 
 def _cache_key(tokenizer: Any) -> tuple:
     template = tokenizer.chat_template
-    return (len(tokenizer), template if isinstance(template, str) else repr(template),
-            tuple(sorted(map(str, tokenizer.special_tokens_map.items()))))
+    return (
+        len(tokenizer),
+        template if isinstance(template, str) else repr(template),
+        tuple(sorted(map(str, tokenizer.special_tokens_map.items()))),
+    )

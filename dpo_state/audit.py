@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
-from dpo_state.jsonfile import StateFileError, read_json
+from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, quiet_single_process_dcp
+from dpo_state.errors import DocumentError, StateError
+from dpo_state.files import read_json
 from dpo_state.layout import resolve
 from dpo_state.state import IDENTITY_PARTS, STATE_FILE, differences, read_state
-
-DCP_METADATA = "dcp/.metadata"
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -26,11 +26,20 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         ranks.append({"rank": entry["rank"], "file": entry["state"], "loader_position": position})
     identity = state["identity"]
     return {
-        "path": str(directory), "committed": committed, "format_version": state["format_version"],
-        "step": state["step"], "epoch": state["epoch"], "consumed": state["consumed"],
-        "files": len(files), "bytes": sum(f["bytes"] for f in files), "tensors": state["tensors"],
-        "ranks": ranks, "config_sha256": state["config_sha256"], "identity": identity,
-        "lineage": state["lineage"], "package": state["package"],
+        "path": str(directory),
+        "committed": committed,
+        "format_version": state["format_version"],
+        "step": state["step"],
+        "epoch": state["epoch"],
+        "consumed": state["consumed"],
+        "files": len(files),
+        "bytes": sum(f["bytes"] for f in files),
+        "tensors": state["tensors"],
+        "ranks": ranks,
+        "config_sha256": state["config_sha256"],
+        "identity": identity,
+        "lineage": state["lineage"],
+        "package": state["package"],
     }
 
 
@@ -38,16 +47,16 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     """Every failure of a checkpoint: commit record, sizes, hashes, schemas, rank files. Empty = sound."""
     try:
         directory = resolve(path)
-    except FileNotFoundError as e:
+    except StateError as e:
         return [str(e)]
     problems = commit_problems(directory)
     try:
         state = read_state(directory)
-    except StateFileError as e:
+    except DocumentError as e:
         return problems + [str(e)]
     try:
         listed = {f["path"] for f in read_commit(directory)["files"]}
-    except StateFileError:
+    except DocumentError:
         listed = set()
     for required in (STATE_FILE, DCP_METADATA):
         if listed and required not in listed:
@@ -60,7 +69,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
             document = read_json(directory / entry["state"])
             if not isinstance(document, dict) or "loader" not in document:
                 problems.append(f"{entry['state']}: not a rank state (no 'loader')")
-        except StateFileError as e:
+        except DocumentError as e:
             problems.append(str(e))
         problems += _rng_problems(directory / entry["rng"])
     return sorted(set(problems), key=problems.index)
@@ -86,13 +95,17 @@ def diff_checkpoints(a: str | Path, b: str | Path, values: bool = False, atol: f
     da, db = resolve(a), resolve(b)
     sa, sb = read_state(da), read_state(db)
     sections: dict[str, list] = {}
-    sections["config"] = _lines(differences(_without(sa["config"], "train.output_dir"),
-                                            _without(sb["config"], "train.output_dir")))
+    sections["config"] = _lines(
+        differences(_without(sa["config"], "train.output_dir"), _without(sb["config"], "train.output_dir"))
+    )
     for part in IDENTITY_PARTS:
         sections[part] = _lines(differences(sa["identity"][part], sb["identity"][part]))
-    sections["positions"] = _lines(differences(
-        {"step": sa["step"], "epoch": sa["epoch"], "loader": sa["loader"]["position"], "consumed": sa["consumed"]},
-        {"step": sb["step"], "epoch": sb["epoch"], "loader": sb["loader"]["position"], "consumed": sb["consumed"]}))
+    sections["positions"] = _lines(
+        differences(
+            {"step": sa["step"], "epoch": sa["epoch"], "loader": sa["loader"]["position"], "consumed": sa["consumed"]},
+            {"step": sb["step"], "epoch": sb["epoch"], "loader": sb["loader"]["position"], "consumed": sb["consumed"]},
+        )
+    )
     sections["scheduler_state"] = _lines(differences(sa["scheduler_state"], sb["scheduler_state"]))
     result: dict[str, Any] = {"a": str(da), "b": str(db), "sections": {k: v for k, v in sections.items() if v}}
     if values:
@@ -138,12 +151,9 @@ def load_tensors(directory: Path) -> dict[str, Any]:
 
     problems = commit_problems(directory)
     if problems:
-        raise StateFileError(f"{directory}: refusing to let DCP read it: " + "; ".join(problems))
-    import warnings
-
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        state = _load_state_dict_from_keys(checkpoint_id=str(directory / "dcp"))
+        raise StateError(f"{directory}: refusing to let DCP read it: " + "; ".join(problems))
+    with quiet_single_process_dcp():
+        state = _load_state_dict_from_keys(checkpoint_id=str(directory / DCP_DIR))
     flat: dict[str, Any] = {}
     stack: list[tuple[str, Any]] = [("", state)]
     while stack:

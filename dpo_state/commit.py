@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpo_state.digest import sha256_file
-from dpo_state.jsonfile import StateFileError, read_document, write_json_atomic
+from dpo_state.digest import file_digest
+from dpo_state.errors import DocumentError
+from dpo_state.files import file_problems, read_document, write_json_atomic
 
 COMMIT_FORMAT_VERSION = 1
 COMMIT_SCHEMA = "checkpoint-commit"
@@ -19,45 +20,37 @@ def write_commit(directory: str | Path, step: int) -> dict:
     files = []
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
-        if rel in (COMMIT_FILE, COMMIT_FILE + ".tmp"):
+        if rel == COMMIT_FILE:
             continue
-        files.append({"path": rel, "bytes": path.stat().st_size, "sha256": "sha256:" + sha256_file(path)})
+        files.append({"path": rel, "bytes": path.stat().st_size, "sha256": file_digest(path)})
     record = {"format_version": COMMIT_FORMAT_VERSION, "step": step, "files": files}
-    write_json_atomic(directory / COMMIT_FILE, record)
+    write_json_atomic(directory / COMMIT_FILE, record, schema=COMMIT_SCHEMA)
     return record
 
 
 def read_commit(directory: str | Path) -> dict:
-    """The commit record, schema-checked; raises StateFileError when missing or malformed."""
+    """The commit record, schema-checked; raises DocumentError when missing or malformed."""
     return read_document(Path(directory) / COMMIT_FILE, COMMIT_SCHEMA, COMMIT_FORMAT_VERSION)
 
 
-def commit_problems(directory: str | Path, hashes: bool = True, only: set[str] | None = None) -> list[str]:
+def commit_problems(directory: str | Path) -> list[str]:
     """Every way the files of `directory` differ from its commit record: missing, resized, altered
-    (sha256, unless `hashes` is False), or present but unlisted. `only` limits the check to those paths."""
+    (sha256), outside the directory, or present but unlisted. Empty when the checkpoint is sound."""
     directory = Path(directory)
     try:
         record = read_commit(directory)
-    except StateFileError as e:
+    except DocumentError as e:
         return [str(e)]
     problems, listed = [], set()
     for entry in record["files"]:
         rel = entry["path"]
         listed.add(rel)
-        if only is not None and rel not in only:
-            continue
-        path = directory / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             problems.append(f"{rel}: a path outside the checkpoint")
-        elif not path.is_file():
-            problems.append(f"{rel}: missing")
-        elif path.stat().st_size != entry["bytes"]:
-            problems.append(f"{rel}: {path.stat().st_size} bytes, the commit record says {entry['bytes']} (truncated or grown)")
-        elif hashes and "sha256:" + sha256_file(path) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the commit record (corrupted or replaced)")
-    if only is None:
-        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-            rel = path.relative_to(directory).as_posix()
-            if rel not in listed and rel != COMMIT_FILE:
-                problems.append(f"{rel}: present but not in the commit record")
+            continue
+        problems += file_problems(directory / rel, entry["bytes"], entry["sha256"], rel, "the commit record")
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel not in listed and rel != COMMIT_FILE:
+            problems.append(f"{rel}: present but not in the commit record")
     return problems

@@ -11,13 +11,17 @@ import orjson
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+DIGEST_PREFIX = "sha256:"
+"""Every file digest the project writes (manifests, commit records, sidecars) is spelled `sha256:<hex>`."""
+
+
+def file_digest(path: str | Path) -> str:
+    """`sha256:<hex>` of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
-    return h.hexdigest()
+    return DIGEST_PREFIX + h.hexdigest()
 
 
 def canonical_json(value: Any) -> bytes:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_state.commit import COMMIT_FILE
+from dpo_state.errors import StateError
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -46,8 +47,10 @@ def resolve(path: str | Path) -> Path:
         return path
     listing = list_checkpoints(path)
     if listing.latest is None:
-        raise FileNotFoundError(f"{path} holds no committed checkpoint (looked in {path / CHECKPOINTS}); "
-                                "give a step directory or a run's output directory")
+        raise StateError(
+            f"{path} holds no committed checkpoint (looked in {path / CHECKPOINTS}); "
+            "give a step directory or a run's output directory"
+        )
     return listing.latest
 
 
@@ -55,7 +58,7 @@ def retain(run_dir: str | Path, keep_last: int, writing: Path | None = None) -> 
     """Delete committed checkpoints beyond the newest `keep_last`, and incomplete ones older than the
     newest committed. Never the newest committed one, never `writing`. Returns what was deleted."""
     listing = list_checkpoints(run_dir)
-    keep = {p for _, p in listing.committed[-max(1, keep_last):]}
+    keep = {p for _, p in listing.committed[-max(1, keep_last) :]}
     newest = listing.committed[-1][0] if listing.committed else -1
     doomed = [p for _, p in listing.committed if p not in keep]
     doomed += [p for s, p in listing.incomplete if s < newest]

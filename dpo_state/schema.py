@@ -9,13 +9,7 @@ from typing import Any
 import jsonschema
 import orjson
 
-
-class SchemaError(Exception):
-    """A document that does not match its JSON Schema; the message lists every violation with its path."""
-
-    def __init__(self, what: str, problems: list[str]):
-        super().__init__(f"{what} does not match its schema:\n  - " + "\n  - ".join(problems))
-        self.problems = problems
+from dpo_state.errors import SchemaError
 
 
 @functools.cache

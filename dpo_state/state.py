@@ -7,14 +7,16 @@ from typing import Any
 
 import orjson
 
-from dpo_state.jsonfile import read_document
+from dpo_state.files import read_document
 
 CHECKPOINT_FORMAT_VERSION = 1
 STATE_SCHEMA = "checkpoint-state"
 STATE_FILE = "state.json"
 IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "scheduler", "layout")
-ELASTIC_LAYOUT = ("world_size", "strategy", "max_tokens_per_microbatch", "num_workers")
-"""Layout keys that may change on resume in `pairs` batching: the loader re-deals the same steps."""
+ELASTIC_KEYS = ("world_size", "rank", "strategy", "max_tokens_per_microbatch", "num_workers")
+"""What may change on resume in `pairs` batching, at a step boundary: the pairs of a step do not
+depend on these, so the loader re-deals the same steps. The loader's geometry and the run's layout
+identity both use this one list."""
 
 
 def read_state(directory: str | Path) -> dict:
@@ -44,7 +46,7 @@ def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
 
 def identity_mismatches(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """Compare a checkpoint's identity with the run's. Returns (mismatches, elastic changes): layout keys
-    in ELASTIC_LAYOUT may differ when both use `pairs` batching; anything else is a mismatch."""
+    in ELASTIC_KEYS may differ when both use `pairs` batching; anything else is a mismatch."""
     saved, current = normalized(saved), normalized(current)
     elastic_ok = saved.get("layout", {}).get("batching") == "pairs" == current.get("layout", {}).get("batching")
     mismatches, elastic = [], []
@@ -52,7 +54,7 @@ def identity_mismatches(saved: dict, current: dict) -> tuple[list[str], list[str
         for path, was, now in differences(saved.get(part), current.get(part), part):
             line = f"{path}: checkpoint {_short(was)}, this run {_short(now)}"
             key = path.split(".", 1)[1] if "." in path else ""
-            (elastic if part == "layout" and elastic_ok and key in ELASTIC_LAYOUT else mismatches).append(line)
+            (elastic if part == "layout" and elastic_ok and key in ELASTIC_KEYS else mismatches).append(line)
     return mismatches, elastic
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dpo_data.loading.config import LoaderConfig
 from dpo_state.schema import schema_problems
+from dpo_train.errors import ConfigError
 from dpo_train.loss import LossConfig
 
 CONFIG_SCHEMA = "train-config"
@@ -32,10 +34,6 @@ def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
-class ConfigError(ValueError):
-    """A config problem; the message names the key, the value, what is allowed and the fix."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None
@@ -45,7 +43,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
     attention: str = "auto"
-    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, else sdpa) | sdpa | eager | flash_attention_2."""
+    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, else sdpa) | sdpa | eager |
+    flash_attention_2."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +55,43 @@ class ReferenceConfig:
     """precomputed: the sidecar directory."""
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    path: str | list[str] = ""
-    """A built dataset directory, or a list of them (a mixture)."""
-    batching: str = "pairs"
-    pairs_per_step: int = 8
-    max_tokens_per_microbatch: int = 1024
-    microbatches_per_step: int = 2
-    num_workers: int = 0
-    seed: int = 0
-    weights: list[float] | None = None
+LOADER_KEYS = (
+    "batching",
+    "pairs_per_step",
+    "max_tokens_per_microbatch",
+    "microbatches_per_step",
+    "num_workers",
+    "seed",
+    "weights",
+)
+"""The `data` keys that configure the loader: their types, defaults and docs are `LoaderConfig`'s own."""
+
+
+def _paths(self) -> list[str]:
+    """`path` as a list of dataset directories (one, or a mixture)."""
+    return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+def _loader_config(self, rank: int, world_size: int) -> LoaderConfig:
+    """The loader config of one rank: these `data` keys plus where the rank sits."""
+    values = {key: getattr(self, key) for key in LOADER_KEYS}
+    values["weights"] = tuple(self.weights) if self.weights else None
+    return LoaderConfig(**values, rank=rank, world_size=world_size)
+
+
+# The `data` section is `path` plus LoaderConfig's user-facing fields, taken from LoaderConfig itself
+# so that a default is never written twice.
+DataConfig = make_dataclass(
+    "DataConfig",
+    [("path", "str | list[str]", field(default=""))]
+    + [(f.name, f.type, field(default=f.default)) for f in fields(LoaderConfig) if f.name in LOADER_KEYS],
+    frozen=True,
+    namespace={
+        "__doc__": "The `data:` section: dataset directories and the loader's keys.",
+        "paths": property(_paths),
+        "loader_config": _loader_config,
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -123,8 +148,13 @@ class EvalConfig:
 
 
 SECTIONS = {
-    "model": ModelConfig, "reference": ReferenceConfig, "data": DataConfig, "loss": LossConfig,
-    "optim": OptimConfig, "train": TrainSection, "distributed": DistributedConfig,
+    "model": ModelConfig,
+    "reference": ReferenceConfig,
+    "data": DataConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "train": TrainSection,
+    "distributed": DistributedConfig,
     "eval": EvalConfig,
 }
 
@@ -158,10 +188,7 @@ def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainCo
     problems = schema_problems(CONFIG_SCHEMA, {"format_version": CONFIG_FORMAT_VERSION, **raw})
     if problems:
         raise ConfigError("the config does not match schemas/train-config.schema.json:\n  - " + "\n  - ".join(problems))
-    try:
-        return TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
-    except ValueError as e:  # a section's own range checks (e.g. LossConfig)
-        raise ConfigError(str(e)) from None
+    return TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
 
 
 def _read(source: str | Path | dict) -> dict:

@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from dpo_train.config import ConfigError
+from dpo_train.errors import ConfigError
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -33,7 +34,7 @@ def _npu_available() -> bool:
     # torch-npu is imported only when installed; importing it registers the "npu" device with torch.
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    import torch_npu  # noqa: F401
+    import torch_npu  # noqa: F401 - importing it registers the "npu" device with torch
 
     return bool(torch.npu.is_available())
 
@@ -66,13 +67,24 @@ def placement(device_kind: str, precision: str) -> Placement:
     return Placement(device, _BACKENDS[kind], precision)
 
 
+def init_distributed(place: Placement) -> tuple[int, int]:
+    """(rank, world size): joins the process group torchrun describes (WORLD_SIZE > 1) on the placement's
+    backend, or (0, 1) for a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(place.backend)
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def attention_for(requested: str, place: Placement) -> str:
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed), else sdpa, which
-    keeps packed segments apart through position_ids (REFERENCE.md §3)."""
+    keeps packed segments apart through position_ids (see `dpo_train.logps.pair_logps`)."""
     if requested != "auto":
         if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
-            raise ConfigError("model.attention flash_attention_2 needs distributed.device cuda and train.precision "
-                              "bf16; use auto or sdpa")
+            raise ConfigError(
+                "model.attention flash_attention_2 needs distributed.device cuda and train.precision "
+                "bf16; use auto or sdpa"
+            )
         return requested
     usable = place.device.type == "cuda" and place.precision == "bf16" and importlib.util.find_spec("flash_attn")
     return "flash_attention_2" if usable else "sdpa"

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from dpo_data.store import PairStore
-from dpo_train.config import ConfigError
+from dpo_data.dataset.store import PairStore
+from dpo_train.errors import ConfigError
 from dpo_train.scoring import Scores, score_pairs
 
 
@@ -23,10 +23,15 @@ class Evaluator:
         self.store = PairStore([config.eval.path])
         train_tokenizer = trainer.tokenizer_fingerprint
         if self.store.tokenizer_fingerprint != train_tokenizer:
-            raise ConfigError(f"eval.path {config.eval.path} was built with tokenizer {self.store.tokenizer_fingerprint}, "
-                              f"the training data with {train_tokenizer}; build it with the same tokenizer")
+            raise ConfigError(
+                f"eval.path {config.eval.path} was built with tokenizer {self.store.tokenizer_fingerprint}, "
+                f"the training data with {train_tokenizer}; build it with the same tokenizer"
+            )
         self.trainer, self.out, self.rank = trainer, out, rank
-        self.budget = max(config.data.max_tokens_per_microbatch, int(self.store.segment_tokens(np.arange(self.store.num_pairs)).max(initial=0)))
+        self.budget = max(
+            config.data.max_tokens_per_microbatch,
+            int(self.store.segment_tokens(np.arange(self.store.num_pairs)).max(initial=0)),
+        )
         self.reference = self._score(trainer.initial)
 
     def _score(self, model) -> Scores:
@@ -36,9 +41,14 @@ class Evaluator:
         policy = self.reference if step == 0 else self._score(self.trainer.model)
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
-        record = {"step": step, "pairs": int(len(margin)), "accuracy": float((margin > 0).sum() / n),
-                  "ties": float((margin == 0).sum() / n), "margin": float(margin.sum() / n),
-                  "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n)}
+        record = {
+            "step": step,
+            "pairs": int(len(margin)),
+            "accuracy": float((margin > 0).sum() / n),
+            "ties": float((margin == 0).sum() / n),
+            "margin": float(margin.sum() / n),
+            "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n),
+        }
         if self.rank == 0:
             with open(self.out / "eval.jsonl", "ab") as f:
                 f.write(orjson.dumps(record) + b"\n")

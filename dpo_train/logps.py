@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dpo_data.microbatch import IGNORE_INDEX, pair_sums
+from dpo_data.loading.microbatch import IGNORE_INDEX, pair_sums
 
 
 @dataclass
@@ -37,15 +37,17 @@ def pair_logps(model: Any, batch: dict[str, Any]) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
     On CPU with sdpa/eager attention, transformers keeps packed segments apart when it gets
-    `position_ids` restarting at 0, no attention mask and `use_cache=False` (REFERENCE.md §3).
+    `position_ids` restarting at 0, no attention mask and `use_cache=False` (it then detects the packed
+    documents from the position restarts; with a mask, segments would attend across each other).
     The vocabulary projection runs only at supervised positions (`logits_to_keep` with a boolean
     mask): prompt positions never need logits, and on a 135M model the projection is a fifth of the
     forward.
     """
     labels = batch["labels"][0].to(batch["input_ids"].device)
     mask = labels != IGNORE_INDEX
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                   logits_to_keep=mask[None]).logits
+    logits = model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=mask[None]
+    ).logits
     logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
     sums = pair_sums(token_logps(logits, labels), batch)
     counts = pair_sums(mask.float(), batch)

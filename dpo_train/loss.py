@@ -1,7 +1,7 @@
 """The DPO loss family on per-pair log-probabilities: closed forms, one value per pair, no reduction.
 
 The step, not the loss, reduces: it sums pair losses and divides by the number of pairs in the whole
-optimizer step, so every pair weighs the same whatever the packing (issue 4).
+optimizer step, so every pair weighs the same whatever the packing (docs/objective.md).
 Notation: for a pair, c = log pi(chosen), r = log pi(rejected) (summed over completion tokens, or
 averaged with `average_log_prob`), c0 and r0 the same under the reference, |c| and |r| completion
 token counts, and the margin  D = (c - c0) - (r - r0).
@@ -14,12 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dpo_train.errors import ConfigError
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
 REFERENCE_FREE = ("simpo",)
-
-
-class LossConfigError(ValueError):
-    """A loss setting outside its allowed range; the message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -41,16 +39,16 @@ class LossConfig:
 
     def __post_init__(self):
         if self.type not in LOSS_TYPES:
-            raise LossConfigError(f"loss.type is {self.type!r}; allowed: {', '.join(LOSS_TYPES)}")
+            raise ConfigError(f"loss.type is {self.type!r}; allowed: {', '.join(LOSS_TYPES)}")
         if not self.beta > 0:
-            raise LossConfigError(f"loss.beta is {self.beta}; it must be > 0")
+            raise ConfigError(f"loss.beta is {self.beta}; it must be > 0")
         e, robust = self.label_smoothing, self.type == "robust"
         if not (0.0 <= e < 0.5 if robust else 0.0 <= e <= 0.5):  # robust divides by 1 - 2e
-            raise LossConfigError(f"loss.label_smoothing is {e}; {self.type} allows [0, 0.5{')' if robust else ']'}")
+            raise ConfigError(f"loss.label_smoothing is {e}; {self.type} allows [0, 0.5{')' if robust else ']'}")
         if self.label_smoothing and self.type not in ("sigmoid", "robust"):
-            raise LossConfigError(f"loss.label_smoothing is {self.label_smoothing}, but {self.type} has none; set it to 0")
+            raise ConfigError(f"loss.label_smoothing is {self.label_smoothing}, but {self.type} has none; set it to 0")
         if self.nll_weight < 0:
-            raise LossConfigError(f"loss.nll_weight is {self.nll_weight}; it must be >= 0")
+            raise ConfigError(f"loss.nll_weight is {self.nll_weight}; it must be >= 0")
 
     @property
     def needs_reference(self) -> bool:
@@ -66,9 +64,15 @@ class PairTerms:
     rejected_rewards: torch.Tensor
 
 
-def pair_losses(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor,
-                ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None,
-                chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor) -> PairTerms:
+def pair_losses(
+    config: LossConfig,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | None,
+    ref_rejected: torch.Tensor | None,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+) -> PairTerms:
     """Per-pair losses from summed completion log-probs (and token counts for the averaged forms).
 
     - sigmoid: L = -(1 - e) log s(b D) - e log s(-b D)   (e = label_smoothing; e > 0 is conservative DPO)
@@ -85,7 +89,9 @@ def pair_losses(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor
         losses = -F.logsigmoid(chosen_reward - rejected_reward - config.target_margin)
         return PairTerms(losses, chosen_reward.detach(), rejected_reward.detach())
     if ref_chosen is None or ref_rejected is None:
-        raise LossConfigError(f"loss.type {config.type} needs reference log-probs; set reference.mode to live or precomputed")
+        raise ConfigError(
+            f"loss.type {config.type} needs reference log-probs; set reference.mode to live or precomputed"
+        )
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     if config.average_log_prob or config.type == "ipo":
         chosen_ratio, rejected_ratio = chosen_ratio / n_c, rejected_ratio / n_r

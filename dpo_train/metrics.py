@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from dpo_data.microbatch import pair_sums
+from dpo_data.loading.microbatch import pair_sums
 
 # Row 0 holds all pairs of the step, row 1 + s the pairs of source s: a pair counts once.
-SUMS = ("loss", "chosen_reward", "rejected_reward", "correct", "margin", "chosen_logp", "rejected_logp",
-        "nll", "chosen_tokens",
-        "pairs", "input_tokens", "supervised_tokens", "capacity")
+SUMS = (
+    "loss",
+    "chosen_reward",
+    "rejected_reward",
+    "correct",
+    "margin",
+    "chosen_logp",
+    "rejected_logp",
+    "nll",
+    "chosen_tokens",
+    "pairs",
+    "input_tokens",
+    "supervised_tokens",
+    "capacity",
+)
 
 
 def new_sums(sources: int) -> torch.Tensor:
@@ -20,38 +32,73 @@ def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> 
     """Add one micro-batch's pairs to the step sums."""
     margin = terms.chosen_rewards - terms.rejected_rewards
     input_tokens = pair_sums(torch.ones(batch["input_ids"].shape[1], device=margin.device), batch).sum(1)
-    per_pair = torch.stack([
-        terms.losses.detach(), terms.chosen_rewards, terms.rejected_rewards, (margin > 0).float(), margin,
-        policy.chosen.detach(), policy.rejected.detach(), -policy.chosen.detach(), policy.chosen_tokens,
-        torch.ones_like(margin), input_tokens,
-        policy.chosen_tokens + policy.rejected_tokens, torch.zeros_like(margin),
-    ], dim=1).double().cpu()
+    per_pair = (
+        torch.stack(
+            [
+                terms.losses.detach(),
+                terms.chosen_rewards,
+                terms.rejected_rewards,
+                (margin > 0).float(),
+                margin,
+                policy.chosen.detach(),
+                policy.rejected.detach(),
+                -policy.chosen.detach(),
+                policy.chosen_tokens,
+                torch.ones_like(margin),
+                input_tokens,
+                policy.chosen_tokens + policy.rejected_tokens,
+                torch.zeros_like(margin),
+            ],
+            dim=1,
+        )
+        .double()
+        .cpu()
+    )
     sums[0] += per_pair.sum(0)
     sums[0, -1] += capacity  # the token capacity of a micro-batch holding pairs
     sums.index_add_(0, 1 + batch["pair_source"].cpu().long(), per_pair)
 
 
-def step_record(sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float,
-                world_size: int = 1) -> dict:
+def step_record(
+    sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float, world_size: int = 1
+) -> dict:
     """The metrics.jsonl object of one optimizer step, from sums over all ranks."""
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
     return {
-        "step": step, "world_size": world_size, "loss": s["loss"] / pairs, "rewards/chosen": s["chosen_reward"] / pairs,
-        "rewards/rejected": s["rejected_reward"] / pairs, "rewards/accuracies": s["correct"] / pairs,
-        "rewards/margins": s["margin"] / pairs, "logps/chosen": s["chosen_logp"] / pairs,
+        "step": step,
+        "world_size": world_size,
+        "loss": s["loss"] / pairs,
+        "rewards/chosen": s["chosen_reward"] / pairs,
+        "rewards/rejected": s["rejected_reward"] / pairs,
+        "rewards/accuracies": s["correct"] / pairs,
+        "rewards/margins": s["margin"] / pairs,
+        "logps/chosen": s["chosen_logp"] / pairs,
         "logps/rejected": s["rejected_logp"] / pairs,
-        "nll": s["nll"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0, "grad_norm": grad_norm, "lr": lr, "pairs": int(s["pairs"]),
-        "input_tokens": int(s["input_tokens"]), "supervised_tokens": int(s["supervised_tokens"]),
+        "nll": s["nll"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "pairs": int(s["pairs"]),
+        "input_tokens": int(s["input_tokens"]),
+        "supervised_tokens": int(s["supervised_tokens"]),
         "packing_efficiency": s["input_tokens"] / s["capacity"] if s["capacity"] else 0.0,
-        "pairs/s": s["pairs"] / seconds, "tokens/s": s["input_tokens"] / seconds,
-        "sources": {name: _source_record(dict(zip(SUMS, row)))
-                    for name, row in zip(sources, sums[1:].tolist()) if row[SUMS.index("pairs")]},
+        "pairs/s": s["pairs"] / seconds,
+        "tokens/s": s["input_tokens"] / seconds,
+        "sources": {
+            name: _source_record(dict(zip(SUMS, row)))
+            for name, row in zip(sources, sums[1:].tolist())
+            if row[SUMS.index("pairs")]
+        },
     }
 
 
 def _source_record(s: dict) -> dict:
     """Per-source metrics: a pair counts once, in its own source."""
-    return {"pairs": int(s["pairs"]), "loss": s["loss"] / s["pairs"], "accuracy": s["correct"] / s["pairs"],
-            "margin": s["margin"] / s["pairs"], "input_tokens": int(s["input_tokens"]),
-            "supervised_tokens": int(s["supervised_tokens"])}
+    return {
+        "pairs": int(s["pairs"]),
+        "loss": s["loss"] / s["pairs"],
+        "accuracy": s["correct"] / s["pairs"],
+        "margin": s["margin"] / s["pairs"],
+        "input_tokens": int(s["input_tokens"]),
+        "supervised_tokens": int(s["supervised_tokens"]),
+    }

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from dpo_train.config import ConfigError, ModelConfig
+from dpo_train.config import ModelConfig
+from dpo_train.errors import ConfigError
 
 
 def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
@@ -53,7 +54,9 @@ def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> 
             module.attention_dropout = 0.0
     if activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support it; set it to false")
+            raise ConfigError(
+                f"train.activation_checkpointing: {type(model).__name__} does not support it; set it to false"
+            )
         kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs that need none
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -20,8 +20,13 @@ def gradient_scale() -> float:
     return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
 
 
-def microbatch_loss(pair_losses: torch.Tensor, step_pairs: float, nll_sum: torch.Tensor | None = None,
-                    step_chosen_tokens: float = 0.0, nll_weight: float = 0.0) -> torch.Tensor:
+def microbatch_loss(
+    pair_losses: torch.Tensor,
+    step_pairs: float,
+    nll_sum: torch.Tensor | None = None,
+    step_chosen_tokens: float = 0.0,
+    nll_weight: float = 0.0,
+) -> torch.Tensor:
     """This micro-batch's share of the step objective, to call backward on.
 
     step loss = sum over the step's pairs of L_i / N_step  +  nll_weight * (sum of -log p over the

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dpo_data.store import PairStore
-from dpo_train.config import ConfigError, TrainConfig
-from dpo_train.device import attention_for, placement
+from dpo_data.dataset.store import PairStore
+from dpo_train.config import TrainConfig
+from dpo_train.device import attention_for, init_distributed, placement
+from dpo_train.errors import ConfigError
 from dpo_train.model import load_policy, prepare_for_training
 from dpo_train.reference import weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
@@ -19,13 +20,11 @@ def precompute_reference(config: TrainConfig) -> Path:
 
     Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes.
     """
-    from dpo_train.trainer import _init_distributed, _paths
-
     if not config.reference.path:
         raise ConfigError("--precompute-reference needs reference.path: the sidecar directory to write")
     place = placement(config.distributed.device, config.train.precision)
-    rank, _ = _init_distributed(place)
-    store = PairStore(_paths(config))
+    rank, _ = init_distributed(place)
+    store = PairStore(config.data.paths)
     model = load_policy(config.model, attention_for(config.model.attention, place))
     prepare_for_training(model)  # same dropout settings as the trainer's reference
     weights = weights_fingerprint(model)

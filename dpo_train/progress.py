@@ -15,7 +15,7 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -25,8 +25,11 @@ class Progress:
     def update(self, record: dict) -> None:
         if not self.enabled:
             return
-        fields = (f"loss {record['loss']:.4f}", f"acc {record['rewards/accuracies']:.3f}",
-                  f"{record['pairs/s']:.2f} pairs/s")
+        fields = (
+            f"loss {record['loss']:.4f}",
+            f"acc {record['rewards/accuracies']:.3f}",
+            f"{record['pairs/s']:.2f} pairs/s",
+        )
         if self.bar is not None:
             self.bar.set_postfix_str("  ".join(fields), refresh=False)
             self.bar.update(1)

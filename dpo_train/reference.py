@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,18 +11,16 @@ import numpy as np
 import orjson
 import torch
 
-from dpo_state.digest import sha256_file
-from dpo_state.schema import schema_problems
+from dpo_state.digest import DIGEST_PREFIX, file_digest
+from dpo_state.errors import DocumentError
+from dpo_state.files import file_problems, read_document, write_json_atomic
+from dpo_train.errors import SidecarError
 
 SIDECAR_FORMAT_VERSION = 1
 SIDECAR_SCHEMA = "reference-sidecar"
 SIDECAR_DOCUMENT = "reference.json"
 SIDECAR_TABLE = "logps.safetensors"
 _MAX_DOCUMENT_BYTES = 1 << 20  # the document is small; a larger file is refused before parsing
-
-
-class ReferenceError(ValueError):
-    """A sidecar that is missing, malformed or bound to other data or weights; lists every problem."""
 
 
 def weights_fingerprint(model: Any) -> str:
@@ -37,7 +34,7 @@ def weights_fingerprint(model: Any) -> str:
         t = tensor.detach().cpu().contiguous()
         h.update(orjson.dumps([name, str(t.dtype), list(t.shape)]))
         h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
+    return DIGEST_PREFIX + h.hexdigest()
 
 
 @dataclass
@@ -64,19 +61,27 @@ def write_sidecar(path: str | Path, scores, store, weights: str, precision: str,
     path.mkdir(parents=True, exist_ok=True)
     (path / SIDECAR_DOCUMENT).unlink(missing_ok=True)  # an old document must not vouch for a new table
     table = path / SIDECAR_TABLE
-    save_file({"chosen": scores.chosen, "rejected": scores.rejected, "chosen_tokens": scores.chosen_tokens,
-               "rejected_tokens": scores.rejected_tokens}, str(table))
+    save_file(
+        {
+            "chosen": scores.chosen,
+            "rejected": scores.rejected,
+            "chosen_tokens": scores.chosen_tokens,
+            "rejected_tokens": scores.rejected_tokens,
+        },
+        str(table),
+    )
     document = {
         "format_version": SIDECAR_FORMAT_VERSION,
-        "dataset": {"fingerprint": store.fingerprint, "datasets": store.dataset_fingerprints,
-                    "num_pairs": store.num_pairs},
+        "dataset": {
+            "fingerprint": store.fingerprint,
+            "datasets": store.dataset_fingerprints,
+            "num_pairs": store.num_pairs,
+        },
         "reference": {"weights_fingerprint": weights, "source": model_source, "precision": precision},
-        "table": {"path": SIDECAR_TABLE, "bytes": table.stat().st_size, "sha256": "sha256:" + sha256_file(table)},
+        "table": {"path": SIDECAR_TABLE, "bytes": table.stat().st_size, "sha256": file_digest(table)},
         "producer": {"name": "dpo-toolkit", "version": __version__},
     }
-    tmp = path / (SIDECAR_DOCUMENT + ".tmp")
-    tmp.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
-    os.replace(tmp, path / SIDECAR_DOCUMENT)
+    write_json_atomic(path / SIDECAR_DOCUMENT, document, schema=SIDECAR_SCHEMA)
     return path
 
 
@@ -87,59 +92,60 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str) -> Refer
     """
     path = Path(path)
     document = _read_document(path)
-    problems = schema_problems(SIDECAR_SCHEMA, document)
-    if not problems:
-        problems = _binding_problems(document, store, weights, precision)
+    problems = _binding_problems(document, store, weights, precision)
     table = path / SIDECAR_TABLE
     if not problems:
         spec = document["table"]
-        if not table.is_file():
-            problems.append(f"{table} is missing")
-        elif table.stat().st_size != spec["bytes"]:
-            problems.append(f"{table} has {table.stat().st_size} bytes, the record says {spec['bytes']}")
-        elif "sha256:" + sha256_file(table) != spec["sha256"]:
-            problems.append(f"{table} does not match its sha256 in {SIDECAR_DOCUMENT} (corrupted or replaced)")
+        problems = file_problems(table, spec["bytes"], spec["sha256"], str(table), SIDECAR_DOCUMENT)
     if problems:
-        raise ReferenceError(_message(path, problems))
+        raise SidecarError(_message(path, problems))
     from safetensors.numpy import load_file
 
     arrays = load_file(str(table))
     n = store.num_pairs
     if any(arrays[k].shape != (n,) for k in ("chosen", "rejected")):
-        raise ReferenceError(_message(path, [f"the table does not hold {n} pairs"]))
-    return ReferenceTable(torch.from_numpy(np.asarray(arrays["chosen"], dtype=np.float64)),
-                          torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)), document["table"]["sha256"])
+        raise SidecarError(_message(path, [f"the table does not hold {n} pairs"]))
+    return ReferenceTable(
+        torch.from_numpy(np.asarray(arrays["chosen"], dtype=np.float64)),
+        torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)),
+        document["table"]["sha256"],
+    )
 
 
 def _read_document(path: Path) -> Any:
     doc = path / SIDECAR_DOCUMENT
     if not doc.is_file():
-        raise ReferenceError(_message(path, [f"{doc} does not exist (no sidecar, or one never finished)"]))
-    if doc.stat().st_size > _MAX_DOCUMENT_BYTES:
-        raise ReferenceError(_message(path, [f"{doc} is {doc.stat().st_size} bytes; a sidecar document is < 1 MiB"]))
+        raise SidecarError(_message(path, [f"{doc} does not exist (no sidecar, or one never finished)"]))
     try:
-        return orjson.loads(doc.read_bytes())
-    except orjson.JSONDecodeError as e:
-        raise ReferenceError(_message(path, [f"{doc} is not valid JSON: {e}"])) from None
+        return read_document(
+            doc, SIDECAR_SCHEMA, SIDECAR_FORMAT_VERSION, _MAX_DOCUMENT_BYTES, fix="recompute it with this version"
+        )
+    except DocumentError as e:
+        raise SidecarError(_message(path, [str(e)])) from None
 
 
 def _binding_problems(document: dict, store, weights: str, precision: str) -> list[str]:
     problems = []
-    if document["format_version"] != SIDECAR_FORMAT_VERSION:
-        problems.append(f"format_version {document['format_version']}, this version reads {SIDECAR_FORMAT_VERSION}")
     data, ref = document["dataset"], document["reference"]
     if data["fingerprint"] != store.fingerprint:
-        problems.append(f"dataset: the sidecar was computed for {data['fingerprint']}, data.path is {store.fingerprint}")
+        problems.append(
+            f"dataset: the sidecar was computed for {data['fingerprint']}, data.path is {store.fingerprint}"
+        )
     if data["num_pairs"] != store.num_pairs:
         problems.append(f"dataset: the sidecar holds {data['num_pairs']} pairs, data.path has {store.num_pairs}")
     if ref["weights_fingerprint"] != weights:
-        problems.append(f"reference weights: the sidecar was computed with {ref['weights_fingerprint']} "
-                        f"({ref['source']}), the model is {weights}")
+        problems.append(
+            f"reference weights: the sidecar was computed with {ref['weights_fingerprint']} "
+            f"({ref['source']}), the model is {weights}"
+        )
     if ref["precision"] != precision:
         problems.append(f"precision: the sidecar was computed in {ref['precision']}, this run uses {precision}")
     return problems
 
 
 def _message(path: Path, problems: list[str]) -> str:
-    return (f"reference sidecar {path} cannot be used:\n  - " + "\n  - ".join(problems)
-            + "\n  fix: recompute it with `dpo-train CONFIG --precompute-reference`")
+    return (
+        f"reference sidecar {path} cannot be used:\n  - "
+        + "\n  - ".join(problems)
+        + "\n  fix: recompute it with `dpo-train CONFIG --precompute-reference`"
+    )

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dpo_data.microbatch import pack_microbatch
-from dpo_data.packing import first_fit_decreasing
-from dpo_data.store import PairStore
-from dpo_train.config import ConfigError
+from dpo_data.dataset.store import PairStore
+from dpo_data.errors import DataError
+from dpo_data.loading.binpack import first_fit_decreasing
+from dpo_data.loading.microbatch import pack_microbatch
 from dpo_train.logps import pair_logps
 
 
@@ -36,8 +36,11 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) ->
     sizes = store.segment_tokens(np.arange(store.num_pairs))
     too_long = np.flatnonzero(sizes > max_tokens)
     if len(too_long):
-        raise ConfigError(f"pair {int(too_long[0])} has {int(sizes[too_long[0]])} tokens, more than the "
-                         f"micro-batch budget {max_tokens}; raise data.max_tokens_per_microbatch")
+        raise DataError(
+            f"pair {int(too_long[0])} has {int(sizes[too_long[0]])} input tokens (both segments), more "
+            f"than the micro-batch budget {max_tokens}; raise data.max_tokens_per_microbatch, or rebuild "
+            "the dataset with a lower --max-length; pairs are never skipped or cut"
+        )
     bins, _ = first_fit_decreasing(sizes, max_tokens)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     table = torch.zeros(4, store.num_pairs, dtype=torch.float64)
@@ -66,4 +69,3 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) ->
         table = table.cpu()
     values = table.numpy()
     return Scores(values[0].copy(), values[1].copy(), values[2].astype(np.int32), values[3].astype(np.int32))
-

@@ -7,21 +7,34 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import orjson
 import torch
 import torch.distributed as dist
 import yaml
 
-from dpo_data.loader import DPOLoader
-from dpo_data.schedule import LoaderConfig
-from dpo_data.store import PairStore
-from dpo_train.checkpointing import check_resume_config, find_resume, load_weights, new_lineage, restore, save
-from dpo_train.config import ConfigError, TrainConfig
-from dpo_train.device import Placement, attention_for, placement
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.loader import DPOLoader
+from dpo_train.checkpointing import (
+    Checkpointable,
+    ModelAndOptimizer,
+    RNGState,
+    RunContext,
+    TrainState,
+    check_resume_config,
+    find_resume,
+    load_weights,
+    new_lineage,
+    restore,
+    save,
+)
+from dpo_train.config import TrainConfig
+from dpo_train.device import Placement, attention_for, init_distributed, placement
+from dpo_train.errors import ConfigError
 from dpo_train.evaluation import Evaluator
+from dpo_train.identity import run_identity
 from dpo_train.logps import pair_logps
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
@@ -42,7 +55,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, place: Placement, rank: int, world: int, store: PairStore):
-        self.config, self.place, self.rank, self.world = config, place, rank, world
+        self.config, self.place, self.rank, self.world, self.store = config, place, rank, world, store
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
         policy = load_policy(config.model, attention_for(config.model.attention, place))
@@ -58,8 +71,37 @@ class Trainer:
         self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
-        self.sums, self.step_index, self._started = new_sums(len(self.sources)), 0, time.perf_counter()
-        self.consumed = {"pairs": 0, "input_tokens": 0, "supervised_tokens": 0}
+        self.state = TrainState()
+        self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
+
+    def checkpointable(self, loader) -> Checkpointable:
+        """The Stateful parts a checkpoint saves and restores (the checkpointer never sees the trainer)."""
+        return Checkpointable(
+            ModelAndOptimizer(self.model, self.optimizer), self.scheduler, loader, RNGState(), self.state
+        )
+
+    def run_context(self, loader: DPOLoader, out: Path) -> RunContext:
+        """Where this rank sits and the identity a checkpoint of this run records."""
+        identity = run_identity(
+            self.config,
+            self.store,
+            loader.config,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.weights,
+            self.table.sha256 if self.table is not None else None,
+            self.place.precision,
+        )
+        return RunContext(
+            out,
+            self.rank,
+            self.world,
+            self.config.train.keep_last,
+            self.config.resolved(),
+            identity,
+            loader.config.batching,
+        )
 
     @property
     def live_reference(self):
@@ -76,10 +118,22 @@ class Trainer:
                 return
             policy = pair_logps(self.model, batch)
             ref_chosen, ref_rejected = self._reference(batch)
-            terms = pair_losses(self.config.loss, policy.chosen, policy.rejected, ref_chosen, ref_rejected,
-                                policy.chosen_tokens, policy.rejected_tokens)
-            microbatch_loss(terms.losses, batch["step_pairs"], -policy.chosen.sum(), batch["step_chosen_tokens"],
-                            self.config.loss.nll_weight).backward()
+            terms = pair_losses(
+                self.config.loss,
+                policy.chosen,
+                policy.rejected,
+                ref_chosen,
+                ref_rejected,
+                policy.chosen_tokens,
+                policy.rejected_tokens,
+            )
+            microbatch_loss(
+                terms.losses,
+                batch["step_pairs"],
+                -policy.chosen.sum(),
+                batch["step_chosen_tokens"],
+                self.config.loss.nll_weight,
+            ).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
     def _reference(self, batch: dict):
@@ -102,12 +156,19 @@ class Trainer:
             sums = self.sums.to(self.place.device) if self.place.backend != "gloo" else self.sums
             dist.all_reduce(sums)
             self.sums = sums.cpu()
-        record = step_record(self.sums, self.sources, grad_norm, self.scheduler.get_last_lr()[0], self.step_index,
-                             time.perf_counter() - self._started, self.world)
-        for key in self.consumed:
-            self.consumed[key] += record[key]
+        record = step_record(
+            self.sums,
+            self.sources,
+            grad_norm,
+            self.scheduler.get_last_lr()[0],
+            self.state.step,
+            time.perf_counter() - self._started,
+            self.world,
+        )
+        for key in self.state.consumed:
+            self.state.consumed[key] += record[key]
         self.sums.zero_()
-        self.step_index, self._started = self.step_index + 1, time.perf_counter()
+        self.state.step, self._started = self.state.step + 1, time.perf_counter()
         return record
 
 
@@ -115,34 +176,41 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
     _check_settings(config)
     place = placement(config.distributed.device, config.train.precision)
-    rank, world = _init_distributed(place)
+    rank, world = init_distributed(place)
     out = Path(config.train.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.resolved.yaml").write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
-    loader = DPOLoader(_paths(config), _loader_config(config, rank, world), max_epochs=config.train.epochs,
-                       pad_to_multiple_of=8)
+    loader = DPOLoader(
+        config.data.paths, config.data.loader_config(rank, world), max_epochs=config.train.epochs, pad_to_multiple_of=8
+    )
     trainer = Trainer(config, place, rank, world, loader.stream.store)
+    parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
     resume_from = find_resume(config, out, rank)
     if resume_from is not None:
-        state = restore(trainer, loader, resume_from)
+        state = restore(parts, ctx, resume_from)
         lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
         if rank == 0:
-            _truncate_logs(out, trainer.step_index)
-            print(f"resumed from {resume_from} at step {trainer.step_index}", file=sys.stderr, flush=True)
+            _truncate_logs(out, trainer.state.step)
+            print(f"resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr, flush=True)
     elif rank == 0 and _truncate_logs(out, 0):
-        print(f"warning: {out} held logs of an earlier run without a checkpoint to resume; they are replaced",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {out} held logs of an earlier run without a checkpoint to resume; they are replaced",
+            file=sys.stderr,
+            flush=True,
+        )
     evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
     if evaluator and resume_from is None:
         evaluator.run(step=0)
     fault = _fault(rank)
-    saved_step = trainer.step_index  # 0 on a fresh start, else the checkpoint's step
-    with _metrics_file(out, rank) as metrics, Progress(config.train.max_steps, enabled=progress and rank == 0,
-                                                       start=trainer.step_index) as bar:
-        for batch in loader if trainer.step_index < config.train.max_steps else ():
-            fault(trainer.step_index)
+    saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
+    with (
+        _metrics_file(out, rank) as metrics,
+        Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
+    ):
+        for batch in loader if trainer.state.step < config.train.max_steps else ():
+            fault(trainer.state.step)
             trainer.microbatch(batch)
             if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
                 continue
@@ -151,18 +219,18 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
                 metrics.write(orjson.dumps(record) + b"\n")
                 metrics.flush()
             bar.update(record)
-            if evaluator and config.eval.every and trainer.step_index % config.eval.every == 0:
-                evaluator.run(step=trainer.step_index)
-            done = trainer.step_index >= config.train.max_steps
-            if config.train.save_every and (trainer.step_index % config.train.save_every == 0 or done):
-                lineage = {**lineage, "parent": save(trainer, loader, out, lineage).name}
-                saved_step = trainer.step_index
+            if evaluator and config.eval.every and trainer.state.step % config.eval.every == 0:
+                evaluator.run(step=trainer.state.step)
+            done = trainer.state.step >= config.train.max_steps
+            if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
+                lineage = {**lineage, "parent": save(parts, ctx, lineage).name}
+                saved_step = trainer.state.step
             if done:
                 break
-    if config.train.save_every and trainer.step_index != saved_step:
-        save(trainer, loader, out, lineage)  # the data ran out before max_steps: keep the last step
-    if evaluator and (not config.eval.every or trainer.step_index % config.eval.every):
-        evaluator.run(step=trainer.step_index)
+    if config.train.save_every and trainer.state.step != saved_step:
+        save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
+    if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
+        evaluator.run(step=trainer.state.step)
     _export(trainer.policy, config, out, rank, world)
     return out
 
@@ -178,7 +246,10 @@ def _truncate_logs(out: Path, step: int) -> int:
     """On resume, drop log lines of steps after the checkpoint: they are trained again (on a fresh
     start, all of them). Returns how many lines were dropped."""
     dropped = 0
-    for name, keep in (("metrics.jsonl", lambda r: r["step"] < step), ("eval.jsonl", lambda r: r["step"] <= step and step > 0)):
+    for name, keep in (
+        ("metrics.jsonl", lambda r: r["step"] < step),
+        ("eval.jsonl", lambda r: r["step"] <= step and step > 0),
+    ):
         path = out / name
         if path.is_file():
             lines = [x for x in path.read_bytes().splitlines() if x.strip()]
@@ -197,14 +268,18 @@ def _check_settings(config: TrainConfig) -> None:
     """Settings that cannot work together fail before anything starts."""
     check_resume_config(config)
     if config.reference.mode == "precomputed" and not config.reference.path:
-        raise ConfigError("reference.mode is precomputed but reference.path is empty; set it to the sidecar "
-                          "directory and create it with `dpo-train CONFIG --precompute-reference`")
+        raise ConfigError(
+            "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
+            "directory and create it with `dpo-train CONFIG --precompute-reference`"
+        )
     if config.loss.needs_reference and config.reference.mode == "none":
-        raise ConfigError(f"loss.type {config.loss.type} needs a reference; set reference.mode: live or "
-                          "precomputed, or use simpo")
+        raise ConfigError(
+            f"loss.type {config.loss.type} needs a reference; set reference.mode: live or precomputed, or use simpo"
+        )
     if not config.data.path:
-        raise ConfigError("data.path is empty; set it to a dataset directory written by `dpo-data build` "
-                          "(or a list of them)")
+        raise ConfigError(
+            "data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
+        )
 
 
 def _fault(rank: int) -> Callable[[int], None]:
@@ -222,13 +297,6 @@ def _fault(rank: int) -> Callable[[int], None]:
 
 def _metrics_file(out: Path, rank: int):
     return open(out / "metrics.jsonl", "ab") if rank == 0 else contextlib.nullcontext()
-
-
-def _init_distributed(place: Placement) -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(place.backend)
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _wrap(policy, strategy: str, world: int, place: Placement):
@@ -270,17 +338,6 @@ def _schedule(config: TrainConfig):
     return factor
 
 
-def _paths(config: TrainConfig) -> list[str]:
-    return [config.data.path] if isinstance(config.data.path, str) else list(config.data.path)
-
-
-def _loader_config(config: TrainConfig, rank: int, world: int) -> LoaderConfig:
-    d = config.data
-    return LoaderConfig(batching=d.batching, pairs_per_step=d.pairs_per_step, max_tokens_per_microbatch=d.max_tokens_per_microbatch,
-                        microbatches_per_step=d.microbatches_per_step, world_size=world, rank=rank,
-                        num_workers=d.num_workers, seed=d.seed, weights=tuple(d.weights) if d.weights else None)
-
-
 def _export(policy, config: TrainConfig, out: Path, rank: int, world: int) -> None:
     """Save the final policy as a plain HF directory (rank 0), gathering FSDP shards first."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -295,4 +352,3 @@ def _export(policy, config: TrainConfig, out: Path, rank: int, world: int) -> No
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out / "final")
     if world > 1:
         dist.barrier()
-

@@ -33,22 +33,60 @@ SYSTEM_PROMPTS = [
 ARITH_TEMPLATES = ["What is {}?", "Compute {}.", "Calculate {}.", "What does {} equal?"]
 
 CAPITALS = [
-    ("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Germany", "Berlin"), ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Australia", "Canberra"),
-    ("Brazil", "Brasilia"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"),
-    ("Greece", "Athens"), ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Poland", "Warsaw"),
-    ("Austria", "Vienna"), ("Sweden", "Stockholm"), ("Finland", "Helsinki"), ("Thailand", "Bangkok"),
-    ("Mexico", "Mexico City"), ("Argentina", "Buenos Aires"), ("Chile", "Santiago"), ("Cuba", "Havana"),
-    ("India", "New Delhi"), ("China", "Beijing"), ("Russia", "Moscow"), ("Turkey", "Ankara"),
-    ("Iran", "Tehran"), ("Vietnam", "Hanoi"),
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Germany", "Berlin"),
+    ("Egypt", "Cairo"),
+    ("Canada", "Ottawa"),
+    ("Australia", "Canberra"),
+    ("Brazil", "Brasilia"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Norway", "Oslo"),
+    ("Greece", "Athens"),
+    ("Portugal", "Lisbon"),
+    ("Ireland", "Dublin"),
+    ("Poland", "Warsaw"),
+    ("Austria", "Vienna"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Thailand", "Bangkok"),
+    ("Mexico", "Mexico City"),
+    ("Argentina", "Buenos Aires"),
+    ("Chile", "Santiago"),
+    ("Cuba", "Havana"),
+    ("India", "New Delhi"),
+    ("China", "Beijing"),
+    ("Russia", "Moscow"),
+    ("Turkey", "Ankara"),
+    ("Iran", "Tehran"),
+    ("Vietnam", "Hanoi"),
 ]
 PLANETS = ["Mercury", "Venus", "Earth", "Mars", "Jupiter", "Saturn", "Uranus", "Neptune"]
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
 ELEMENTS = [
-    ("hydrogen", "H"), ("helium", "He"), ("carbon", "C"), ("nitrogen", "N"), ("oxygen", "O"),
-    ("sodium", "Na"), ("iron", "Fe"), ("gold", "Au"), ("silver", "Ag"), ("copper", "Cu"),
-    ("lead", "Pb"), ("potassium", "K"), ("calcium", "Ca"), ("zinc", "Zn"), ("tin", "Sn"),
-    ("neon", "Ne"), ("sulfur", "S"), ("mercury", "Hg"), ("chlorine", "Cl"), ("silicon", "Si"),
+    ("hydrogen", "H"),
+    ("helium", "He"),
+    ("carbon", "C"),
+    ("nitrogen", "N"),
+    ("oxygen", "O"),
+    ("sodium", "Na"),
+    ("iron", "Fe"),
+    ("gold", "Au"),
+    ("silver", "Ag"),
+    ("copper", "Cu"),
+    ("lead", "Pb"),
+    ("potassium", "K"),
+    ("calcium", "Ca"),
+    ("zinc", "Zn"),
+    ("tin", "Sn"),
+    ("neon", "Ne"),
+    ("sulfur", "S"),
+    ("mercury", "Hg"),
+    ("chlorine", "Cl"),
+    ("silicon", "Si"),
 ]
 OPENERS = [
     ("Name a planet.", "{} is a planet.", PLANETS),
@@ -63,6 +101,7 @@ def msg(role: str, content: str) -> dict:
 
 
 # ---------------------------------------------------------------- arithmetic
+
 
 def solve(a: int, op: str, b: int) -> int:
     """Exact result of a small integer operation."""
@@ -113,17 +152,27 @@ def arith_chat(rng: random.Random, n: int, used: set, prefix: str) -> list[dict]
     rows = []
     for i, (q, good, bad) in enumerate(draw_problems(rng, n, False, used)):
         prompt = [msg("system", rng.choice(SYSTEM_PROMPTS))] if i % 5 == 0 else []
-        rows.append({"id": f"{prefix}-{i + 1:04d}", "prompt": prompt + [msg("user", q)],
-                     "chosen": [msg("assistant", good)], "rejected": [msg("assistant", bad)]})
+        rows.append(
+            {
+                "id": f"{prefix}-{i + 1:04d}",
+                "prompt": prompt + [msg("user", q)],
+                "chosen": [msg("assistant", good)],
+                "rejected": [msg("assistant", bad)],
+            }
+        )
     return rows
 
 
 def arith_implicit(rng: random.Random, n: int, used: set, prefix: str) -> list[dict]:
     """Implicit-prompt rows: chosen and rejected are full conversations sharing the user turn."""
-    return [{"id": f"{prefix}-{i + 1:04d}",
-             "chosen": [msg("user", q), msg("assistant", good)],
-             "rejected": [msg("user", q), msg("assistant", bad)]}
-            for i, (q, good, bad) in enumerate(draw_problems(rng, n, False, used))]
+    return [
+        {
+            "id": f"{prefix}-{i + 1:04d}",
+            "chosen": [msg("user", q), msg("assistant", good)],
+            "rejected": [msg("user", q), msg("assistant", bad)],
+        }
+        for i, (q, good, bad) in enumerate(draw_problems(rng, n, False, used))
+    ]
 
 
 def mixed_sources(rng: random.Random, n: int, used: set, prefix: str) -> list[dict]:
@@ -131,14 +180,21 @@ def mixed_sources(rng: random.Random, n: int, used: set, prefix: str) -> list[di
     rows = []
     for i in range(n):
         hard = i % 2 == 1
-        (q, good, bad), = draw_problems(rng, 1, hard, used)
-        rows.append({"id": f"{prefix}-{i + 1:04d}", "source": "arith-hard" if hard else "arith-easy",
-                     "prompt": [msg("user", q)],
-                     "chosen": [msg("assistant", good)], "rejected": [msg("assistant", bad)]})
+        ((q, good, bad),) = draw_problems(rng, 1, hard, used)
+        rows.append(
+            {
+                "id": f"{prefix}-{i + 1:04d}",
+                "source": "arith-hard" if hard else "arith-easy",
+                "prompt": [msg("user", q)],
+                "chosen": [msg("assistant", good)],
+                "rejected": [msg("assistant", bad)],
+            }
+        )
     return rows
 
 
 # ---------------------------------------------------------------- facts
+
 
 def fact_table() -> list[tuple[str, str, str, list[str]]]:
     """All facts as (question, answer template, true value, values to draw false ones from)."""
@@ -146,10 +202,14 @@ def fact_table() -> list[tuple[str, str, str, list[str]]]:
     symbols = [s for _, s in ELEMENTS]
     return (
         [(f"What is the capital of {k}?", f"The capital of {k} is {{}}.", c, capitals) for k, c in CAPITALS]
-        + [(f"Which planet is {o} from the Sun?", f"The {o} planet from the Sun is {{}}.", p, PLANETS)
-           for o, p in zip(ORDINALS, PLANETS)]
-        + [(f"What is the chemical symbol for {e}?", f"The chemical symbol for {e} is {{}}.", s, symbols)
-           for e, s in ELEMENTS]
+        + [
+            (f"Which planet is {o} from the Sun?", f"The {o} planet from the Sun is {{}}.", p, PLANETS)
+            for o, p in zip(ORDINALS, PLANETS)
+        ]
+        + [
+            (f"What is the chemical symbol for {e}?", f"The chemical symbol for {e} is {{}}.", s, symbols)
+            for e, s in ELEMENTS
+        ]
     )
 
 
@@ -187,8 +247,10 @@ def fact_pairs(rng: random.Random, facts: list, n: int) -> list[tuple[str, str, 
 
 def facts_text(rng: random.Random, facts: list, n: int, prefix: str) -> list[dict]:
     """Plain-text rows: a Q/A prompt and completions that start with a space."""
-    return [{"id": f"{prefix}-{i + 1:04d}", "prompt": f"Q: {q}\nA:", "chosen": f" {good}", "rejected": f" {bad}"}
-            for i, (q, good, bad) in enumerate(fact_pairs(rng, facts, n))]
+    return [
+        {"id": f"{prefix}-{i + 1:04d}", "prompt": f"Q: {q}\nA:", "chosen": f" {good}", "rejected": f" {bad}"}
+        for i, (q, good, bad) in enumerate(fact_pairs(rng, facts, n))
+    ]
 
 
 def opener(rng: random.Random, facts: list, question: str) -> tuple[str, str]:
@@ -205,13 +267,20 @@ def facts_multiturn(rng: random.Random, facts: list, n: int, prefix: str) -> lis
     rows = []
     for i, (q, good, bad) in enumerate(fact_pairs(rng, facts, n)):
         ask, answer = opener(rng, facts, q)
-        rows.append({"id": f"{prefix}-{i + 1:04d}", "source": "facts-multiturn",
-                     "prompt": [msg("user", ask), msg("assistant", answer), msg("user", q)],
-                     "chosen": [msg("assistant", good)], "rejected": [msg("assistant", bad)]})
+        rows.append(
+            {
+                "id": f"{prefix}-{i + 1:04d}",
+                "source": "facts-multiturn",
+                "prompt": [msg("user", ask), msg("assistant", answer), msg("user", q)],
+                "chosen": [msg("assistant", good)],
+                "rejected": [msg("assistant", bad)],
+            }
+        )
     return rows
 
 
 # ---------------------------------------------------------------- build and write
+
 
 def build_split(seed: int, split: str, facts: list, used: set) -> dict[str, list[dict]]:
     """Rows of one split, keyed by file name; `used` holds arithmetic problems already drawn."""
@@ -224,10 +293,12 @@ def build_split(seed: int, split: str, facts: list, used: set) -> dict[str, list
     return {
         "arith_chat.jsonl": arith_chat(rng("arith_chat"), n["arith_chat.jsonl"], used, f"arith-chat{tag}"),
         "arith_implicit.jsonl.zst": arith_implicit(
-            rng("arith_implicit"), n["arith_implicit.jsonl.zst"], used, f"arith-implicit{tag}"),
+            rng("arith_implicit"), n["arith_implicit.jsonl.zst"], used, f"arith-implicit{tag}"
+        ),
         "facts_text.json": facts_text(rng("facts_text"), facts, n["facts_text.json"], f"facts-text{tag}"),
         "facts_multiturn.parquet": facts_multiturn(
-            rng("facts_multiturn"), facts, n["facts_multiturn.parquet"], f"facts-multiturn{tag}"),
+            rng("facts_multiturn"), facts, n["facts_multiturn.parquet"], f"facts-multiturn{tag}"
+        ),
         "mixed_sources.jsonl": mixed_sources(rng("mixed"), n["mixed_sources.jsonl"], used, f"mixed{tag}"),
     }
 
@@ -236,8 +307,10 @@ def build(seed: int = 0) -> dict[str, dict[str, list[dict]]]:
     """All rows, keyed by split ('train', 'heldout') then file name; heldout problems are disjoint from train."""
     used: set = set()
     train_facts, heldout_facts = split_facts(seed)
-    return {"train": build_split(seed, "train", train_facts, used),
-            "heldout": build_split(seed, "heldout", heldout_facts, used)}
+    return {
+        "train": build_split(seed, "train", train_facts, used),
+        "heldout": build_split(seed, "heldout", heldout_facts, used),
+    }
 
 
 def jsonl_bytes(rows: list[dict]) -> bytes:
@@ -248,15 +321,22 @@ def jsonl_bytes(rows: list[dict]) -> bytes:
 def write_zst_frames(path: Path, rows: list[dict]) -> None:
     """JSONL compressed as several independent zstd frames (FRAME_LINES lines each), concatenated."""
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    chunks = [jsonl_bytes(rows[i:i + FRAME_LINES]) for i in range(0, len(rows), FRAME_LINES)]
+    chunks = [jsonl_bytes(rows[i : i + FRAME_LINES]) for i in range(0, len(rows), FRAME_LINES)]
     path.write_bytes(b"".join(cctx.compress(c) for c in chunks))
 
 
 def write_parquet(path: Path, rows: list[dict]) -> None:
     """Parquet with list<struct<role, content>> message columns, fixed row groups, no key-value metadata."""
     messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    schema = pa.schema([("id", pa.string()), ("source", pa.string()),
-                        ("prompt", messages), ("chosen", messages), ("rejected", messages)])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("source", pa.string()),
+            ("prompt", messages),
+            ("chosen", messages),
+            ("rejected", messages),
+        ]
+    )
     table = pa.Table.from_pylist(rows, schema=schema)
     pq.write_table(table, path, row_group_size=PARQUET_ROW_GROUP, compression="zstd", store_schema=False)
 

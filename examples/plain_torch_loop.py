@@ -15,9 +15,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from dpo_data.loader import DPOLoader
-from dpo_data.microbatch import IGNORE_INDEX, pair_sums
-from dpo_data.schedule import LoaderConfig
+from dpo_data import LoaderConfig
+from dpo_data.loading.loader import DPOLoader
+from dpo_data.loading.microbatch import IGNORE_INDEX, pair_sums
 
 
 def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +41,15 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     policy = LlamaForCausalLM(config)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct directory, materialized once into the user cache."""
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_train.bundled_model import materialize_smollm2
 
     return materialize_smollm2()
 
@@ -62,7 +62,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample"
 @pytest.fixture(scope="session")
 def sample_dataset(smollm2_dir, tmp_path_factory) -> Path:
     """The bundled sample's train split, built once with the real tokenizer (342 pairs, 2 shards)."""
-    from dpo_data.build import BuildOptions, build
+    from dpo_data.prepare.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("sample") / "train"
     inputs = sorted(str(p) for p in SAMPLE.iterdir() if p.is_file() and not p.name.endswith(".md"))

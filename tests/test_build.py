@@ -7,19 +7,19 @@ import subprocess
 import sys
 
 import orjson
-import pyarrow.parquet as pq
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from cli.data import main as dpo_data
-from dpo_data.manifest import read_manifest
-from dpo_data.shards import open_shard
+from dpo_cli.data import main as dpo_data
+from dpo_data.dataset.manifest import read_manifest
+from dpo_data.dataset.shards import open_shard
 from dpo_state.schema import schema_problems
 from tests.conftest import chat, write_jsonl
 
-A = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
-U = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+A = lambda text: [{"role": "assistant", "content": text}]
+U = lambda text: [{"role": "user", "content": text}]
 
 # One bad row per reason code that a row can earn (the tokenizer-dependent ones included).
 BAD_ROWS = {
@@ -53,11 +53,15 @@ def mixed_inputs(tmp_path_factory):
     good = [chat(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}.", f"{i} + {i} = {2 * i + 1}.") for i in range(30)]
     write_jsonl(d / "chat.jsonl", good[:10])
     c = zstandard.ZstdCompressor()
-    lines = [orjson.dumps({"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}) + b"\n"
-             for r in good[10:20]]
+    lines = [
+        orjson.dumps({"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}) + b"\n"
+        for r in good[10:20]
+    ]
     (d / "implicit.jsonl.zst").write_bytes(c.compress(b"".join(lines[:5])) + c.compress(b"".join(lines[5:])))
-    text = [{"prompt": f"Q: capital {i}?\nA:", "chosen": f" City {i}.", "rejected": f" Town {i}.", "source": "geo"}
-            for i in range(8)]
+    text = [
+        {"prompt": f"Q: capital {i}?\nA:", "chosen": f" City {i}.", "rejected": f" Town {i}.", "source": "geo"}
+        for i in range(8)
+    ]
     (d / "text.json").write_bytes(orjson.dumps(text))
     pq.write_table(pa.Table.from_pylist([{**r, "id": f"p{i}"} for i, r in enumerate(good[20:30])]), d / "multi.parquet")
     write_jsonl(d / "bad.jsonl", list(BAD_ROWS.values()) + [good[0]])
@@ -73,8 +77,19 @@ def built(mixed_inputs, smollm2_dir, tmp_path_factory):
     from click.testing import CliRunner
 
     out = tmp_path_factory.mktemp("built") / "ds"
-    args = [*map(str, files(mixed_inputs)), "--tokenizer", str(smollm2_dir), "--out", str(out),
-            "--max-length", "256", "--max-row-bytes", "2048", "--pairs-per-shard", "16"]
+    args = [
+        *map(str, files(mixed_inputs)),
+        "--tokenizer",
+        str(smollm2_dir),
+        "--out",
+        str(out),
+        "--max-length",
+        "256",
+        "--max-row-bytes",
+        "2048",
+        "--pairs-per-shard",
+        "16",
+    ]
     result = CliRunner().invoke(dpo_data, ["build", *args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out, result
@@ -122,7 +137,13 @@ def test_shards_hold_pairs_in_input_order_with_sources_and_ids(built):
     assert [names[r["source_id"]] for r in rows[:10]] == ["chat"] * 10
     assert {names[r["source_id"]] for r in rows[20:28]} == {"geo"}  # the row's own source wins
     assert [r["row_id"] for r in rows[28:38]] == [f"p{i}" for i in range(10)]
-    assert {s["name"]: s["pairs"] for s in m["sources"]} == {"chat": 10, "implicit": 10, "geo": 8, "multi": 10, "bad": 1}
+    assert {s["name"]: s["pairs"] for s in m["sources"]} == {
+        "chat": 10,
+        "implicit": 10,
+        "geo": 8,
+        "multi": 10,
+        "bad": 1,
+    }
     for r in rows:
         assert r["prompt_len"] == len(r["prompt_ids"]) and r["chosen_len"] == len(r["chosen_ids"])
 
@@ -165,11 +186,20 @@ def test_no_surviving_pair_fails_and_keeps_an_existing_dataset(mixed_inputs, smo
     assert r.exit_code == 1 and "no pair survived: all 2 rows read were rejected" in r.output
     assert (out / "manifest.json").read_bytes() == before  # the old dataset is untouched
     incomplete = tmp_path / "ds.incomplete"
-    assert not (incomplete / "manifest.json").exists() and len((incomplete / "rejects.jsonl").read_text().splitlines()) == 2
+    assert (
+        not (incomplete / "manifest.json").exists()
+        and len((incomplete / "rejects.jsonl").read_text().splitlines()) == 2
+    )
 
 
 def test_too_many_rejects_fail_the_build(mixed_inputs, smollm2_dir, tmp_path, run_cli):
-    r = build(run_cli, smollm2_dir, tmp_path / "ds", mixed_inputs / "bad.jsonl", extra=["--max-reject-fraction", "0.5", "--max-length", "256", "--max-row-bytes", "2048"])
+    r = build(
+        run_cli,
+        smollm2_dir,
+        tmp_path / "ds",
+        mixed_inputs / "bad.jsonl",
+        extra=["--max-reject-fraction", "0.5", "--max-length", "256", "--max-row-bytes", "2048"],
+    )
     assert r.exit_code == 1 and f"{len(BAD_ROWS)} of {len(BAD_ROWS) + 1} rows were rejected" in r.output
     assert not (tmp_path / "ds").exists()
 
@@ -186,8 +216,19 @@ def test_a_corrupt_input_file_is_an_error_naming_it_without_a_traceback(mixed_in
     broken = tmp_path / "broken.jsonl.zst"
     broken.write_bytes((mixed_inputs / "implicit.jsonl.zst").read_bytes()[:-9])
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.data", "build", str(broken), "--tokenizer", str(smollm2_dir), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dpo_cli.data",
+            "build",
+            str(broken),
+            "--tokenizer",
+            str(smollm2_dir),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert f"error: input file {broken}: truncated: the last zstd frame is incomplete" in proc.stderr

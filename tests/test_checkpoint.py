@@ -17,19 +17,32 @@ import yaml
 
 from tests.conftest import chat, write_jsonl
 
-MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 TIMING = ("pairs/s", "tokens/s")
 
 
 @pytest.fixture(scope="module")
 def small_dataset(smollm2_dir, tmp_path_factory):
     """24 pairs: 6 steps of 4 pairs per epoch, so runs cross epoch boundaries quickly."""
-    from dpo_data.build import BuildOptions, build
+    from dpo_data.prepare.build import BuildOptions, build
 
     tmp = tmp_path_factory.mktemp("small")
-    rows = [chat(f"What is {i} plus {i * 3}?", f"It is {4 * i}." + " Indeed." * (i % 5),
-                 f"It is {4 * i + 1}." + " Hmm." * (i % 3)) for i in range(24)]
+    rows = [
+        chat(
+            f"What is {i} plus {i * 3}?",
+            f"It is {4 * i}." + " Indeed." * (i % 5),
+            f"It is {4 * i + 1}." + " Hmm." * (i % 3),
+        )
+        for i in range(24)
+    ]
     result = build([str(write_jsonl(tmp / "pairs.jsonl", rows))], str(smollm2_dir), tmp / "data", BuildOptions())
     assert result.manifest["totals"]["pairs"] == 24
     return tmp / "data"
@@ -53,29 +66,36 @@ def config(tmp_path, dataset, tokenizer, name, **over) -> tuple:
 
 
 def train(path, *extra, nproc=1, env=None, check=0):
-    args = [sys.executable, "-m", "cli.train", str(path), "--quiet", *extra]
+    args = [sys.executable, "-m", "dpo_cli.train", str(path), "--quiet", *extra]
     if nproc > 1:
         args += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
-                          start_new_session=True)
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}, start_new_session=True
+    )
     if check is not None:
         assert proc.returncode == check, proc.stderr[-4000:]
     return proc
 
 
 def state_cli(*args):
-    return subprocess.run([sys.executable, "-m", "cli.state", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dpo_cli.state", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 def metrics(out):
-    return [{k: v for k, v in json.loads(x).items() if k not in TIMING}
-            for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(x).items() if k not in TIMING}
+        for x in (out / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 CASES = [  # (k, world, workers, batching): mid-epoch, at the epoch boundary (step 6), in the last steps
-    (3, 1, 0, "pairs"), (7, 1, 0, "pairs"),
-    (6, 2, 0, "pairs"), (3, 1, 2, "tokens"), (7, 2, 2, "tokens"),
+    (3, 1, 0, "pairs"),
+    (7, 1, 0, "pairs"),
+    (6, 2, 0, "pairs"),
+    (3, 1, 2, "tokens"),
+    (7, 2, 2, "tokens"),
 ]
 
 
@@ -88,8 +108,15 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
         key = (world, workers, batching)
         if key not in runs:
             tmp = tmp_path_factory.mktemp("full")
-            path, out = config(tmp, small_dataset, smollm2_dir, "full", data__num_workers=workers,
-                               data__batching=batching, distributed__strategy="fsdp" if world > 1 else "ddp")
+            path, out = config(
+                tmp,
+                small_dataset,
+                smollm2_dir,
+                "full",
+                data__num_workers=workers,
+                data__batching=batching,
+                distributed__strategy="fsdp" if world > 1 else "ddp",
+            )
             train(path, nproc=world)
             runs[key] = out
         return runs[key]
@@ -99,11 +126,19 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k, world, workers, batching", CASES)
-def test_sigkill_after_step_k_then_resume_is_bitwise_identical(k, world, workers, batching, uninterrupted,
-                                                               small_dataset, smollm2_dir, tmp_path):
+def test_sigkill_after_step_k_then_resume_is_bitwise_identical(
+    k, world, workers, batching, uninterrupted, small_dataset, smollm2_dir, tmp_path
+):
     full = uninterrupted(world, workers, batching)
-    path, out = config(tmp_path, small_dataset, smollm2_dir, "cut", data__num_workers=workers,
-                       data__batching=batching, distributed__strategy="fsdp" if world > 1 else "ddp")
+    path, out = config(
+        tmp_path,
+        small_dataset,
+        smollm2_dir,
+        "cut",
+        data__num_workers=workers,
+        data__batching=batching,
+        distributed__strategy="fsdp" if world > 1 else "ddp",
+    )
     killed = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
     assert killed.returncode != 0  # the process group died by SIGKILL right after committing step k
     assert json.loads(state_cli("inspect", out, "--json").stdout)["step"] == k
@@ -143,8 +178,12 @@ def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(small_dataset, 
 def _kill_at_random(path, rng) -> None:
     """Start a run, wait for its first commit, then SIGKILL its process group a random moment later."""
     out = yaml.safe_load(path.read_text())["train"]["output_dir"]
-    proc = subprocess.Popen([sys.executable, "-m", "cli.train", str(path), "--quiet"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpo_cli.train", str(path), "--quiet"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not list((Path(out) / "checkpoints").glob("*/commit.json")):
         assert time.monotonic() < deadline and proc.poll() is None
@@ -158,10 +197,25 @@ def _kill_at_random(path, rng) -> None:
 def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, smollm2_dir, tmp_path):
     path, out = config(tmp_path, small_dataset, smollm2_dir, "run", train__max_steps=2)
     train(path)
-    changed = train(path, "--set", "loss.beta=0.2", "--set", "optim.eps=1e-6", "--set", "data.seed=1",
-                    "--set", "train.max_steps=4", check=2)
-    for expected in ("objective.beta: checkpoint 0.1, this run 0.2", "optimizer.hyperparameters[0].eps",
-                     "layout.data_seed: checkpoint 0, this run 1", "train.weights_from", "refusing to resume"):
+    changed = train(
+        path,
+        "--set",
+        "loss.beta=0.2",
+        "--set",
+        "optim.eps=1e-6",
+        "--set",
+        "data.seed=1",
+        "--set",
+        "train.max_steps=4",
+        check=2,
+    )
+    for expected in (
+        "objective.beta: checkpoint 0.1, this run 0.2",
+        "optimizer.hyperparameters[0].eps",
+        "layout.data_seed: checkpoint 0, this run 1",
+        "train.weights_from",
+        "refusing to resume",
+    ):
         assert expected in changed.stderr
     tokens = train(path, "--set", "data.batching=tokens", "--set", "train.max_steps=4", check=2)
     assert "layout.batching: checkpoint pairs, this run tokens" in tokens.stderr
@@ -169,14 +223,22 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
     assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in by_path.stderr
     never = train(path, "--set", "train.resume=never", check=2)
     assert "already holds committed checkpoints" in never.stderr
-    fresh = config(tmp_path, small_dataset, smollm2_dir, "fresh", train__max_steps=1, train__save_every=0,
-                   train__weights_from=str(out))[0]
+    fresh = config(
+        tmp_path,
+        small_dataset,
+        smollm2_dir,
+        "fresh",
+        train__max_steps=1,
+        train__save_every=0,
+        train__weights_from=str(out),
+    )[0]
     train(fresh)  # a new run from the weights alone: allowed, explicitly
 
 
 @pytest.mark.slow
-def test_retention_keeps_the_newest_and_a_failing_save_on_one_rank_commits_nothing(small_dataset, smollm2_dir,
-                                                                                    tmp_path):
+def test_retention_keeps_the_newest_and_a_failing_save_on_one_rank_commits_nothing(
+    small_dataset, smollm2_dir, tmp_path
+):
     path, out = config(tmp_path, small_dataset, smollm2_dir, "keep", train__max_steps=5)
     train(path)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
@@ -196,7 +258,11 @@ def test_pairs_mode_resumes_elastically_on_another_world_size(small_dataset, smo
     resumed = train(path, nproc=2)
     assert "elastic resume (layout.world_size: checkpoint 1, this run 2)" in resumed.stderr
     for a, b in zip(metrics(full), metrics(out)):
-        assert (a["step"], a["pairs"], a["input_tokens"], a["sources"].keys()) == \
-               (b["step"], b["pairs"], b["input_tokens"], b["sources"].keys())
+        assert (a["step"], a["pairs"], a["input_tokens"], a["sources"].keys()) == (
+            b["step"],
+            b["pairs"],
+            b["input_tokens"],
+            b["sources"].keys(),
+        )
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
     assert len(metrics(out)) == 8 and [r["world_size"] for r in metrics(out)] == [1] * 3 + [2] * 5

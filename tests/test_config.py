@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from dpo_state.schema import schema_problems
-from dpo_train.config import ConfigError, load_config
+from dpo_train.config import load_config
+from dpo_train.errors import ConfigError
 
 ISSUE_EXAMPLE = """
 model: {path: /models/smol}
 reference: {mode: live}
-data: {path: /data/train, batching: pairs, pairs_per_step: 8, max_tokens_per_microbatch: 1024, microbatches_per_step: 2, num_workers: 0, seed: 0}
+data: {path: /data/train, batching: pairs, pairs_per_step: 8, max_tokens_per_microbatch: 1024,
+       microbatches_per_step: 2, num_workers: 0, seed: 0}
 loss: {type: sigmoid, beta: 0.1, label_smoothing: 0.0, nll_weight: 0.0, average_log_prob: false}
 optim: {lr: 1.0e-5, weight_decay: 0.0, max_grad_norm: 1.0, scheduler: constant, warmup_steps: 0}
 train: {output_dir: /runs/x, max_steps: 10, epochs: 1, save_every: 0, keep_last: 3, log_every: 1, seed: 0, resume: auto}
@@ -33,7 +35,9 @@ def test_the_documented_config_loads_typed(tmp_path):
 
 
 def test_set_overrides_parse_values_as_yaml(tmp_path):
-    config = load_config(write(tmp_path, ISSUE_EXAMPLE), ["optim.lr=2e-5", "data.batching=tokens", "loss.average_log_prob=true"])
+    config = load_config(
+        write(tmp_path, ISSUE_EXAMPLE), ["optim.lr=2e-5", "data.batching=tokens", "loss.average_log_prob=true"]
+    )
     assert (config.optim.lr, config.data.batching, config.loss.average_log_prob) == (2e-5, "tokens", True)
 
 
@@ -45,11 +49,14 @@ def test_unknown_keys_are_errors_with_a_suggestion(tmp_path):
     assert "unknown key loss.betta (did you mean 'beta'?)" in message
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("data.batching=packed", "data/batching: 'packed' is not one of ['pairs', 'tokens']"),
-    ("optim.lr=-1", "optim/lr: -1 is less than or equal to the minimum of 0"),
-    ("loss.type=robust", None),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data.batching=packed", "data/batching: 'packed' is not one of ['pairs', 'tokens']"),
+        ("optim.lr=-1", "optim/lr: -1 is less than or equal to the minimum of 0"),
+        ("loss.type=robust", None),
+    ],
+)
 def test_bad_values_are_named_by_path(tmp_path, override, expected):
     if expected is None:  # robust with the default label_smoothing 0 is valid
         assert load_config(write(tmp_path, ISSUE_EXAMPLE), [override]).loss.type == "robust"

@@ -23,8 +23,15 @@ import torch.multiprocessing as mp
 
 RTOL = 1e-6  # ||a - b|| / ||a|| per tensor, for gradients and parameters, fp32 on CPU
 
-MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 def _config(dataset: str, budget: int = 4096, strategy: str = "ddp") -> dict:
@@ -47,13 +54,14 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
     import torch.distributed as dist
 
     import dpo_train.trainer as trainer_module
-    from dpo_data.microbatch import pack_microbatch
-    from dpo_data.store import PairStore
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.config import load_config
     from dpo_train.device import placement
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     if reduction == "mean_of_means":
@@ -63,8 +71,9 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
     trainer = trainer_module.Trainer(cfg, placement("cpu", "fp32"), rank, world, store)
     grads = []
     if use_loader:
-        loader = trainer_module.DPOLoader([cfg.data.path], trainer_module._loader_config(cfg, rank, world),
-                                          pad_to_multiple_of=8)
+        loader = trainer_module.DPOLoader(
+            [cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8
+        )
         batches = iter(loader)
         for _ in range(2):
             while True:
@@ -83,8 +92,9 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
             _mean_of_means.microbatches = len(mine)
             for k, members in enumerate(mine):
                 batch = pack_microbatch([store.pair(i) for i in members], pad_to_multiple_of=8)
-                batch.update(microbatch=k, microbatches_in_step=len(mine), step_pairs=step_pairs,
-                             step_chosen_tokens=chosen)
+                batch.update(
+                    microbatch=k, microbatches_in_step=len(mine), step_pairs=step_pairs, step_chosen_tokens=chosen
+                )
                 trainer.microbatch(batch)
             grads.append(_step_gradient(trainer.policy))
             trainer.step()
@@ -92,8 +102,13 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
 
     state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        torch.save({**{k: v.clone() for k, v in state.items()},
-                    **{f"grad{i}/{k}": v for i, g in enumerate(grads) for k, v in g.items()}}, result)
+        torch.save(
+            {
+                **{k: v.clone() for k, v in state.items()},
+                **{f"grad{i}/{k}": v for i, g in enumerate(grads) for k, v in g.items()},
+            },
+            result,
+        )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -139,11 +154,12 @@ def _worst(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def step_pairs(sample_dataset):
     """The pairs of the first two steps (4 each) as the real loader chooses them."""
-    from dpo_data.loader import DPOLoader
-    from dpo_data.schedule import LoaderConfig
+    from dpo_data import LoaderConfig
+    from dpo_data.loading.loader import DPOLoader
 
-    loader = DPOLoader([str(sample_dataset)], LoaderConfig(batching="pairs", pairs_per_step=4,
-                                                            max_tokens_per_microbatch=4096))
+    loader = DPOLoader(
+        [str(sample_dataset)], LoaderConfig(batching="pairs", pairs_per_step=4, max_tokens_per_microbatch=4096)
+    )
     steps: list[list[int]] = [[], []]
     for batch in loader:
         if batch["step"] >= 2:
@@ -155,6 +171,7 @@ def step_pairs(sample_dataset):
 
 def _layouts(s: list[list[int]]) -> dict:
     """name -> (world size, per step: per rank: micro-batches of pair indices)."""
+
     def each(f):
         return [f(pairs) for pairs in s]
 
@@ -178,12 +195,18 @@ def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(sample_datas
     worst = {}
     for name, (world, steps) in layouts.items():
         for strategy in (("ddp", "fsdp") if world == 2 else ("ddp",)) if world > 1 else ("ddp",):
-            params = _train(tmp_path, f"{len(worst)}", {**config, "distributed": {"strategy": strategy,
-                                                                                  "device": "cpu"}}, steps, world)
+            params = _train(
+                tmp_path,
+                f"{len(worst)}",
+                {**config, "distributed": {"strategy": strategy, "device": "cpu"}},
+                steps,
+                world,
+            )
             worst[f"{name} ({strategy})"] = _worst(baseline, params)
     for budget, world in ((4096, 1), (160, 1), (160, 2)):  # the real loader: one micro-batch vs many, 1 and 2 ranks
-        params = _train(tmp_path, f"loader-{budget}-{world}", _config(str(sample_dataset), budget), world=world,
-                        use_loader=True)
+        params = _train(
+            tmp_path, f"loader-{budget}-{world}", _config(str(sample_dataset), budget), world=world, use_loader=True
+        )
         worst[f"loader, budget {budget}, world {world}"] = _worst(baseline, params)
     print("worst relative differences:", worst)
     assert max(worst.values()) <= RTOL, worst

@@ -1,4 +1,5 @@
-"""Package boundaries: dpo_data stands alone (no dpo_train), dpo_state imports neither, torch_npu stays optional."""
+"""Package boundaries: imports point one way, dpo_data's two halves meet only in its dataset contract,
+the public facades resolve, torch_npu stays optional."""
 
 from __future__ import annotations
 
@@ -10,33 +11,102 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"dpo_data": {"dpo_train", "cli"}, "dpo_state": {"dpo_train", "dpo_data", "cli"}}
+PROJECT = {"dpo_data", "dpo_state", "dpo_train", "dpo_cli", "cli"}
+# What each part may import, among the project's own parts (dpo_data.errors is shared by all of dpo_data).
+ALLOWED = {
+    "dpo_state": {"dpo_state"},
+    "dpo_data.dataset": {"dpo_data", "dpo_data.dataset", "dpo_data.errors", "dpo_state"},
+    "dpo_data.prepare": {"dpo_data", "dpo_data.prepare", "dpo_data.dataset", "dpo_data.errors", "dpo_state"},
+    "dpo_data.loading": {"dpo_data", "dpo_data.loading", "dpo_data.dataset", "dpo_data.errors", "dpo_state"},
+}
+ALLOWED["dpo_train"] = {"dpo_train", "dpo_state", "dpo_data", "dpo_data.errors", *(p for p in ALLOWED if "." in p)}
 
 
-def imported_packages(package: str) -> set[str]:
-    found = set()
-    for path in (ROOT / package).rglob("*.py"):
+def _part(module: str) -> str:
+    """`dpo_data.loading.loader` -> `dpo_data.loading`; `dpo_data.errors` stays whole; else the top package."""
+    parts = module.split(".")
+    if parts[0] == "dpo_data" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def project_imports(folder: str) -> dict[str, set[str]]:
+    """For every module file under `folder`, the project parts it imports (module-level and inside functions)."""
+    out = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        found = set()
         for node in ast.walk(ast.parse(path.read_text())):
+            names = []
             if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
-    return found
+                names = [node.module]
+            found |= {_part(n) for n in names if n.split(".")[0] in PROJECT}
+        out[path.relative_to(ROOT).as_posix()] = found
+    return out
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_dependencies_point_one_way(package):
-    assert imported_packages(package) & FORBIDDEN[package] == set()
+def modules_under(folder: str) -> list[str]:
+    paths = (ROOT / folder).rglob("*.py")
+    return sorted(p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") for p in paths)
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_dependencies_point_one_way(part):
+    folder = part.replace(".", "/")
+    imports = project_imports(folder)
+    assert imports, f"no module found under {folder}: the walk would check nothing"
+    wrong = {path: found - ALLOWED[part] for path, found in imports.items() if found - ALLOWED[part]}
+    assert wrong == {}
+
+
+def test_the_walk_sees_subpackages():
+    """pkgutil.iter_modules sees top-level modules only; the checks here must reach every subpackage."""
+    modules = modules_under("dpo_data")
+    for sub in ("prepare", "dataset", "loading"):
+        assert any(m.startswith(f"dpo_data.{sub}.") for m in modules)
 
 
 def test_the_data_pipeline_imports_without_the_trainer_or_npu():
+    modules = [m.removesuffix(".__init__") for m in modules_under("dpo_data")]
     code = (
-        "import sys, pkgutil, importlib, dpo_data\n"
-        "for m in pkgutil.iter_modules(dpo_data.__path__): importlib.import_module('dpo_data.' + m.name)\n"
-        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('dpo_train', 'cli', 'torch_npu')))"
+        "import sys, importlib\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('dpo_train', 'dpo_cli', 'cli', 'torch_npu')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("package", ["dpo_data", "dpo_state"])
+def test_every_public_name_resolves_and_importing_the_facade_is_cheap(package):
+    code = (
+        f"import sys, {package}\n"
+        "heavy = sorted(n for n in ('torch', 'transformers', 'pyarrow') if n in sys.modules)\n"
+        f"missing = [n for n in {package}.__all__ if getattr({package}, n, None) is None]\n"
+        "print(heavy, missing)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[] []"
+
+
+def test_every_user_facing_error_derives_from_the_one_base():
+    from dpo_data.errors import DataError, InputFileError
+    from dpo_state.errors import AttestationError, DocumentError, SchemaError, StateError, ToolkitError
+    from dpo_train.errors import CheckpointError, ConfigError, ModelError, ResumeError, SidecarError
+
+    family = [DataError, InputFileError, AttestationError, DocumentError, SchemaError, StateError, CheckpointError,
+              ConfigError, ModelError, ResumeError, SidecarError]
+    assert all(issubclass(e, ToolkitError) for e in family)
+    assert not any(e.__name__ in dir(__builtins__) for e in family if e is not ToolkitError)
+
+
+def test_installed_names_cannot_collide():
+    """The cli/ folder installs as dpo_cli; no top-level package named `cli` ships in the wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "cli" not in packages and all(p.split(".")[0].startswith("dpo_") for p in packages)
 
 
 def test_every_schema_is_a_valid_draft_2020_12_schema():

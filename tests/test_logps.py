@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpo_data.microbatch import pack_microbatch, pair_sums
-from dpo_data.store import PairIds
+from dpo_data.dataset.store import PairIds
+from dpo_data.loading.microbatch import pack_microbatch, pair_sums
 from dpo_train.logps import pair_logps
 
 
@@ -16,14 +16,21 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def random_pairs(n, seed=0):
     rng = np.random.default_rng(seed)
-    ids = lambda k: rng.integers(0, 97, size=k).astype(np.int32)  # noqa: E731
+    ids = lambda k: rng.integers(0, 97, size=k).astype(np.int32)
     # Lengths include a one-token prompt and one-token completions.
     shapes = [(1, 1, 3), (7, 4, 1), (12, 9, 6), (3, 2, 2)][:n]
     return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]

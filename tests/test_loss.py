@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dpo_train.loss import LossConfig, LossConfigError, pair_losses
+from dpo_train.errors import ConfigError
+from dpo_train.loss import LossConfig, pair_losses
 
 # Three pairs: summed completion log-probs under the policy and the reference, and token counts.
 C, R = torch.tensor([-10.0, -4.0, -7.5]), torch.tensor([-12.0, -3.0, -7.5])
@@ -36,7 +37,9 @@ def test_sigmoid_and_conservative_dpo(eps):
     """L = -(1 - e) log s(b D) - e log s(-b D)."""
     b = 0.3
     expected = [-(1 - eps) * log_sigmoid(b * d) - eps * log_sigmoid(-b * d) for d in margins()]
-    torch.testing.assert_close(losses(type="sigmoid", beta=b, label_smoothing=eps).losses, torch.tensor(expected), **TOL)
+    torch.testing.assert_close(
+        losses(type="sigmoid", beta=b, label_smoothing=eps).losses, torch.tensor(expected), **TOL
+    )
 
 
 def test_sigmoid_is_log2_when_policy_equals_reference():
@@ -68,8 +71,10 @@ def test_robust():
 def test_simpo_is_reference_free_and_length_normalized():
     """L = -log s(b (c/|c| - r/|r|) - gamma)."""
     b, g = 2.0, 0.5
-    expected = [-log_sigmoid(b * (c / nc - r / nr) - g)
-                for c, r, nc, nr in zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist())]
+    expected = [
+        -log_sigmoid(b * (c / nc - r / nr) - g)
+        for c, r, nc, nr in zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist())
+    ]
     out = pair_losses(LossConfig(type="simpo", beta=b, target_margin=g), C, R, None, None, NC, NR)
     torch.testing.assert_close(out.losses, torch.tensor(expected), **TOL)
 
@@ -83,20 +88,25 @@ def test_rewards_are_beta_times_log_ratios():
 def test_average_log_prob_divides_by_token_counts():
     b = 0.3
     expected = [-log_sigmoid(b * d) for d in margins(avg=True)]
-    torch.testing.assert_close(losses(type="sigmoid", beta=b, average_log_prob=True).losses, torch.tensor(expected), **TOL)
+    torch.testing.assert_close(
+        losses(type="sigmoid", beta=b, average_log_prob=True).losses, torch.tensor(expected), **TOL
+    )
 
 
-@pytest.mark.parametrize("config, message", [
-    (dict(type="kto"), "loss.type is 'kto'; allowed: sigmoid, ipo, hinge, robust, simpo"),
-    (dict(beta=0.0), "loss.beta is 0.0; it must be > 0"),
-    (dict(type="robust", label_smoothing=0.5), r"loss.label_smoothing is 0.5; robust allows \[0, 0.5\)"),
-    (dict(type="hinge", label_smoothing=0.1), "but hinge has none"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(type="kto"), "loss.type is 'kto'; allowed: sigmoid, ipo, hinge, robust, simpo"),
+        (dict(beta=0.0), "loss.beta is 0.0; it must be > 0"),
+        (dict(type="robust", label_smoothing=0.5), r"loss.label_smoothing is 0.5; robust allows \[0, 0.5\)"),
+        (dict(type="hinge", label_smoothing=0.1), "but hinge has none"),
+    ],
+)
 def test_bad_settings_are_named(config, message):
-    with pytest.raises(LossConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):
         LossConfig(**config)
 
 
 def test_reference_losses_refuse_a_missing_reference():
-    with pytest.raises(LossConfigError, match="needs reference log-probs"):
+    with pytest.raises(ConfigError, match="needs reference log-probs"):
         pair_losses(LossConfig(), C, R, None, None, NC, NR)

@@ -3,25 +3,38 @@
 from __future__ import annotations
 
 import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpo_data.build import _init_worker, _process_chunk
-from dpo_data.build import BuildOptions
-from dpo_data.rows import RowReject, normalize_row
-from dpo_data.sources import InputFile
+from dpo_data.prepare.build import BuildOptions, _init_worker, _process_chunk
+from dpo_data.prepare.inputs import InputFile
+from dpo_data.prepare.rows import RowReject, normalize_row
 
 text = st.text(max_size=20)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot", ""]), "content": st.one_of(text, st.integers())}
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool", "robot", ""]),
+        "content": st.one_of(text, st.integers()),
+    }
 )
 part = st.one_of(text, st.lists(message, max_size=4), st.integers(), st.none(), st.lists(st.integers(), max_size=2))
 rows = st.one_of(
-    st.fixed_dictionaries({}, optional={"prompt": part, "chosen": part, "rejected": part,
-                                        "id": st.one_of(text, st.integers(), st.booleans(), st.none()),
-                                        "source": st.one_of(text, st.integers(), st.none())}),
-    st.lists(st.integers(), max_size=3), st.integers(), text, st.none(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt": part,
+            "chosen": part,
+            "rejected": part,
+            "id": st.one_of(text, st.integers(), st.booleans(), st.none()),
+            "source": st.one_of(text, st.integers(), st.none()),
+        },
+    ),
+    st.lists(st.integers(), max_size=3),
+    st.integers(),
+    text,
+    st.none(),
 )
 
 

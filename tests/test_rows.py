@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpo_data.rows import RowReject, normalize_row
+from dpo_data.prepare.rows import RowReject, normalize_row
 
 
 def u(text):
@@ -21,7 +21,14 @@ def s(text):
 
 def test_explicit_text_row_is_a_text_pair():
     pair = normalize_row({"prompt": "Q?", "chosen": " yes", "rejected": " no", "id": 7, "source": "web"})
-    assert (pair.kind, pair.prompt, pair.chosen, pair.rejected, pair.id, pair.source) == ("text", "Q?", " yes", " no", "7", "web")
+    assert (pair.kind, pair.prompt, pair.chosen, pair.rejected, pair.id, pair.source) == (
+        "text",
+        "Q?",
+        " yes",
+        " no",
+        "7",
+        "web",
+    )
 
 
 def test_implicit_prompt_is_the_shared_history_of_a_multi_turn_conversation():
@@ -69,5 +76,7 @@ def test_bad_rows_are_rejected_with_their_reason(reason, row):
 def test_reject_messages_name_the_field_and_the_fix():
     with pytest.raises(RowReject, match=r"field 'rejected' is missing; every row needs 'chosen' and 'rejected'"):
         normalize_row({"prompt": "Q", "chosen": " a"})
-    with pytest.raises(RowReject, match=r"chosen\[0\]\.role is 'narrator'; allowed roles are system, user, assistant, tool"):
+    with pytest.raises(
+        RowReject, match=r"chosen\[0\]\.role is 'narrator'; allowed roles are system, user, assistant, tool"
+    ):
         normalize_row({"prompt": [u("q")], "chosen": [{"role": "narrator", "content": "x"}], "rejected": [a("y")]})

@@ -8,7 +8,7 @@ import pytest
 import zstandard
 
 from dpo_data.errors import DataError, InputFileError
-from dpo_data.sources import OversizedLine, detect_format, iter_rows, open_input, source_name
+from dpo_data.prepare.inputs import OversizedLine, detect_format, iter_rows, open_input, source_name
 
 
 def rows_of(path, max_row_bytes=1 << 20):
@@ -17,7 +17,11 @@ def rows_of(path, max_row_bytes=1 << 20):
 
 def test_formats_are_detected_from_suffixes():
     assert [detect_format(p) for p in ("a.jsonl", "a.JSONL.zst", "a.json", "b.parquet")] == [
-        "jsonl", "jsonl.zst", "json", "parquet"]
+        "jsonl",
+        "jsonl.zst",
+        "json",
+        "parquet",
+    ]
     assert source_name("dir/helpful.jsonl.zst") == "helpful"
     with pytest.raises(DataError, match=r"unknown file type; allowed suffixes are .*\.jsonl"):
         detect_format("rows.csv")
@@ -70,7 +74,9 @@ def test_json_arrays_number_rows_from_one(tmp_path):
     assert rows_of(path) == [(1, {"a": 1}), (2, 7), (3, {"a": 3})]
 
 
-@pytest.mark.parametrize("content, message", [(b'{"a": 1}', "must be an array"), (b'[{"a": 1}, {"a"', "not valid JSON")])
+@pytest.mark.parametrize(
+    "content, message", [(b'{"a": 1}', "must be an array"), (b'[{"a": 1}, {"a"', "not valid JSON")]
+)
 def test_a_json_file_that_is_not_an_array_is_an_error(tmp_path, content, message):
     path = tmp_path / "a.json"
     path.write_bytes(content)

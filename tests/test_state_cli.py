@@ -14,26 +14,38 @@ import yaml
 
 from dpo_state.commit import write_commit
 
-MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.fixture(scope="module")
 def run_dir(sample_dataset, smollm2_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("state")
-    config = {"model": {"init": {"config": MODEL, "seed": 0}, "tokenizer": str(smollm2_dir)},
-              "data": {"path": str(sample_dataset), "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
-              "optim": {"lr": 1.0e-3}, "train": {"output_dir": str(tmp / "run"), "max_steps": 3, "save_every": 1}}
+    config = {
+        "model": {"init": {"config": MODEL, "seed": 0}, "tokenizer": str(smollm2_dir)},
+        "data": {"path": str(sample_dataset), "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
+        "optim": {"lr": 1.0e-3},
+        "train": {"output_dir": str(tmp / "run"), "max_steps": 3, "save_every": 1},
+    }
     (tmp / "c.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "cli.train", str(tmp / "c.yaml"), "--quiet"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpo_cli.train", str(tmp / "c.yaml"), "--quiet"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "cli.state", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dpo_cli.state", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture
@@ -76,16 +88,23 @@ def _corrupt(path, fn):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, expected", [
-    (lambda c: _corrupt(next((c / "dcp").glob("*.distcp")), lambda d: d.__delitem__(slice(-100, None))),
-     "bytes, the commit record says"),
-    (lambda c: _corrupt(next((c / "dcp").glob("*.distcp")), lambda d: d.__setitem__(500, d[500] ^ 1)),
-     "sha256 differs from the commit record"),
-    (lambda c: (c / "rank-00000.json").unlink(), "rank-00000.json: missing"),
-    (lambda c: (c / "dcp" / ".metadata").unlink(), "dcp/.metadata: missing"),
-    (lambda c: (c / "commit.json").unlink(), "commit.json is missing"),
-    (lambda c: (c / "extra.bin").write_bytes(b"x"), "extra.bin: present but not in the commit record"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (
+            lambda c: _corrupt(next((c / "dcp").glob("*.distcp")), lambda d: d.__delitem__(slice(-100, None))),
+            "bytes, the commit record says",
+        ),
+        (
+            lambda c: _corrupt(next((c / "dcp").glob("*.distcp")), lambda d: d.__setitem__(500, d[500] ^ 1)),
+            "sha256 differs from the commit record",
+        ),
+        (lambda c: (c / "rank-00000.json").unlink(), "rank-00000.json: missing"),
+        (lambda c: (c / "dcp" / ".metadata").unlink(), "dcp/.metadata: missing"),
+        (lambda c: (c / "commit.json").unlink(), "commit.json is missing"),
+        (lambda c: (c / "extra.bin").write_bytes(b"x"), "extra.bin: present but not in the commit record"),
+    ],
+)
 def test_verify_names_every_damage(copy, damage, expected):
     damage(copy)
     proc = cli("verify", copy)
@@ -115,8 +134,12 @@ def test_hostile_state_files_are_named_and_never_executed(copy, tmp_path, kind):
         document["format_version"] = 99
         state.write_text(json.dumps(document))
     write_commit(copy, 3)  # even with a matching commit record, the content is refused
-    expected = {"pickle": "is a pickle, not JSON", "oversized": "over the 67108864-byte limit",
-                "malformed": "is not valid JSON", "format_version": "format_version 99"}[kind]
+    expected = {
+        "pickle": "is a pickle, not JSON",
+        "oversized": "over the 67108864-byte limit",
+        "malformed": "is not valid JSON",
+        "format_version": "format_version 99",
+    }[kind]
     for args in (("verify", copy), ("inspect", copy), ("diff", copy, copy)):
         proc = cli(*args)
         assert proc.returncode in (1, 2) and expected in proc.stderr, (args, proc.stderr)
@@ -131,12 +154,29 @@ def test_resume_reports_a_damaged_latest_and_takes_the_previous(run_dir, sample_
     config["train"].update(output_dir=str(run), max_steps=4)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     _corrupt(run / "checkpoints" / "step-000003" / "rank-00000.json", lambda d: d.__setitem__(10, ord("#")))
-    proc = subprocess.run([sys.executable, "-m", "cli.train", str(tmp_path / "c.yaml"), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpo_cli.train", str(tmp_path / "c.yaml"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipping checkpoint" in proc.stderr and "rank-00000.json: sha256 differs" in proc.stderr
     assert f"resumed from {run / 'checkpoints' / 'step-000002'}" in proc.stderr
-    strict = subprocess.run([sys.executable, "-m", "cli.train", str(tmp_path / "c.yaml"), "--quiet", "--set",
-                             "train.resume_strict=true", "--set", "train.max_steps=5"], capture_output=True, text=True,
-                            timeout=300)
+    strict = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpo_cli.train",
+            str(tmp_path / "c.yaml"),
+            "--quiet",
+            "--set",
+            "train.resume_strict=true",
+            "--set",
+            "train.max_steps=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert strict.returncode == 0  # the resumed run replaced the damaged step 3; the latest, step 4, verifies

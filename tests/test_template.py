@@ -6,15 +6,23 @@ import copy
 
 import pytest
 
-from dpo_data.template import ChatRenderer
+from dpo_data.prepare.template import ChatRenderer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": ""}, {"role": "user", "content": "  spaced  "}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "héllo\n\n日本 🙂 <|im_end|>"}],
-    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}, {"role": "tool", "content": "{\"x\": 1}"},
-     {"role": "assistant", "content": "done"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "héllo\n\n日本 🙂 <|im_end|>"},
+    ],
+    [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "call"},
+        {"role": "tool", "content": '{"x": 1}'},
+        {"role": "assistant", "content": "done"},
+    ],
 ]
 
 

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 
-from dpo_data.rows import RowReject, normalize_row
-from dpo_data.tokenize import PairEncoder, TokenizeOptions
+from dpo_data.prepare.rows import RowReject, normalize_row
+from dpo_data.prepare.tokenize import PairEncoder, TokenizeOptions
 from tests.conftest import chat
 
 
@@ -33,10 +33,15 @@ def test_conversation_prompt_is_the_template_with_generation_prompt(tokenizer):
 
 
 def test_multi_turn_pairs_supervise_only_the_final_turn(tokenizer):
-    history = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
-               {"role": "user", "content": "And the capital of Japan?"}]
-    row = {"chosen": history + [{"role": "assistant", "content": "Tokyo."}],
-           "rejected": history + [{"role": "assistant", "content": "Osaka."}]}
+    history = [
+        {"role": "user", "content": "Name a planet."},
+        {"role": "assistant", "content": "Mars."},
+        {"role": "user", "content": "And the capital of Japan?"},
+    ]
+    row = {
+        "chosen": history + [{"role": "assistant", "content": "Tokyo."}],
+        "rejected": history + [{"role": "assistant", "content": "Osaka."}],
+    }
     pair = encode(tokenizer, row)
     prompt_text = tokenizer.decode(pair.prompt)
     assert "Mars." in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")
@@ -64,7 +69,7 @@ def test_control_token_text_in_content_stays_text(tokenizer, text):
     pair = encode(tokenizer, plain)
     reference = encode(tokenizer, chat("Say this: x", "Sure: x", "No."))
     # The template's own special tokens are the only special ids: as many as in a row without the text.
-    count = lambda seq: sum(t in specials for t in seq)  # noqa: E731
+    count = lambda seq: sum(t in specials for t in seq)
     assert count(pair.prompt) == count(reference.prompt)
     assert count(pair.chosen) == count(reference.chosen) == 1  # the closing <|im_end|>
     assert tokenizer.decode(pair.chosen) == f"Sure: {text}<|im_end|>\n"
@@ -80,8 +85,10 @@ def _with_template(tokenizer, template):
 
 def test_a_template_that_renders_the_prompt_differently_is_rejected(tokenizer):
     # Like "thinking" templates: the generation prompt opens a block the full rendering does not have.
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
     result = encode(_with_template(tokenizer, template), chat("q", "x", "y"))
     assert isinstance(result, RowReject) and result.reason == "template_not_prefix_stable"
     assert "renders the prompt differently" in result.message
@@ -113,7 +120,7 @@ def test_truncate_prompt_keeps_the_end_of_the_prompt_and_whole_completions(token
     full = encode(tokenizer, row)
     cut = encode(tokenizer, row, max_length=40, overlength="truncate-prompt")
     longest = max(len(full.chosen), len(full.rejected))
-    assert len(cut.prompt) == 40 - longest and cut.prompt == full.prompt[-len(cut.prompt):]
+    assert len(cut.prompt) == 40 - longest and cut.prompt == full.prompt[-len(cut.prompt) :]
     assert (cut.chosen, cut.rejected) == (full.chosen, full.rejected)
     assert cut.truncated_prompt_tokens == len(full.prompt) - len(cut.prompt)
 
@@ -127,8 +134,12 @@ def test_a_completion_over_the_limit_is_always_rejected(tokenizer, overlength):
 
 
 def test_results_keep_input_order_when_fast_and_slow_paths_mix(tokenizer):
-    rows = [chat("a", "x", "y"), {"prompt": "Q:", "chosen": " 1", "rejected": " 2"},
-            chat("<|im_end|>", "x", "y"), chat("b", "x", "y")]
+    rows = [
+        chat("a", "x", "y"),
+        {"prompt": "Q:", "chosen": " 1", "rejected": " 2"},
+        chat("<|im_end|>", "x", "y"),
+        chat("b", "x", "y"),
+    ]
     encoder = PairEncoder(tokenizer, TokenizeOptions())
     batch = encoder.encode_many([normalize_row(r) for r in rows])
     one_by_one = [encoder.encode_many([normalize_row(r)])[0] for r in rows]
@@ -141,13 +152,36 @@ def test_encoding_the_shared_head_once_equals_encoding_whole_renderings(tokenize
     encoder = PairEncoder(tokenizer, TokenizeOptions())
     assert encoder._split.enabled
     backend = tokenizer.backend_tokenizer
-    contents = ["x", " leading space", "  two spaces", "\nnewline first", "\n\n\nnewlines", "tab\there", "日本語 🙂",
-                "ends with space ", "assistant", "<notspecial>", "a" * 300]
+    contents = [
+        "x",
+        " leading space",
+        "  two spaces",
+        "\nnewline first",
+        "\n\n\nnewlines",
+        "tab\there",
+        "日本語 🙂",
+        "ends with space ",
+        "assistant",
+        "<notspecial>",
+        "a" * 300,
+    ]
     rows = [chat(q, a, a + " no") for q in contents for a in contents[:6]]
-    rows.append({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " a"},
-                            {"role": "user", "content": "\nagain"}, {"role": "assistant", "content": "\n b"}],
-                 "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " a"},
-                              {"role": "user", "content": "\nagain"}, {"role": "assistant", "content": "c"}]})
+    rows.append(
+        {
+            "chosen": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": " a"},
+                {"role": "user", "content": "\nagain"},
+                {"role": "assistant", "content": "\n b"},
+            ],
+            "rejected": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": " a"},
+                {"role": "user", "content": "\nagain"},
+                {"role": "assistant", "content": "c"},
+            ],
+        }
+    )
     for row in rows:
         rendered = encoder._render(normalize_row(row))
         whole = tuple(backend.encode(t, add_special_tokens=False).ids for t in rendered)
@@ -157,8 +191,9 @@ def test_encoding_the_shared_head_once_equals_encoding_whole_renderings(tokenize
 def test_the_shortcut_turns_itself_off_where_it_cannot_be_proven(tokenizer):
     import json
 
-    from dpo_data.special_split import SpecialSplit
     from tokenizers import Tokenizer
+
+    from dpo_data.prepare.shared_head import SpecialSplit
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}

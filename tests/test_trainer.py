@@ -13,9 +13,21 @@ from safetensors.torch import load_file
 
 def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
     config = {
-        "model": {"init": {"config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
-                                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                      "num_key_value_heads": 2}, "seed": 0}, "tokenizer": str(tokenizer_dir)},
+        "model": {
+            "init": {
+                "config": {
+                    "model_type": "llama",
+                    "vocab_size": 49152,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 2,
+                },
+                "seed": 0,
+            },
+            "tokenizer": str(tokenizer_dir),
+        },
         "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 8, "max_tokens_per_microbatch": 400},
         "optim": {"lr": 1.0e-3},
         "train": {"output_dir": str(out), "max_steps": 3},
@@ -28,8 +40,9 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
 
 
 def run(config, *extra, code=0, env=None):
-    proc = subprocess.run([sys.executable, "-m", "cli.train", str(config), *extra], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpo_cli.train", str(config), *extra], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
@@ -51,7 +64,9 @@ def single(sample_dataset, smollm2_dir, tmp_path_factory):
 def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(single, sample_dataset, smollm2_dir, tmp_path):
     lines = [x for x in (single / "stderr.txt").read_text().splitlines() if x.startswith("step ")]
     assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"] and "pairs/s" in lines[0]
-    quiet = run(write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q"), "--quiet", "--set", "train.max_steps=1")
+    quiet = run(
+        write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q"), "--quiet", "--set", "train.max_steps=1"
+    )
     assert not [x for x in quiet.stderr.splitlines() if x.startswith("step ")]
 
 
@@ -62,8 +77,20 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
     rows = metrics(single)
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["pairs"] == 8 for r in rows)
     assert rows[0]["loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference at step 0
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-                "grad_norm", "lr", "input_tokens", "supervised_tokens", "packing_efficiency", "pairs/s", "tokens/s"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "grad_norm",
+        "lr",
+        "input_tokens",
+        "supervised_tokens",
+        "packing_efficiency",
+        "pairs/s",
+        "tokens/s",
+    ):
         assert key in rows[0]
     assert all(0.0 <= r["rewards/accuracies"] <= 1.0 for r in rows)
     for r in rows:  # per source, a pair counts once: the sources add up to the step
@@ -93,20 +120,24 @@ def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir
 def test_a_config_error_exits_2_naming_the_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim: {lrr: 1.0e-5}\n")
-    proc = subprocess.run([sys.executable, "-m", "cli.train", str(path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "dpo_cli.train", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown key optim.lrr (did you mean 'lr'?)" in proc.stderr
 
 
-@pytest.mark.parametrize("override, message", [
-    ("data.path=''", "data.path is empty"),
-    ("reference.mode=precomputed", "reference.path is empty"),
-    ("reference.mode=none", "needs a reference"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.path=''", "data.path is empty"),
+        ("reference.mode=precomputed", "reference.path is empty"),
+        ("reference.mode=none", "needs a reference"),
+    ],
+)
 def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, override, message):
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: /nowhere}\n")
-    proc = subprocess.run([sys.executable, "-m", "cli.train", str(path), "--set", override],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpo_cli.train", str(path), "--set", override], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and message in proc.stderr
 
 
@@ -149,9 +180,15 @@ def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(sample_d
     sidecar = tmp_path / "sidecar"
     ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}", "--set", "train.max_steps=1"]
     run(config, "--precompute-reference", *ref)
-    other_weights = run(config, *ref, "--set", "model.init={config: {model_type: llama, vocab_size: 49152, "
-                        "hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
-                        "num_key_value_heads: 2}, seed: 1}", code=2)
+    other_weights = run(
+        config,
+        *ref,
+        "--set",
+        "model.init={config: {model_type: llama, vocab_size: 49152, "
+        "hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
+        "num_key_value_heads: 2}, seed: 1}",
+        code=2,
+    )
     assert "reference weights: the sidecar was computed with" in other_weights.stderr
     assert "--precompute-reference" in other_weights.stderr
     bf16 = run(config, *ref, "--set", "train.precision=bf16", code=2)

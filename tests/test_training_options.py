@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpo_data.microbatch import pack_microbatch
-from dpo_data.store import PairStore
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.microbatch import pack_microbatch
 
-MODEL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 def _trainer(dataset, **train):
@@ -17,15 +24,23 @@ def _trainer(dataset, **train):
     from dpo_train.device import placement
     from dpo_train.trainer import Trainer
 
-    config = load_config({"model": {"init": {"config": MODEL, "seed": 0}}, "data": {"path": str(dataset)},
-                          "train": {"output_dir": "unused", **train}, "distributed": {"device": "cpu"}})
+    config = load_config(
+        {
+            "model": {"init": {"config": MODEL, "seed": 0}},
+            "data": {"path": str(dataset)},
+            "train": {"output_dir": "unused", **train},
+            "distributed": {"device": "cpu"},
+        }
+    )
     return Trainer(config, placement("cpu", config.train.precision), 0, 1, PairStore([str(dataset)]))
 
 
 def _one_step(trainer, store):
     pairs = [store.pair(i) for i in range(4)]
     batch = pack_microbatch(pairs, pad_to_multiple_of=8)
-    batch.update(microbatch=0, microbatches_in_step=1, step_pairs=4, step_chosen_tokens=sum(len(p.chosen) for p in pairs))
+    batch.update(
+        microbatch=0, microbatches_in_step=1, step_pairs=4, step_chosen_tokens=sum(len(p.chosen) for p in pairs)
+    )
     trainer.microbatch(batch)
     grads = {n: p.grad.clone() for n, p in trainer.policy.named_parameters()}
     return grads, trainer.step()
@@ -36,7 +51,7 @@ def test_activation_checkpointing_recomputes_the_same_gradient(sample_dataset):
     plain, _ = _one_step(_trainer(sample_dataset), store)
     checkpointed_trainer = _trainer(sample_dataset, activation_checkpointing=True)
     policy = checkpointed_trainer.policy
-    assert getattr(policy, 'is_activation_checkpointing', None) or policy.is_gradient_checkpointing
+    assert getattr(policy, "is_activation_checkpointing", None) or policy.is_gradient_checkpointing
     checkpointed, _ = _one_step(checkpointed_trainer, store)
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-6, atol=1e-9)
@@ -57,8 +72,8 @@ def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(sample_data
 
 
 def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
-    from dpo_train.config import ConfigError
     from dpo_train.device import placement
+    from dpo_train.errors import ConfigError
 
     assert placement("cpu", "auto").precision == "fp32" and placement("cpu", "auto").backend == "gloo"
     if not torch.cuda.is_available():
@@ -68,8 +83,8 @@ def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
 
 
 def test_attention_is_sdpa_on_cpu_and_flash_attention_needs_cuda_bf16():
-    from dpo_train.config import ConfigError
     from dpo_train.device import attention_for, placement
+    from dpo_train.errors import ConfigError
 
     cpu = placement("cpu", "fp32")
     assert attention_for("auto", cpu) == "sdpa" and attention_for("eager", cpu) == "eager"

@@ -28,8 +28,8 @@ import warnings
 
 import pytest
 
-from dpo_data.rows import RowReject, normalize_row
-from dpo_data.tokenize import EncodedPair, PairEncoder, TokenizeOptions
+from dpo_data.prepare.rows import RowReject, normalize_row
+from dpo_data.prepare.tokenize import EncodedPair, PairEncoder, TokenizeOptions
 
 
 def user(content: str) -> dict:
@@ -58,89 +58,190 @@ TEXT_ROWS = [
     {"prompt": "Translate to French: good morning\nA:", "chosen": " Bonjour.", "rejected": " Bonsoir !"},
     {"prompt": "Q: 12345 * 6789 = ?\nA:", "chosen": " 83810205", "rejected": " 83,810,206 (approximately)"},
     {"prompt": "Complete the proverb: A stitch in time", "chosen": " saves nine.", "rejected": " is a stitch."},
-    {"prompt": "Write a haiku about autumn.\n", "chosen": " Red leaves drift and fall\nquiet rivers carry them\n"
-     "the year exhales slow", "rejected": " Autumn is a season."},
-    {"prompt": "Q: Is café spelled with an accent?\nA:", "chosen": " Yes: café, naïve, and résumé all keep "
-     "their accents.", "rejected": " No."},
-    {"prompt": "Q: How do you say 'thank you' in Japanese?\nA:", "chosen": " ありがとう (arigatō).",
-     "rejected": " さようなら"},
+    {
+        "prompt": "Write a haiku about autumn.\n",
+        "chosen": " Red leaves drift and fall\nquiet rivers carry them\nthe year exhales slow",
+        "rejected": " Autumn is a season.",
+    },
+    {
+        "prompt": "Q: Is café spelled with an accent?\nA:",
+        "chosen": " Yes: café, naïve, and résumé all keep their accents.",
+        "rejected": " No.",
+    },
+    {
+        "prompt": "Q: How do you say 'thank you' in Japanese?\nA:",
+        "chosen": " ありがとう (arigatō).",
+        "rejected": " さようなら",
+    },
     {"prompt": "Q: Which emoji means 'happy'?\nA:", "chosen": " 🙂 or 😄", "rejected": " 🙁"},
     {"prompt": "Q: Greek letter for the circle constant?\nA:", "chosen": " π ≈ 3.14159", "rejected": " Ω"},
-    {"prompt": "User: what's the boiling point of water at sea level?\nAssistant:", "chosen": " 100 °C (212 °F).",
-     "rejected": " 90 °C."},
-    {"prompt": "def add(a, b):\n    \"\"\"Return the sum.\"\"\"\n#", "chosen": " return a + b",
-     "rejected": " return a - b  # wrong"},
+    {
+        "prompt": "User: what's the boiling point of water at sea level?\nAssistant:",
+        "chosen": " 100 °C (212 °F).",
+        "rejected": " 90 °C.",
+    },
+    {
+        "prompt": 'def add(a, b):\n    """Return the sum."""\n#',
+        "chosen": " return a + b",
+        "rejected": " return a - b  # wrong",
+    },
     {"prompt": "Q: List three primes.\nA:", "chosen": " 2, 3, 5.\n", "rejected": " 1, 4, 9. "},
-    {"prompt": "Summarize: The meeting was moved from Monday to Wednesday because the room was booked.\n"
-     "Summary:", "chosen": " The meeting moved to Wednesday; the room was taken on Monday.",
-     "rejected": " There was a meeting."},
+    {
+        "prompt": "Summarize: The meeting was moved from Monday to Wednesday because the room was booked.\nSummary:",
+        "chosen": " The meeting moved to Wednesday; the room was taken on Monday.",
+        "rejected": " There was a meeting.",
+    },
     {"prompt": "¿Cuál es la capital de España?\nRespuesta:", "chosen": " Madrid.", "rejected": " Barcelona."},
     {"prompt": "Q: Arabic for 'peace'?\nA:", "chosen": " سلام", "rejected": " مرحبا"},
-    {"prompt": "Rate the movie (1-10):", "chosen": " 8/10 -- great pacing, \"memorable\" score.",
-     "rejected": " 10/10!!!"},
+    {
+        "prompt": "Rate the movie (1-10):",
+        "chosen": ' 8/10 -- great pacing, "memorable" score.',
+        "rejected": " 10/10!!!",
+    },
 ]
 
 SYSTEM = "You are a terse assistant. Answer in one sentence."
 CHAT_ROWS = [
     # single user turn, no system message (the template inserts its default system prompt)
     {"prompt": [user("What is 2 + 2?")], "chosen": [assistant("2 + 2 = 4.")], "rejected": [assistant("5.")]},
-    {"prompt": [user("Name a prime number greater than 100.")], "chosen": [assistant("101 is prime.")],
-     "rejected": [assistant("100 is prime.")]},
-    {"prompt": [user("Say 'thank you' in Japanese.")], "chosen": [assistant("ありがとうございます。")],
-     "rejected": [assistant("こんにちは")]},
-    {"prompt": [user("Give me an emoji for rain 🌧?")], "chosen": [assistant("☔ is a good one.")],
-     "rejected": [assistant("🔥")]},
-    {"prompt": [user("Write a Python one-liner that sums a list.")],
-     "chosen": [assistant("```python\ntotal = sum(xs)\n```")], "rejected": [assistant("Use a for loop.")]},
-    {"prompt": [user("Reply with a leading space.")], "chosen": [assistant(" Sure, here it is.")],
-     "rejected": [assistant("No.")]},
-    {"prompt": [user("Two lines please.")], "chosen": [assistant("Line one.\n\nLine two.")],
-     "rejected": [assistant("\nOnly one line.")]},
+    {
+        "prompt": [user("Name a prime number greater than 100.")],
+        "chosen": [assistant("101 is prime.")],
+        "rejected": [assistant("100 is prime.")],
+    },
+    {
+        "prompt": [user("Say 'thank you' in Japanese.")],
+        "chosen": [assistant("ありがとうございます。")],
+        "rejected": [assistant("こんにちは")],
+    },
+    {
+        "prompt": [user("Give me an emoji for rain 🌧?")],
+        "chosen": [assistant("☔ is a good one.")],
+        "rejected": [assistant("🔥")],
+    },
+    {
+        "prompt": [user("Write a Python one-liner that sums a list.")],
+        "chosen": [assistant("```python\ntotal = sum(xs)\n```")],
+        "rejected": [assistant("Use a for loop.")],
+    },
+    {
+        "prompt": [user("Reply with a leading space.")],
+        "chosen": [assistant(" Sure, here it is.")],
+        "rejected": [assistant("No.")],
+    },
+    {
+        "prompt": [user("Two lines please.")],
+        "chosen": [assistant("Line one.\n\nLine two.")],
+        "rejected": [assistant("\nOnly one line.")],
+    },
     # system message + single user turn
-    {"prompt": [system(SYSTEM), user("Capital of Italy?")], "chosen": [assistant("Rome.")],
-     "rejected": [assistant("Milan, which is also the largest city.")]},
-    {"prompt": [system("Réponds en français."), user("What colour is the sky?")],
-     "chosen": [assistant("Le ciel est bleu.")], "rejected": [assistant("The sky is blue.")]},
-    {"prompt": [system(""), user("Empty system prompt; count to three.")], "chosen": [assistant("1, 2, 3.")],
-     "rejected": [assistant("1, 2.")]},
+    {
+        "prompt": [system(SYSTEM), user("Capital of Italy?")],
+        "chosen": [assistant("Rome.")],
+        "rejected": [assistant("Milan, which is also the largest city.")],
+    },
+    {
+        "prompt": [system("Réponds en français."), user("What colour is the sky?")],
+        "chosen": [assistant("Le ciel est bleu.")],
+        "rejected": [assistant("The sky is blue.")],
+    },
+    {
+        "prompt": [system(""), user("Empty system prompt; count to three.")],
+        "chosen": [assistant("1, 2, 3.")],
+        "rejected": [assistant("1, 2.")],
+    },
     # multi-turn histories, no system message
-    {"prompt": [user("Name a planet."), assistant("Mars."), user("And the capital of Japan?")],
-     "chosen": [assistant("Tokyo.")], "rejected": [assistant("Osaka.")]},
-    {"prompt": [user("Let x = 3."), assistant("OK, x = 3."), user("Let y = x * 7."), assistant("y = 21."),
-                user("What is x + y?")],
-     "chosen": [assistant("x + y = 24.")], "rejected": [assistant("x + y = 10.")]},
+    {
+        "prompt": [user("Name a planet."), assistant("Mars."), user("And the capital of Japan?")],
+        "chosen": [assistant("Tokyo.")],
+        "rejected": [assistant("Osaka.")],
+    },
+    {
+        "prompt": [
+            user("Let x = 3."),
+            assistant("OK, x = 3."),
+            user("Let y = x * 7."),
+            assistant("y = 21."),
+            user("What is x + y?"),
+        ],
+        "chosen": [assistant("x + y = 24.")],
+        "rejected": [assistant("x + y = 10.")],
+    },
     # multi-turn histories with a system message
-    {"prompt": [system(SYSTEM), user("Who wrote Hamlet?"), assistant("William Shakespeare."),
-                user("When, roughly?")],
-     "chosen": [assistant("Around 1600.")], "rejected": [assistant("In 1066.")]},
-    {"prompt": [system("Always answer with a number."), user("How many legs does a spider have?"),
-                assistant("8"), user("And an insect?"), assistant("6"), user("And a snake?")],
-     "chosen": [assistant("0")], "rejected": [assistant("Snakes have no legs at all, so none.")]},
+    {
+        "prompt": [
+            system(SYSTEM),
+            user("Who wrote Hamlet?"),
+            assistant("William Shakespeare."),
+            user("When, roughly?"),
+        ],
+        "chosen": [assistant("Around 1600.")],
+        "rejected": [assistant("In 1066.")],
+    },
+    {
+        "prompt": [
+            system("Always answer with a number."),
+            user("How many legs does a spider have?"),
+            assistant("8"),
+            user("And an insect?"),
+            assistant("6"),
+            user("And a snake?"),
+        ],
+        "chosen": [assistant("0")],
+        "rejected": [assistant("Snakes have no legs at all, so none.")],
+    },
     # a tool turn in the history, and a completion that spans several messages
-    {"prompt": [user("What's the weather in Oslo?"), assistant("Let me check."), tool('{"temp_c": -3}')],
-     "chosen": [assistant("It is -3 °C in Oslo.")], "rejected": [assistant("It is sunny and 30 °C.")]},
-    {"prompt": [user("Look up 17 * 23.")],
-     "chosen": [assistant("Calling the calculator."), tool("391"), assistant("17 * 23 = 391.")],
-     "rejected": [assistant("17 * 23 = 381.")]},
+    {
+        "prompt": [user("What's the weather in Oslo?"), assistant("Let me check."), tool('{"temp_c": -3}')],
+        "chosen": [assistant("It is -3 °C in Oslo.")],
+        "rejected": [assistant("It is sunny and 30 °C.")],
+    },
+    {
+        "prompt": [user("Look up 17 * 23.")],
+        "chosen": [assistant("Calling the calculator."), tool("391"), assistant("17 * 23 = 391.")],
+        "rejected": [assistant("17 * 23 = 381.")],
+    },
 ]
 
 HISTORY = [user("Hi!"), assistant("Hello! How can I help?"), user("What's 10% of 250?")]
 IMPLICIT_ROWS = [
-    {"chosen": [user("What color is the sky?"), assistant("It is blue.")],
-     "rejected": [user("What color is the sky?"), assistant("It is green.")]},
-    {"chosen": [user("Spell 'naïve'."), assistant("n-a-ï-v-e")],
-     "rejected": [user("Spell 'naïve'."), assistant("n-a-i-v-e, without the diaeresis")]},
+    {
+        "chosen": [user("What color is the sky?"), assistant("It is blue.")],
+        "rejected": [user("What color is the sky?"), assistant("It is green.")],
+    },
+    {
+        "chosen": [user("Spell 'naïve'."), assistant("n-a-ï-v-e")],
+        "rejected": [user("Spell 'naïve'."), assistant("n-a-i-v-e, without the diaeresis")],
+    },
     {"chosen": [*HISTORY, assistant("25.")], "rejected": [*HISTORY, assistant("2.5")]},
-    {"chosen": [system(SYSTEM), user("Largest ocean?"), assistant("The Pacific.")],
-     "rejected": [system(SYSTEM), user("Largest ocean?"), assistant("The Atlantic.")]},
-    {"chosen": [system("Use metric units."), user("How tall is Everest?"), assistant("About 8,849 m."),
-                user("In kilometres?"), assistant("About 8.85 km.")],
-     "rejected": [system("Use metric units."), user("How tall is Everest?"), assistant("About 8,849 m."),
-                  user("In kilometres?"), assistant("29,032 feet.")]},
-    {"chosen": [user("Translate 'cat' into German, then into Korean."), assistant("Katze; 고양이")],
-     "rejected": [user("Translate 'cat' into German, then into Korean."), assistant("Hund; 개")]},
-    {"chosen": [user("Quote something."), assistant("\"To be, or not to be\" -- that is the question.")],
-     "rejected": [user("Quote something."), assistant("No quotes today!")]},
+    {
+        "chosen": [system(SYSTEM), user("Largest ocean?"), assistant("The Pacific.")],
+        "rejected": [system(SYSTEM), user("Largest ocean?"), assistant("The Atlantic.")],
+    },
+    {
+        "chosen": [
+            system("Use metric units."),
+            user("How tall is Everest?"),
+            assistant("About 8,849 m."),
+            user("In kilometres?"),
+            assistant("About 8.85 km."),
+        ],
+        "rejected": [
+            system("Use metric units."),
+            user("How tall is Everest?"),
+            assistant("About 8,849 m."),
+            user("In kilometres?"),
+            assistant("29,032 feet."),
+        ],
+    },
+    {
+        "chosen": [user("Translate 'cat' into German, then into Korean."), assistant("Katze; 고양이")],
+        "rejected": [user("Translate 'cat' into German, then into Korean."), assistant("Hund; 개")],
+    },
+    {
+        "chosen": [user("Quote something."), assistant('"To be, or not to be" -- that is the question.')],
+        "rejected": [user("Quote something."), assistant("No quotes today!")],
+    },
 ]
 
 # Plain text whose join merges under BPE: " is" + "n't" -> " isn" "'t", and "hello" + "world" -> "hel" "low" "orld".
@@ -149,8 +250,11 @@ MERGE_ROWS = [
     {"prompt": "hello", "chosen": "world", "rejected": " there"},
 ]
 # A conversation whose completion starts with two spaces: "assistant\n" + "  Two" tokenizes as "\n " + " Two".
-CHAT_MERGE_ROW = {"prompt": [user("Indent your answer.")], "chosen": [assistant("  Two spaces.")],
-                  "rejected": [assistant("None.")]}
+CHAT_MERGE_ROW = {
+    "prompt": [user("Indent your answer.")],
+    "chosen": [assistant("  Two spaces.")],
+    "rejected": [assistant("None.")],
+}
 
 FORMATS = {"text": TEXT_ROWS, "chat_explicit": CHAT_ROWS, "chat_implicit": IMPLICIT_ROWS}
 
@@ -160,7 +264,7 @@ FORMATS = {"text": TEXT_ROWS, "chat_explicit": CHAT_ROWS, "chat_implicit": IMPLI
 
 @pytest.fixture(scope="module")
 def tokenizer_dir():
-    from dpo_data.smollm2 import materialize_smollm2
+    from dpo_train.bundled_model import materialize_smollm2
 
     return materialize_smollm2()
 
@@ -191,8 +295,14 @@ def trl_prepared(tokenizer_dir, tmp_path_factory):
     from trl import DPOConfig, DPOTrainer
 
     def tiny_model():
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, vocab_size=49152)
+        config = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=49152,
+        )
         return LlamaForCausalLM(config)
 
     progress_was_enabled = datasets.is_progress_bar_enabled()
@@ -203,8 +313,9 @@ def trl_prepared(tokenizer_dir, tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation chatter from TrainingArguments / TRL, not under test
             torch.manual_seed(0)
-            args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], max_length=None,
-                             bf16=False, use_cpu=True)
+            args = DPOConfig(
+                output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], max_length=None, bf16=False, use_cpu=True
+            )
             trainer = DPOTrainer(
                 model=tiny_model(),
                 ref_model=tiny_model(),  # passed explicitly: an in-memory model has no path to load a reference from
@@ -324,8 +435,7 @@ def test_chat_completion_that_merges_with_the_generation_prompt_is_rejected_here
     (mine,) = ours["chat_merge"]
     (theirs,) = trl_prepared["chat_merge"]
     assert isinstance(mine, RowReject) and mine.reason == "template_not_prefix_stable"
-    full_prompt = tokenizer.apply_chat_template(CHAT_MERGE_ROW["prompt"], add_generation_prompt=True,
-                                                return_dict=False)
+    full_prompt = tokenizer.apply_chat_template(CHAT_MERGE_ROW["prompt"], add_generation_prompt=True, return_dict=False)
     assert tokenizer.decode(full_prompt).endswith("<|im_start|>assistant\n")
     assert theirs["prompt_ids"] == full_prompt[:-1]
     assert tokenizer.decode(theirs["prompt_ids"]).endswith("<|im_start|>assistant")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cli.data import main as dpo_data
+from dpo_cli.data import main as dpo_data
 from tests.conftest import chat, write_jsonl
 
 
@@ -19,8 +19,10 @@ def dataset(smollm2_dir, tmp_path_factory):
     rows = [chat(f"What is {i} x 3?", f"{i} x 3 = {3 * i}.", f"{i} x 3 = {3 * i + 3}.") for i in range(40)]
     write_jsonl(d / "rows.jsonl", rows + [b"not json"])
     out = d / "ds"
-    r = CliRunner().invoke(dpo_data, ["build", str(d / "rows.jsonl"), "--tokenizer", str(smollm2_dir),
-                                      "--out", str(out), "--pairs-per-shard", "16"])
+    r = CliRunner().invoke(
+        dpo_data,
+        ["build", str(d / "rows.jsonl"), "--tokenizer", str(smollm2_dir), "--out", str(out), "--pairs-per-shard", "16"],
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -79,7 +81,21 @@ def test_an_unknown_format_version_is_named(copy, run_cli):
     m["format_version"] = 99
     path.write_text(json.dumps(m))
     r = run_cli(dpo_data, "verify", copy)
-    assert r.exit_code == 1 and "format_version is 99; this version of dpo-data reads format_version 1" in r.output
+    assert r.exit_code == 1 and "has format_version 99; this version of dpo-toolkit reads 2" in r.output
+
+
+def test_a_version_1_dataset_is_told_to_rebuild(copy, run_cli):
+    """Version 1 spelled file digests as bare hex; it is refused by its version, with the fix, wherever it is read."""
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    m["format_version"] = 1
+    for entry in (*m["shards"], *m["inputs"], m["rejects"]):
+        entry["sha256"] = entry["sha256"].removeprefix("sha256:")
+    path.write_text(json.dumps(m))
+    for command in ("verify", "inspect"):
+        r = run_cli(dpo_data, command, copy)
+        assert r.exit_code in (1, 2) and "has format_version 1; this version of dpo-toolkit reads 2" in r.output
+        assert "Fix: rebuild the dataset" in r.output and "Traceback" not in r.output
 
 
 def test_a_foreign_tokenizer_fails_verify_naming_what_differs(dataset, smollm2_dir, tmp_path, run_cli):

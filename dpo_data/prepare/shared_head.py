@@ -50,8 +50,11 @@ class SpecialSplit:
             return  # Metaspace(prepend_scheme="first") treats a text's first piece apart
         added = list(tokenizer.added_tokens_decoder.values())
         matchable = sorted({t.content for t in added if not t.normalized}, key=len, reverse=True)
-        safe = {t.content for t in added if t.special and not t.normalized and not t.lstrip and not t.rstrip
-                and not t.single_word}
+        safe = {
+            t.content
+            for t in added
+            if t.special and not t.normalized and not t.lstrip and not t.rstrip and not t.single_word
+        }
         if not safe:
             return
         # Leftmost, and at one start the longest first: the order in which the tokenizer matches.
@@ -75,8 +78,10 @@ class SpecialSplit:
                 text = probe.format(special=special)
                 b = self.boundary(text)
                 whole = backend.encode(text, add_special_tokens=False).ids
-                parts = backend.encode(text[:b], add_special_tokens=False).ids + \
-                    backend.encode(text[b:], add_special_tokens=False).ids
+                parts = (
+                    backend.encode(text[:b], add_special_tokens=False).ids
+                    + backend.encode(text[b:], add_special_tokens=False).ids
+                )
                 if whole != parts:
                     return False
         return True

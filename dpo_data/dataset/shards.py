@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dpo_state.digest import sha256_file
+from dpo_state.digest import file_digest
 
 RECORD_BATCH_ROWS = 1024  # fixed, so batch boundaries (and bytes) never depend on --num-proc
 SHARD_DIR = "shards"
@@ -53,13 +53,17 @@ class PairBlock:
         return len(self.row_id)
 
     @staticmethod
-    def concat(blocks: list["PairBlock"]) -> "PairBlock":
+    def concat(blocks: list[PairBlock]) -> PairBlock:
         if len(blocks) == 1:
             return blocks[0]
-        arrays = {f.name: np.concatenate([getattr(b, f.name) for b in blocks]) for f in fields(PairBlock) if f.name != "row_id"}
+        arrays = {
+            f.name: np.concatenate([getattr(b, f.name) for b in blocks])
+            for f in fields(PairBlock)
+            if f.name != "row_id"
+        }
         return PairBlock(**arrays, row_id=[r for b in blocks for r in b.row_id])
 
-    def split(self, k: int) -> tuple["PairBlock", "PairBlock"]:
+    def split(self, k: int) -> tuple[PairBlock, PairBlock]:
         """The first k pairs and the rest."""
         cut = self.lengths[:k].sum(axis=0)
         head, tail = {}, {}
@@ -162,7 +166,7 @@ class ShardWriter:
             os.fsync(f.fileno())
         rel = self._path.relative_to(self.out_dir).as_posix()
         self.shards.append(
-            ShardInfo(rel, self._shard_rows, self._path.stat().st_size, sha256_file(self._path), self._first)
+            ShardInfo(rel, self._shard_rows, self._path.stat().st_size, file_digest(self._path), self._first)
         )
         self._writer, self._shard_rows = None, 0
 

@@ -25,8 +25,11 @@ class ChatRenderer:
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._compiled is not None and all(m.keys() == _PLAIN_KEYS for m in messages):
             return self._compiled.render(
-                messages=messages, tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self._variables,
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
             )
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 

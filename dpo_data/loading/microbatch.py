@@ -32,7 +32,7 @@ def pack_microbatch(pairs: list, pad_to_multiple_of: int | None = None) -> dict[
         for role, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
             n = n_prompt + len(completion)
             label = np.full(n, IGNORE_INDEX, dtype=np.int64)
-            label[n_prompt - 1:n - 1] = completion  # position t predicts token t + 1
+            label[n_prompt - 1 : n - 1] = completion  # position t predicts token t + 1
             row.add(np.concatenate([pair.prompt, completion]), label, np.arange(n), slot, role)
     return row.finish(pairs, pad_to_multiple_of, shared=False)
 
@@ -57,9 +57,16 @@ def pack_shared_prompt(pairs: list, pad_to_multiple_of: int | None = None) -> di
         for role, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
             n = len(completion)
             label = np.full(n, IGNORE_INDEX, dtype=np.int64)
-            label[:n - 1] = completion[1:]
-            row.add(completion, label, np.arange(n_prompt, n_prompt + n), slot, role,
-                    context=prompt_segment, first_label=int(completion[0]))
+            label[: n - 1] = completion[1:]
+            row.add(
+                completion,
+                label,
+                np.arange(n_prompt, n_prompt + n),
+                slot,
+                role,
+                context=prompt_segment,
+                first_label=int(completion[0]),
+            )
     return row.finish(pairs, pad_to_multiple_of, shared=True)
 
 
@@ -90,8 +97,13 @@ class _Row:
         if pad_to_multiple_of:  # an empty micro-batch still gets one full padded block
             padding = -num_input % pad_to_multiple_of or (pad_to_multiple_of if num_input == 0 else 0)
         if padding:
-            self.add(np.zeros(padding, dtype=np.int64), np.full(padding, IGNORE_INDEX, dtype=np.int64),
-                     np.arange(padding), -1, PADDING)
+            self.add(
+                np.zeros(padding, dtype=np.int64),
+                np.full(padding, IGNORE_INDEX, dtype=np.int64),
+                np.arange(padding),
+                -1,
+                PADDING,
+            )
         cu = np.zeros(self.segments + 1, dtype=np.int32)
         np.cumsum(self.lengths, out=cu[1:])
         labels = _cat(self.labels)

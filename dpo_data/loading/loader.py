@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
-from dpo_data.microbatch import pack_microbatch, pack_shared_prompt
-from dpo_data.schedule import LoaderConfig, Schedule, ScheduleState, StepPlan
-from dpo_data.store import PairStore
+from dpo_data.loading.config import LoaderConfig
+from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_data.loading.steps import PlannerState, StepPlan, StepPlanner
+from dpo_state.state import ELASTIC_KEYS
 
 LOADER_STATE_VERSION = 1
-# In pairs mode the pairs of a step do not depend on these, so a run may resume with other values.
-ELASTIC_KEYS = ("world_size", "rank", "max_tokens_per_microbatch", "num_workers")
 
 
 class MicrobatchStream(IterableDataset):
@@ -28,22 +29,34 @@ class MicrobatchStream(IterableDataset):
     stream is built by worker k % num_workers; every worker plans the same steps from lengths alone.
     """
 
-    def __init__(self, dirs: list[str | Path], config: LoaderConfig, max_epochs: int | None = None,
-                 start: ScheduleState | None = None, pad_to_multiple_of: int | None = None):
+    def __init__(
+        self,
+        dirs: list[str | Path],
+        config: LoaderConfig,
+        max_epochs: int | None = None,
+        start: PlannerState | None = None,
+        pad_to_multiple_of: int | None = None,
+    ):
         self.store = PairStore(dirs)
         self.config = config
         self.max_epochs = max_epochs
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.start = (start or ScheduleState()).copy()
-        self.schedule = Schedule(self.store.segment_tokens(np.arange(self.store.num_pairs), config.layout),
-                                 self.store.dataset_sizes, self.store.fingerprint, config)
+        self.start = (start or PlannerState()).copy()
+        self.schedule = StepPlanner(
+            self.store.segment_tokens(np.arange(self.store.num_pairs), config.layout),
+            self.store.dataset_sizes,
+            self.store.fingerprint,
+            config,
+        )
 
     def geometry(self) -> dict[str, Any]:
         g = self.config.geometry(self.store.fingerprint)
-        g.update(max_epochs=self.max_epochs, pad_to_multiple_of=self.pad_to_multiple_of, lookahead=self.schedule.lookahead)
+        g.update(
+            max_epochs=self.max_epochs, pad_to_multiple_of=self.pad_to_multiple_of, lookahead=self.schedule.lookahead
+        )
         return g
 
-    def __iter__(self) -> "StreamIterator":
+    def __iter__(self) -> StreamIterator:
         return StreamIterator(self)
 
 
@@ -57,10 +70,10 @@ class StreamIterator:
         self.worker, self.num_workers = (info.id, info.num_workers) if info else (0, 1)
         self._reset(stream.start.copy(), microbatch=0, seq=0)
 
-    def _reset(self, state: ScheduleState, microbatch: int, seq: int) -> None:
+    def _reset(self, state: PlannerState, microbatch: int, seq: int) -> None:
         self.state, self.microbatch, self.seq = state, microbatch, seq
         self.plan: StepPlan | None = None
-        self.after: ScheduleState | None = None
+        self.after: PlannerState | None = None
 
     def __iter__(self) -> Iterator[dict]:
         return self
@@ -87,15 +100,21 @@ class StreamIterator:
         pack = pack_shared_prompt if self.stream.config.layout == "shared_prompt" else pack_microbatch
         batch = pack([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
         step_pairs = [i for rank in plan.ranks for mb in rank for i in mb]
-        batch.update(epoch=plan.epoch, step=plan.step, microbatch=k, microbatches_in_step=len(mine),
-                     step_pairs=len(step_pairs), step_chosen_tokens=int(store.chosen_len[step_pairs].sum()))
+        batch.update(
+            epoch=plan.epoch,
+            step=plan.step,
+            microbatch=k,
+            microbatches_in_step=len(mine),
+            step_pairs=len(step_pairs),
+            step_chosen_tokens=int(store.chosen_len[step_pairs].sum()),
+        )
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.state.to_dict(), "microbatch": self.microbatch, "seq": self.seq}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._reset(ScheduleState.from_dict(state["schedule"]), int(state["microbatch"]), int(state["seq"]))
+        self._reset(PlannerState.from_dict(state["schedule"]), int(state["microbatch"]), int(state["seq"]))
 
 
 class DPOLoader:
@@ -107,9 +126,20 @@ class DPOLoader:
     same step. Any other difference raises one error listing every difference.
     """
 
-    def __init__(self, dirs: list[str | Path], config: LoaderConfig, max_epochs: int | None = None,
-                 pad_to_multiple_of: int | None = None, start: ScheduleState | None = None):
-        self.dirs, self.config, self.max_epochs, self.pad = [str(d) for d in dirs], config, max_epochs, pad_to_multiple_of
+    def __init__(
+        self,
+        dirs: list[str | Path],
+        config: LoaderConfig,
+        max_epochs: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        start: PlannerState | None = None,
+    ):
+        self.dirs, self.config, self.max_epochs, self.pad = (
+            [str(d) for d in dirs],
+            config,
+            max_epochs,
+            pad_to_multiple_of,
+        )
         self.stream = MicrobatchStream(self.dirs, config, max_epochs, start, pad_to_multiple_of)
         self.loader = self._make_loader(self.stream)
         self._next = {"epoch": self.stream.start.epoch, "step": self.stream.start.step, "microbatch": 0}
@@ -119,48 +149,65 @@ class DPOLoader:
 
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
-            return StatefulDataLoader(stream, batch_size=None, num_workers=self.config.num_workers,
-                                      persistent_workers=False, in_order=True)
+            return StatefulDataLoader(
+                stream, batch_size=None, num_workers=self.config.num_workers, persistent_workers=False, in_order=True
+            )
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.loader:
             last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
-            self._next = {"epoch": batch["epoch"], "step": batch["step"] + last,
-                          "microbatch": 0 if last else batch["microbatch"] + 1}
+            self._next = {
+                "epoch": batch["epoch"],
+                "step": batch["step"] + last,
+                "microbatch": 0 if last else batch["microbatch"] + 1,
+            }
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy({
-            "version": LOADER_STATE_VERSION,
-            "geometry": self.stream.geometry(),
-            "position": self._next,
-            "dataloader": self.loader.state_dict(),
-        })
+        return copy.deepcopy(
+            {
+                "version": LOADER_STATE_VERSION,
+                "geometry": self.stream.geometry(),
+                "position": self._next,
+                "dataloader": self.loader.state_dict(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = copy.deepcopy(state)  # never alias the caller's copy
         if state.get("version") != LOADER_STATE_VERSION:
-            raise DataError(f"loader state version {state.get('version')!r}; this dpo-data reads version "
-                            f"{LOADER_STATE_VERSION}. Fix: resume with the version that saved it")
+            raise DataError(
+                f"loader state version {state.get('version')!r}; this dpo-data reads version "
+                f"{LOADER_STATE_VERSION}. Fix: resume with the version that saved it"
+            )
         saved, current = state["geometry"], self.stream.geometry()
-        differ = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+        differ = {
+            k: (saved.get(k), current.get(k))
+            for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)
+        }
         if not differ:
             self.loader.load_state_dict(state["dataloader"])
             self._next = state["position"]
             return
-        if current["batching"] == "pairs" and set(differ) <= set(ELASTIC_KEYS):
+        elastic = [key for key in ELASTIC_KEYS if key in current]  # the keys a loader geometry has
+        if current["batching"] == "pairs" and set(differ) <= set(elastic):
             self._elastic_resume(state["position"], differ)
             return
         listing = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
-        allowed = " (pairs mode resumes across " + ", ".join(ELASTIC_KEYS) + " at step boundaries)"
-        raise DataError(f"the loader state was saved with another geometry: {listing}. Resume with the saved "
-                        f"settings{allowed if current['batching'] == 'pairs' else ''}, or start a fresh run")
+        allowed = " (pairs mode resumes across " + ", ".join(elastic) + " at step boundaries)"
+        raise DataError(
+            f"the loader state was saved with another geometry: {listing}. Resume with the saved "
+            f"settings{allowed if current['batching'] == 'pairs' else ''}, or start a fresh run"
+        )
 
     def _elastic_resume(self, position: dict[str, int], differ: dict) -> None:
         if position["microbatch"] != 0:
-            raise DataError(f"the loader state was saved inside step {position['step']} (micro-batch "
-                            f"{position['microbatch']}); changing {', '.join(differ)} needs a state saved at a step boundary")
-        start = ScheduleState(epoch=position["epoch"], step=position["step"])
+            raise DataError(
+                f"the loader state was saved inside step {position['step']} (micro-batch "
+                f"{position['microbatch']}); changing {', '.join(differ)} needs a state saved at a step boundary"
+            )
+        start = PlannerState(epoch=position["epoch"], step=position["step"])
         self.stream = MicrobatchStream(self.dirs, self.config, self.max_epochs, start, self.pad)
         self.loader = self._make_loader(self.stream)
         self._next = dict(position)

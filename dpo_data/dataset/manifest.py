@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from dpo_data.errors import DataError
-from dpo_state.digest import sha256_json
-from dpo_state.schema import SchemaError, validate
+from dpo_state.digest import DIGEST_PREFIX, sha256_json
+from dpo_state.errors import DocumentError
+from dpo_state.files import read_document, write_json_atomic
 
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION = 2
+"""2: file digests spelled `sha256:<hex>` (1 wrote bare hex); a version-1 dataset must be rebuilt."""
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 MANIFEST_SCHEMA = "dataset-manifest"
@@ -26,7 +26,7 @@ def dataset_fingerprint(tokenizer_fingerprint: str, sources: list[dict], shards:
     Paths of inputs and build options are left out: two builds that wrote the same pairs with the
     same tokenizer are the same dataset, wherever their inputs lay.
     """
-    return "sha256:" + sha256_json(
+    return DIGEST_PREFIX + sha256_json(
         {
             "format_version": MANIFEST_FORMAT_VERSION,
             "tokenizer": tokenizer_fingerprint,
@@ -58,27 +58,8 @@ def length_histogram(segment_lengths: np.ndarray) -> dict[str, Any]:
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> None:
-    """Validate and write `manifest.json` by temporary file + fsync + rename: its presence commits the dataset."""
-    validate(MANIFEST_SCHEMA, manifest, "the dataset manifest")
-    tmp = out_dir / f".{MANIFEST_NAME}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(orjson.dumps(manifest, option=orjson.OPT_INDENT_2) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / MANIFEST_NAME)
-    fsync_dir(out_dir)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-MAX_MANIFEST_BYTES = 64 << 20
+    """Validate and write `manifest.json` atomically (fsync, rename): its presence commits the dataset."""
+    write_json_atomic(out_dir / MANIFEST_NAME, manifest, schema=MANIFEST_SCHEMA)
 
 
 def read_manifest(data_dir: str | Path) -> dict:
@@ -87,20 +68,12 @@ def read_manifest(data_dir: str | Path) -> dict:
     if not path.is_file():
         hint = " (a failed build leaves only rejects.jsonl)" if (Path(data_dir) / REJECTS_NAME).exists() else ""
         raise DataError(f"{data_dir}: not a committed dataset, {MANIFEST_NAME} is missing{hint}; run dpo-data build")
-    if path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise DataError(f"{path}: {path.stat().st_size} bytes, larger than any manifest ({MAX_MANIFEST_BYTES}); refusing to parse")
     try:
-        manifest = orjson.loads(path.read_bytes())
-    except orjson.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != MANIFEST_FORMAT_VERSION:
-        raise DataError(
-            f"{path}: format_version is {version!r}; this version of dpo-data reads format_version "
-            f"{MANIFEST_FORMAT_VERSION}. Fix: rebuild the dataset with this version"
+        return read_document(
+            path,
+            MANIFEST_SCHEMA,
+            MANIFEST_FORMAT_VERSION,
+            fix="rebuild the dataset with this version (dpo-data build ... --overwrite)",
         )
-    try:
-        validate(MANIFEST_SCHEMA, manifest, str(path))
-    except SchemaError as e:
+    except DocumentError as e:
         raise DataError(str(e)) from None
-    return manifest

@@ -7,31 +7,32 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import orjson
 
 from dpo_data import __version__
-from dpo_data.errors import DataError
-from dpo_data.manifest import (
+from dpo_data.dataset.manifest import (
     MANIFEST_FORMAT_VERSION,
     REJECTS_NAME,
     dataset_fingerprint,
-    fsync_dir,
     length_histogram,
     length_stats,
     write_manifest,
 )
-from dpo_data.rows import RowReject, normalize_row
-from dpo_data.shards import PARTS, PairBlock, ShardWriter
-from dpo_data.sources import InputFile, OversizedLine, iter_rows, open_input
-from dpo_data.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
+from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
+from dpo_data.errors import DataError
+from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
+from dpo_data.prepare.rows import RowReject, normalize_row
+from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
-from dpo_state.digest import sha256_file
+from dpo_state.digest import file_digest
+from dpo_state.files import fsync_dir
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
@@ -54,7 +55,9 @@ class BuildOptions:
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
-            raise DataError(f"--max-length is {self.max_length}; it must be at least 2 (one prompt and one completion token)")
+            raise DataError(
+                f"--max-length is {self.max_length}; it must be at least 2 (one prompt and one completion token)"
+            )
         if self.overlength not in OVERLENGTH_MODES:
             raise DataError(f"--overlength is {self.overlength!r}; allowed: {', '.join(OVERLENGTH_MODES)}")
         if self.max_reject_fraction is not None and not 0.0 <= self.max_reject_fraction <= 1.0:
@@ -176,14 +179,18 @@ def _parse(item: Any, max_row_bytes: int) -> Any:
     try:
         item.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RowReject("invalid_utf8", f"the line is not valid UTF-8 (byte {e.start}: {item[e.start:e.start + 1]!r})") from None
+        raise RowReject(
+            "invalid_utf8", f"the line is not valid UTF-8 (byte {e.start}: {item[e.start : e.start + 1]!r})"
+        ) from None
     try:
         return orjson.loads(item)
     except orjson.JSONDecodeError as e:
         raise RowReject("invalid_json", f"the line is not valid JSON: {e}") from None
 
 
-def _reject(input_index: int, inp: InputFile, number: int, source: str, reject: RowReject, item: Any) -> tuple[int, dict]:
+def _reject(
+    input_index: int, inp: InputFile, number: int, source: str, reject: RowReject, item: Any
+) -> tuple[int, dict]:
     record = {
         "file": inp.path,
         inp.locator: number,
@@ -292,8 +299,16 @@ def _load_tokenizer(tokenizer_dir: str) -> Any:
 
 def _input_entry(f: InputFile) -> dict:
     p = Path(f.path)
-    return {"path": f.path, "format": f.format, "default_source": f.source, "bytes": p.stat().st_size,
-            "sha256": sha256_file(p), "rows_read": 0, "pairs": 0, "rejected": 0}
+    return {
+        "path": f.path,
+        "format": f.format,
+        "default_source": f.source,
+        "bytes": p.stat().st_size,
+        "sha256": file_digest(p),
+        "rows_read": 0,
+        "pairs": 0,
+        "rejected": 0,
+    }
 
 
 def _progress(enabled: bool):
@@ -329,7 +344,9 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
         tally.inputs[input_index]["rows_read"] += 1
         tally.inputs[input_index]["pairs"] += 1
     # Source ids in order of first appearance: a pure function of the input order.
-    block.source_id = np.array([tally.sources.setdefault(s, len(tally.sources)) for s in result.sources], dtype=np.int32)
+    block.source_id = np.array(
+        [tally.sources.setdefault(s, len(tally.sources)) for s in result.sources], dtype=np.int32
+    )
     tally.source_pairs.update(result.sources)
     tally.truncated_prompts += sum(1 for t in result.truncated if t)
     tally.truncated_prompt_tokens += sum(result.truncated)
@@ -343,8 +360,10 @@ def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None
         return f"no pair survived: all {rows_read} rows read were rejected" if rows_read else "the inputs hold no rows"
     fraction = (rows_read - tally.pairs) / rows_read
     if options.max_reject_fraction is not None and fraction > options.max_reject_fraction:
-        return (f"{rows_read - tally.pairs} of {rows_read} rows were rejected ({fraction:.1%}), over "
-                f"--max-reject-fraction {options.max_reject_fraction}")
+        return (
+            f"{rows_read - tally.pairs} of {rows_read} rows were rejected ({fraction:.1%}), over "
+            f"--max-reject-fraction {options.max_reject_fraction}"
+        )
     return None
 
 
@@ -375,13 +394,21 @@ def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: Bui
             "truncated_prompts": tally.truncated_prompts,
             "truncated_prompt_tokens": tally.truncated_prompt_tokens,
         },
-        "lengths": {"prompt": length_stats(prompt), "chosen": length_stats(chosen),
-                    "rejected": length_stats(rejected), "segment": length_stats(segments)},
+        "lengths": {
+            "prompt": length_stats(prompt),
+            "chosen": length_stats(chosen),
+            "rejected": length_stats(rejected),
+            "segment": length_stats(segments),
+        },
         "length_histogram": length_histogram(segments),
-        "rejects": {"file": REJECTS_NAME, "count": int(sum(tally.by_reason.values())),
-                    "bytes": rejects_path.stat().st_size, "sha256": sha256_file(rejects_path),
-                    "by_reason": dict(sorted(tally.by_reason.items())),
-                    "by_source": dict(sorted(tally.source_rejects.items()))},
+        "rejects": {
+            "file": REJECTS_NAME,
+            "count": int(sum(tally.by_reason.values())),
+            "bytes": rejects_path.stat().st_size,
+            "sha256": file_digest(rejects_path),
+            "by_reason": dict(sorted(tally.by_reason.items())),
+            "by_source": dict(sorted(tally.source_rejects.items())),
+        },
     }
 
 

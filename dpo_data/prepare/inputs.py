@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 import zstandard
 
 from dpo_data.errors import DataError, InputFileError
 
-FORMATS = {".jsonl": "jsonl", ".jsonl.zst": "jsonl.zst", ".jsonl.zstd": "jsonl.zst", ".json": "json", ".parquet": "parquet"}
+FORMATS = {
+    ".jsonl": "jsonl",
+    ".jsonl.zst": "jsonl.zst",
+    ".jsonl.zstd": "jsonl.zst",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 _READ_CHUNK = 1 << 20
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
 

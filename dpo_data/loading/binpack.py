@@ -20,7 +20,9 @@ def deal(bins: list[list[int]], sizes: np.ndarray, world_size: int) -> list[list
     return out
 
 
-def first_fit_decreasing(sizes: np.ndarray, capacity: int, max_bins: int | None = None) -> tuple[list[list[int]], list[int]]:
+def first_fit_decreasing(
+    sizes: np.ndarray, capacity: int, max_bins: int | None = None
+) -> tuple[list[list[int]], list[int]]:
     """Pack positions of `sizes` into bins of `capacity`: largest first, each into the first bin it fits.
 
     Returns (bins, left_over): with `max_bins`, items that fit in none of the bins are left over, in

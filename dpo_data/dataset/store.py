@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dpo_data.dataset.manifest import read_manifest
 from dpo_data.errors import DataError
-from dpo_data.manifest import read_manifest
-from dpo_state.digest import sha256_json
+from dpo_state.digest import DIGEST_PREFIX, sha256_json
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PairStore:
         self.tokenizer_fingerprint = _one_tokenizer(self.dirs, manifests)
         self.dataset_fingerprints = [m["fingerprint"] for m in manifests]
         self.fingerprint = (
-            self.dataset_fingerprints[0] if len(dirs) == 1 else "sha256:" + sha256_json(self.dataset_fingerprints)
+            self.dataset_fingerprints[0] if len(dirs) == 1 else DIGEST_PREFIX + sha256_json(self.dataset_fingerprints)
         )
         self.sources: list[str] = []
         for m in manifests:
@@ -70,7 +70,7 @@ class PairStore:
     def pair(self, index: int) -> PairIds:
         batch, row = self._batch_of[index], self._row_of[index]
         parts = [offsets_values[batch] for offsets_values in self._parts]
-        views = [values[offsets[row]:offsets[row + 1]] for offsets, values in parts]
+        views = [values[offsets[row] : offsets[row + 1]] for offsets, values in parts]
         return PairIds(int(index), int(self.source_id[index]), *views)
 
     def __getstate__(self):
@@ -82,21 +82,27 @@ class PairStore:
     def _open(self) -> None:
         lengths, sources, parts, batch_of, row_of = [], [], [[], [], []], [], []
         for d, m in zip(self.dirs, self._manifests):
-            remap = np.array([self.sources.index(s["name"]) for s in sorted(m["sources"], key=lambda s: s["id"])],
-                             dtype=np.int32)
+            remap = np.array(
+                [self.sources.index(s["name"]) for s in sorted(m["sources"], key=lambda s: s["id"])], dtype=np.int32
+            )
             for shard in m["shards"]:
                 for batch in _batches(Path(d) / shard["path"], shard["rows"]):
                     k = len(parts[0])
                     for j, column in enumerate(("prompt_ids", "chosen_ids", "rejected_ids")):
                         arr = batch.column(column)
                         parts[j].append((arr.offsets.to_numpy(), arr.values.to_numpy()))
-                    lengths.append(np.stack([batch.column(c).to_numpy() for c in
-                                             ("prompt_len", "chosen_len", "rejected_len")], axis=1))
+                    lengths.append(
+                        np.stack(
+                            [batch.column(c).to_numpy() for c in ("prompt_len", "chosen_len", "rejected_len")], axis=1
+                        )
+                    )
                     sources.append(remap[batch.column("source_id").to_numpy()])
                     batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
                     row_of.append(np.arange(batch.num_rows, dtype=np.int32))
         all_lengths = np.concatenate(lengths)
-        self.prompt_len, self.chosen_len, self.rejected_len = (np.ascontiguousarray(all_lengths[:, j]) for j in range(3))
+        self.prompt_len, self.chosen_len, self.rejected_len = (
+            np.ascontiguousarray(all_lengths[:, j]) for j in range(3)
+        )
         self.source_id = np.concatenate(sources)
         self._parts = parts
         self._batch_of, self._row_of = np.concatenate(batch_of), np.concatenate(row_of)
@@ -109,8 +115,10 @@ def _batches(path: Path, rows: int) -> list[pa.RecordBatch]:
         raise DataError(f"{path}: cannot open the shard ({e}); run dpo-data verify on its dataset") from None
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     if sum(b.num_rows for b in batches) != rows:
-        raise DataError(f"{path}: holds {sum(b.num_rows for b in batches)} rows, its manifest says {rows}; "
-                        "run dpo-data verify on its dataset")
+        raise DataError(
+            f"{path}: holds {sum(b.num_rows for b in batches)} rows, its manifest says {rows}; "
+            "run dpo-data verify on its dataset"
+        )
     return batches
 
 

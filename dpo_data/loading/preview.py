@@ -8,13 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from dpo_data.schedule import LoaderConfig, Schedule, ScheduleState
-from dpo_data.store import PairStore
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.config import LoaderConfig
+from dpo_data.loading.steps import PlannerState, StepPlanner
 
 PLAN_FORMAT_VERSION = 1
 
 
-def plan_document(dirs: list[str | Path], config: LoaderConfig, epoch: int = 0, steps: int | None = None) -> dict[str, Any]:
+def plan_document(
+    dirs: list[str | Path], config: LoaderConfig, epoch: int = 0, steps: int | None = None
+) -> dict[str, Any]:
     """Run the loader's own schedule for `steps` steps of `epoch` (all of it when None).
 
     `pairs` are global pair indices: row positions in the dataset, or in the mixture's order (the
@@ -23,16 +26,25 @@ def plan_document(dirs: list[str | Path], config: LoaderConfig, epoch: int = 0, 
     """
     store = PairStore(dirs)
     tokens = store.segment_tokens(np.arange(store.num_pairs), config.layout)
-    schedule = Schedule(tokens, store.dataset_sizes, store.fingerprint, replace(config, rank=0))
-    state, out = ScheduleState(epoch=epoch), []
+    schedule = StepPlanner(tokens, store.dataset_sizes, store.fingerprint, replace(config, rank=0))
+    state, out = PlannerState(epoch=epoch), []
     while steps is None or len(out) < steps:
         plan, state = schedule.next_step(state)
         if plan is None:
             break
-        out.append({"step": plan.step, "epoch": plan.epoch, "ranks": [
-            {"rank": r, "microbatches": [{"pairs": mb, "tokens": int(tokens[mb].sum()) if mb else 0} for mb in mbs]}
-            for r, mbs in enumerate(plan.ranks)
-        ]})
+        out.append(
+            {
+                "step": plan.step,
+                "epoch": plan.epoch,
+                "ranks": [
+                    {
+                        "rank": r,
+                        "microbatches": [{"pairs": mb, "tokens": int(tokens[mb].sum()) if mb else 0} for mb in mbs],
+                    }
+                    for r, mbs in enumerate(plan.ranks)
+                ],
+            }
+        )
     used = [mb["tokens"] for s in out for r in s["ranks"] for mb in r["microbatches"] if mb["pairs"]]
     capacity = len(used) * config.max_tokens_per_microbatch
     return {
@@ -45,7 +57,9 @@ def plan_document(dirs: list[str | Path], config: LoaderConfig, epoch: int = 0, 
             "steps": len(out),
             "pairs": sum(len(mb["pairs"]) for s in out for r in s["ranks"] for mb in r["microbatches"]),
             "microbatches": len(used),
-            "empty_microbatches": sum(1 for s in out for r in s["ranks"] for mb in r["microbatches"] if not mb["pairs"]),
+            "empty_microbatches": sum(
+                1 for s in out for r in s["ranks"] for mb in r["microbatches"] if not mb["pairs"]
+            ),
             "input_tokens": int(sum(used)),
             "capacity_tokens": capacity,
         },
@@ -68,8 +82,13 @@ def format_plan(doc: dict[str, Any], show_steps: int = 3) -> str:
         for r in s["ranks"]:
             mbs = ", ".join(f"{len(mb['pairs'])} pairs/{mb['tokens']} tok" for mb in r["microbatches"])
             lines.append(f"  rank {r['rank']}: {mbs}")
-    fills = [mb["tokens"] / c["max_tokens_per_microbatch"] for s in doc["steps"] for r in s["ranks"]
-             for mb in r["microbatches"] if mb["pairs"]]
+    fills = [
+        mb["tokens"] / c["max_tokens_per_microbatch"]
+        for s in doc["steps"]
+        for r in s["ranks"]
+        for mb in r["microbatches"]
+        if mb["pairs"]
+    ]
     if fills:
         counts, edges = np.histogram(fills, bins=10, range=(0.0, 1.0))
         lines.append("micro-batch fill")

@@ -141,7 +141,9 @@ def _check_order(field: str, prompt: list, completion: list) -> None:
     if prompt[-1]["role"] not in ("user", "tool"):
         raise RowReject("roles_out_of_order", f"{where}: the prompt must end with a user or tool message")
     if completion[0]["role"] != "assistant" or completion[-1]["role"] != "assistant":
-        raise RowReject("roles_out_of_order", f"{where}: the {field} completion must start and end with an assistant message")
+        raise RowReject(
+            "roles_out_of_order", f"{where}: the {field} completion must start and end with an assistant message"
+        )
 
 
 def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:

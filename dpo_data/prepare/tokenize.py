@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from dpo_data.rows import Pair, RowReject
-from dpo_data.special_split import SpecialSplit
-from dpo_data.template import ChatRenderer
+from jinja2 import TemplateError
+
+from dpo_data.errors import DataError
+from dpo_data.prepare.rows import Pair, RowReject
+from dpo_data.prepare.shared_head import SpecialSplit
+from dpo_data.prepare.template import ChatRenderer
 
 OVERLENGTH_MODES = ("reject", "truncate-prompt")
-_SENTINEL = "\uE000DPO{}\uE001"  # private-use code points: never in a real template's own text
+_SENTINEL = "\ue000DPO{}\ue001"  # private-use code points: never in a real template's own text
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,16 @@ class PairEncoder:
         self._content = type(backend).from_str(backend.to_str())
         self._content.encode_special_tokens = True
         self._split = SpecialSplit(tokenizer, self._template)
-        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        specials = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+        )
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._eos = tokenizer.eos_token_id
         if options.append_eos and self._eos is None:
-            raise ValueError("the tokenizer has no eos_token; pass --no-eos or use a tokenizer with one")
+            raise DataError(
+                "--tokenizer: the tokenizer has no eos_token, and plain-text completions end with EOS; "
+                "pass --no-eos or use a tokenizer with an eos_token"
+            )
 
     def encode_many(self, pairs: Sequence[Pair]) -> list[EncodedPair | RowReject]:
         """Encode pairs in order; each result is an `EncodedPair` or the `RowReject` that stopped it."""
@@ -95,7 +104,7 @@ class PairEncoder:
         ids = [e.ids for e in self._template.encode_batch_fast(texts, add_special_tokens=False)]
         out = []
         for k in range(len(rendered)):
-            head, p, c, r = ids[4 * k:4 * k + 4]
+            head, p, c, r = ids[4 * k : 4 * k + 4]
             out.append((head + p, head + c, head + r))
         return out
 
@@ -110,14 +119,15 @@ class PairEncoder:
                 raise RowReject(
                     "template_not_prefix_stable",
                     f"the chat template renders the prompt differently alone than before the {field} completion "
-                    f"(prompt ends {prompt[-40:]!r}, full rendering has {full[len(prompt) - 40:len(prompt)]!r} there)",
+                    f"(prompt ends {prompt[-40:]!r}, "
+                    f"full rendering has {full[len(prompt) - 40 : len(prompt)]!r} there)",
                 )
         return prompt, chosen, rejected
 
     def _apply(self, messages: list, add_generation_prompt: bool) -> str:
         try:
             return self._renderer.render(messages, add_generation_prompt)
-        except Exception as e:  # a template's raise_exception() or a jinja error: the row's fault
+        except TemplateError as e:  # a template's raise_exception() or a jinja error: the row's fault
             raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
 
     def _split_prefix(self, prompt: list[int], chosen: list[int], rejected: list[int]):
@@ -149,7 +159,7 @@ class PairEncoder:
     def _pieces(self, messages: list, add_generation_prompt: bool) -> list[int]:
         marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
         rendered = self._apply(marked, add_generation_prompt)
-        parts = re.split("\uE000DPO(\\d+)\uE001", rendered)
+        parts = re.split("\ue000DPO(\\d+)\ue001", rendered)
         real = self._apply(messages, add_generation_prompt)
         contents = [messages[int(j)]["content"] for j in parts[1::2]]
         if "".join(p for pair in zip(parts[0::2], contents + [""]) for p in pair) != real:

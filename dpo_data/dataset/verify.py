@@ -1,4 +1,4 @@
-"""`dpo-data inspect` and `dpo-data verify`: what a built dataset holds, and whether it is intact."""
+"""What a built dataset holds (`dpo-data inspect`) and whether it is intact (`dpo-data verify`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from dpo_data.dataset.manifest import MANIFEST_NAME, dataset_fingerprint, read_manifest
+from dpo_data.dataset.shards import SHARD_SCHEMA, open_shard
 from dpo_data.errors import DataError
-from dpo_data.manifest import MANIFEST_NAME, dataset_fingerprint, read_manifest
-from dpo_data.shards import SHARD_SCHEMA, open_shard
-from dpo_state.digest import sha256_file
+from dpo_state.files import file_problems
 
 
 def inspect_dataset(data_dir: str | Path) -> dict[str, Any]:
@@ -56,7 +56,10 @@ def format_inspection(info: dict[str, Any]) -> str:
         *(f"  {reason:<28} {n}" for reason, n in info["rejects_by_reason"].items()),
     ]
     if info["truncated_prompts"]:
-        lines.insert(5, f"truncated    {info['truncated_prompts']} prompts lost their oldest tokens (--overlength truncate-prompt)")
+        lines.insert(
+            5,
+            f"truncated    {info['truncated_prompts']} prompts lost their oldest tokens (--overlength truncate-prompt)",
+        )
     return "\n".join(lines)
 
 
@@ -71,7 +74,10 @@ def verify_dataset(data_dir: str | Path, tokenizer_dir: str | None = None) -> li
     failures = []
     for shard in m["shards"]:
         failures += _check_shard(root, shard)
-    failures += _check_file(root, m["rejects"]["file"], m["rejects"]["bytes"], m["rejects"]["sha256"])
+    rejects = m["rejects"]
+    failures += file_problems(
+        root / rejects["file"], rejects["bytes"], rejects["sha256"], rejects["file"], "the manifest"
+    )
     failures += _check_counts(root, m)
     expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"])
     if expected != m["fingerprint"]:
@@ -81,20 +87,8 @@ def verify_dataset(data_dir: str | Path, tokenizer_dir: str | None = None) -> li
     return failures
 
 
-def _check_file(root: Path, rel: str, size: int, digest: str) -> list[str]:
-    path = root / rel
-    if not path.is_file():
-        return [f"{rel}: missing"]
-    actual = path.stat().st_size
-    if actual != size:
-        return [f"{rel}: {actual} bytes, manifest says {size} (truncated or appended to)"]
-    if sha256_file(path) != digest:
-        return [f"{rel}: sha256 differs from the manifest (the content was changed)"]
-    return []
-
-
 def _check_shard(root: Path, shard: dict) -> list[str]:
-    failures = _check_file(root, shard["path"], shard["bytes"], shard["sha256"])
+    failures = file_problems(root / shard["path"], shard["bytes"], shard["sha256"], shard["path"], "the manifest")
     if failures and "missing" in failures[0]:
         return failures
     try:

@@ -12,7 +12,7 @@ from dpo_data.errors import DataError
 
 def _generator(seed: int, epoch: int, fingerprint: str, stream: int) -> np.random.PCG64:
     digest = hashlib.sha256(fingerprint.encode()).digest()
-    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
     return np.random.PCG64(np.random.SeedSequence([seed, epoch, stream, *words]))
 
 
@@ -32,7 +32,9 @@ def check_weights(weights: list[float], sizes: list[int]) -> None:
         raise DataError(f"{len(weights)} weights given for {len(sizes)} datasets; give one weight per dataset")
     for i, w in enumerate(weights):
         if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-            raise DataError(f"weight {w!r} of dataset {i}: weights must be finite numbers >= 0 (1 = each pair once per epoch)")
+            raise DataError(
+                f"weight {w!r} of dataset {i}: weights must be finite numbers >= 0 (1 = each pair once per epoch)"
+            )
     if not any(round(w * n) for w, n in zip(weights, sizes)):
         raise DataError(f"weights {weights} select no pair at all; give at least one dataset a positive weight")
 

