@@ -71,9 +71,7 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
     trainer = trainer_module.Trainer(cfg, placement("cpu", "fp32"), rank, world, store)
     grads = []
     if use_loader:
-        loader = trainer_module.DPOLoader(
-            [cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8
-        )
+        loader = trainer_module.DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)
         batches = iter(loader)
         for _ in range(2):
             while True:

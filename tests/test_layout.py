@@ -95,8 +95,19 @@ def test_every_user_facing_error_derives_from_the_one_base():
     from dpo_state.errors import AttestationError, DocumentError, SchemaError, StateError, ToolkitError
     from dpo_train.errors import CheckpointError, ConfigError, ModelError, ResumeError, SidecarError
 
-    family = [DataError, InputFileError, AttestationError, DocumentError, SchemaError, StateError, CheckpointError,
-              ConfigError, ModelError, ResumeError, SidecarError]
+    family = [
+        DataError,
+        InputFileError,
+        AttestationError,
+        DocumentError,
+        SchemaError,
+        StateError,
+        CheckpointError,
+        ConfigError,
+        ModelError,
+        ResumeError,
+        SidecarError,
+    ]
     assert all(issubclass(e, ToolkitError) for e in family)
     assert not any(e.__name__ in dir(__builtins__) for e in family if e is not ToolkitError)
 

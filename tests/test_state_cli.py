@@ -35,9 +35,8 @@ def run_dir(sample_dataset, smollm2_dir, tmp_path_factory):
         "train": {"output_dir": str(tmp / "run"), "max_steps": 3, "save_every": 1},
     }
     (tmp / "c.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpo_cli.train", str(tmp / "c.yaml"), "--quiet"], capture_output=True, text=True, timeout=300
-    )
+    args = [sys.executable, "-m", "dpo_cli.train", str(tmp / "c.yaml"), "--quiet"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
 

@@ -40,9 +40,8 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
 
 
 def run(config, *extra, code=0, env=None):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpo_cli.train", str(config), *extra], capture_output=True, text=True, timeout=600, env=env
-    )
+    args = [sys.executable, "-m", "dpo_cli.train", str(config), *extra]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
@@ -120,7 +119,8 @@ def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir
 def test_a_config_error_exits_2_naming_the_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim: {lrr: 1.0e-5}\n")
-    proc = subprocess.run([sys.executable, "-m", "dpo_cli.train", str(path)], capture_output=True, text=True, timeout=120)
+    args = [sys.executable, "-m", "dpo_cli.train", str(path)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown key optim.lrr (did you mean 'lr'?)" in proc.stderr
 
 
@@ -135,9 +135,8 @@ def test_a_config_error_exits_2_naming_the_key(tmp_path):
 def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, override, message):
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: /nowhere}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpo_cli.train", str(path), "--set", override], capture_output=True, text=True, timeout=120
-    )
+    args = [sys.executable, "-m", "dpo_cli.train", str(path), "--set", override]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
 
 
