@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import os
 import shutil
 from pathlib import Path
 
-from dpo_state.schema import validate
+from dpo_state.files import write_json_atomic
 from dpo_train.errors import ModelError
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,5 +87,4 @@ def _convert(source: Path, out: Path) -> None:
         "source_bytes": source.stat().st_size,
         "dtype": "float32",
     }
-    validate("model-cache-marker", marker, "the model cache marker")
-    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    write_json_atomic(out / MARKER, marker, schema="model-cache-marker")

@@ -15,9 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from dpo_data import LoaderConfig
-from dpo_data.loading.loader import DPOLoader
-from dpo_data.loading.microbatch import IGNORE_INDEX, pair_sums
+from dpo_data import IGNORE_INDEX, DPOLoader, LoaderConfig, pair_sums
 
 
 def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

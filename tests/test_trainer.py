@@ -196,6 +196,6 @@ def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(sample_d
     data = bytearray(table.read_bytes())
     data[-3] ^= 1
     table.write_bytes(bytes(data))
-    assert "does not match its sha256" in run(config, *ref, code=2).stderr
+    assert "sha256 differs from reference.json" in run(config, *ref, code=2).stderr
     (sidecar / "reference.json").write_text("{not json")
     assert "is not valid JSON" in run(config, *ref, code=2).stderr
