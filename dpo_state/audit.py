@@ -124,7 +124,7 @@ def _lines(diffs: list) -> list[dict]:
 
 
 def _tensor_differences(da: Path, db: Path, atol: float) -> dict[str, Any]:
-    ta, tb = load_tensors(da), load_tensors(db)
+    ta, tb = _load_tensors(da), _load_tensors(db)
     rows, differ = [], 0
     for key in sorted(set(ta) | set(tb)):
         if key not in ta or key not in tb:
@@ -142,7 +142,7 @@ def _tensor_differences(da: Path, db: Path, atol: float) -> dict[str, Any]:
     return {"count": len(rows), "differ": differ, "atol": atol, "per_tensor": rows}
 
 
-def load_tensors(directory: Path) -> dict[str, Any]:
+def _load_tensors(directory: Path) -> dict[str, Any]:
     """Every tensor of a checkpoint's DCP state, flattened by name, on CPU, without a process group.
     DCP's `.metadata` is a pickle, and DCP stores non-tensor values (optimizer hyperparameters) as
     pickled bytes: every file must match the commit record before DCP may read any of them."""

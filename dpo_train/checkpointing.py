@@ -258,7 +258,7 @@ def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
             )
         return None
     if mode != "auto":
-        return verified_checkpoint("train.resume", mode)
+        return _verified_checkpoint("train.resume", mode)
     listing = list_checkpoints(out)
     for _, path in listing.incomplete:
         _report(rank, f"ignoring incomplete checkpoint {path} (no commit record: a save that never finished)")
@@ -321,14 +321,14 @@ def load_weights(policy: Any, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    directory = verified_checkpoint("train.weights_from", path)
+    directory = _verified_checkpoint("train.weights_from", path)
     state = {"model": get_model_state_dict(policy)}
     with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=str(directory / DCP_DIR), no_dist=True)
     set_model_state_dict(policy, state["model"])
 
 
-def verified_checkpoint(key: str, path: str) -> Path:
+def _verified_checkpoint(key: str, path: str) -> Path:
     """The checkpoint a setting names (a step or run directory), whose files match its commit record."""
     try:
         directory = resolve(path)

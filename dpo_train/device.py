@@ -39,7 +39,7 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
-def resolve_device(kind: str) -> str:
+def _resolve_device(kind: str) -> str:
     """auto -> cuda if available, else npu if torch-npu is installed and sees a device, else cpu."""
     if kind == "auto":
         if torch.cuda.is_available():
@@ -55,7 +55,7 @@ def resolve_device(kind: str) -> str:
 def placement(device_kind: str, precision: str) -> Placement:
     """This rank's placement: LOCAL_RANK picks the accelerator; `precision: auto` is bf16 where the
     device supports it (cuda with bf16, npu) and fp32 on CPU."""
-    kind = resolve_device(device_kind)
+    kind = _resolve_device(device_kind)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
     if kind == "cuda":

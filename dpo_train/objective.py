@@ -6,15 +6,7 @@ import torch
 import torch.distributed as dist
 
 
-def global_count(local: int | float, device: torch.device | str = "cpu") -> float:
-    """Sum a count over all ranks (every rank must call; a rank with nothing passes 0)."""
-    value = torch.tensor([float(local)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return float(value.item())
-
-
-def gradient_scale() -> float:
+def _gradient_scale() -> float:
     """Data-parallel gradient reduction averages over ranks; multiplying each rank's contribution by the
     world size turns that average into the sum the step mean needs."""
     return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
@@ -31,10 +23,10 @@ def microbatch_loss(
 
     step loss = sum over the step's pairs of L_i / N_step  +  nll_weight * (sum of -log p over the
     step's chosen completion tokens) / (chosen completion tokens in the step)
-    Summing this over micro-batches and ranks (with `gradient_scale`) gives exactly that step loss and
+    Summing this over micro-batches and ranks (with `_gradient_scale`) gives exactly that step loss and
     its gradient: never a mean of per-micro-batch means. An empty micro-batch contributes 0.
     """
     loss = pair_losses.sum() / step_pairs
     if nll_weight and nll_sum is not None and step_chosen_tokens:
         loss = loss + nll_weight * nll_sum / step_chosen_tokens
-    return loss * gradient_scale()
+    return loss * _gradient_scale()

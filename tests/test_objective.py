@@ -65,17 +65,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _global_count(local: int) -> float:
+    """Sum a count over all ranks: how a trainer learns the step's pair count when its loader does not say."""
+    import torch.distributed as dist
+
+    value = torch.tensor([float(local)], dtype=torch.float64)
+    dist.all_reduce(value)
+    return float(value.item())
+
+
 def _rank_main(rank, world_size, port, rank_splits, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from dpo_train.objective import global_count
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     model = DDP(make_model())
     splits = rank_splits[rank]
-    step_pairs = global_count(sum(len(s) for s in splits))  # 6: all pairs of the step, over ranks
+    step_pairs = _global_count(sum(len(s) for s in splits))  # 6: all pairs of the step, over ranks
     passes = max(len(s) for s in rank_splits)  # every rank runs the same number of passes
     for k in range(passes):
         idx = splits[k] if k < len(splits) else []  # a short rank runs an empty micro-batch
