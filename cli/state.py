@@ -22,9 +22,10 @@ def main() -> None:
     """Audit training checkpoints (docs/checkpoints.md).
 
     PATH is a step directory (OUTPUT/checkpoints/step-NNNNNN) or a run's output directory, which means
-    its latest committed checkpoint. State files are JSON and safetensors and are never unpickled; only
-    `diff --values` lets DCP read its own files (its metadata is a pickle), after every file's sha256
-    matched the commit record.
+    its latest committed checkpoint. State files are JSON and safetensors and are never unpickled. Only
+    `verify` and `diff --values` read DCP's files: its metadata (a pickle) through a restricted unpickler
+    that builds only DCP's metadata classes, after every file's sha256 matched the commit record; tensor
+    data with torch's weights-only loader (docs/security.md).
     """
 
 

@@ -30,6 +30,7 @@ _PUBLIC = {
     "REJECTED": "dpo_data.loading.microbatch",
     "PROMPT": "dpo_data.loading.microbatch",
     "PADDING": "dpo_data.loading.microbatch",
+    "contract_problems": "dpo_data.loading.contract",
     "plan_document": "dpo_data.loading.preview",
     "format_plan": "dpo_data.loading.preview",
     # dataset: the on-disk contract

@@ -45,6 +45,17 @@ def tokenizer_attestation(tokenizer: Any) -> dict:
     return attestation
 
 
+def attestation_mismatch(recorded: dict, actual: dict, actual_label: str, recorded_label: str) -> str | None:
+    """None when two attestations agree; else one line naming both fingerprints and every differing component."""
+    if actual["fingerprint"] == recorded["fingerprint"]:
+        return None
+    parts = [k for k in recorded.get("components", {}) if recorded["components"][k] != actual["components"].get(k)]
+    return (
+        f"{actual_label} has fingerprint {actual['fingerprint']}, {recorded_label} was built with "
+        f"{recorded['fingerprint']} (differing parts: {', '.join(parts) or 'unknown'})"
+    )
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """The `v2:`-prefixed fingerprint of `tokenizer_attestation`."""
     return tokenizer_attestation(tokenizer)["fingerprint"]

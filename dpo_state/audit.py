@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
-from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, quiet_single_process_dcp
+from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, read_dcp_metadata, reading_tensors, safe_reader
 from dpo_state.errors import DocumentError, StateError
 from dpo_state.files import read_json
 from dpo_state.layout import resolve
-from dpo_state.state import IDENTITY_PARTS, STATE_FILE, differences, read_state
+from dpo_state.state import IDENTITY_PARTS, STATE_FILE, TREE_FILE, differences, read_state, read_state_tree
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -43,13 +43,27 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     }
 
 
+def checkpoint_problems(directory: str | Path) -> list[str]:
+    """What makes a checkpoint unsafe to read: its files against the commit record (missing, resized,
+    altered, unlisted), then DCP's metadata through the restricted unpickler (tensors only). Every reader
+    checks this before DCP opens a file. Empty = safe to load."""
+    problems = commit_problems(directory)
+    if problems:
+        return problems
+    try:
+        read_dcp_metadata(Path(directory) / DCP_DIR)
+    except StateError as e:
+        return [str(e)]
+    return []
+
+
 def verify_checkpoint(path: str | Path) -> list[str]:
-    """Every failure of a checkpoint: commit record, sizes, hashes, schemas, rank files. Empty = sound."""
+    """Every failure of a checkpoint: commit record, sizes, hashes, DCP metadata, schemas, rank files. Empty = sound."""
     try:
         directory = resolve(path)
     except StateError as e:
         return [str(e)]
-    problems = commit_problems(directory)
+    problems = checkpoint_problems(directory)
     try:
         state = read_state(directory)
     except DocumentError as e:
@@ -58,9 +72,13 @@ def verify_checkpoint(path: str | Path) -> list[str]:
         listed = {f["path"] for f in read_commit(directory)["files"]}
     except DocumentError:
         listed = set()
-    for required in (STATE_FILE, DCP_METADATA):
+    for required in (STATE_FILE, TREE_FILE, DCP_METADATA):
         if listed and required not in listed:
             problems.append(f"{required}: not in the commit record")
+    try:
+        read_state_tree(directory)
+    except DocumentError as e:
+        problems.append(str(e))
     for entry in state["ranks"]:
         for name in (entry["state"], entry["rng"]):
             if listed and name not in listed:
@@ -144,16 +162,15 @@ def _tensor_differences(da: Path, db: Path, atol: float) -> dict[str, Any]:
 
 def _load_tensors(directory: Path) -> dict[str, Any]:
     """Every tensor of a checkpoint's DCP state, flattened by name, on CPU, without a process group.
-    DCP's `.metadata` is a pickle, and DCP stores non-tensor values (optimizer hyperparameters) as
-    pickled bytes: every file must match the commit record before DCP may read any of them."""
+    Every file must match the commit record, and DCP's metadata is read by the restricted unpickler."""
     import torch
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    problems = commit_problems(directory)
+    problems = checkpoint_problems(directory)
     if problems:
         raise StateError(f"{directory}: refusing to let DCP read it: " + "; ".join(problems))
-    with quiet_single_process_dcp():
-        state = _load_state_dict_from_keys(checkpoint_id=str(directory / DCP_DIR))
+    with reading_tensors(directory / DCP_DIR):
+        state = _load_state_dict_from_keys(storage_reader=safe_reader(directory / DCP_DIR))
     flat: dict[str, Any] = {}
     stack: list[tuple[str, Any]] = [("", state)]
     while stack:

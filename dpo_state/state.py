@@ -9,9 +9,15 @@ import orjson
 
 from dpo_state.files import read_document
 
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2
+"""2: DCP holds tensors only; the non-tensor model and optimizer state is JSON (`TREE_FILE`)."""
 STATE_SCHEMA = "checkpoint-state"
 STATE_FILE = "state.json"
+TREE_FILE = "state_tree.json"
+"""The structure of the model and optimizer state with every non-tensor value (lr, betas, ...) as JSON;
+`{"$tensor": true}` marks where DCP holds a tensor."""
+TREE_SCHEMA = "checkpoint-state-tree"
+TREE_FORMAT_VERSION = 1
 IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "scheduler", "layout")
 ELASTIC_KEYS = ("world_size", "rank", "strategy", "max_tokens_per_microbatch", "num_workers")
 """What may change on resume in `pairs` batching, at a step boundary: the pairs of a step do not
@@ -22,6 +28,11 @@ identity both use this one list."""
 def read_state(directory: str | Path) -> dict:
     """state.json of a checkpoint, schema-checked, format version checked."""
     return read_document(Path(directory) / STATE_FILE, STATE_SCHEMA, CHECKPOINT_FORMAT_VERSION)
+
+
+def read_state_tree(directory: str | Path) -> dict:
+    """state_tree.json of a checkpoint, schema-checked, format version checked."""
+    return read_document(Path(directory) / TREE_FILE, TREE_SCHEMA, TREE_FORMAT_VERSION)
 
 
 def normalized(value: Any) -> Any:

@@ -3,7 +3,9 @@
 A checkpoint is OUTPUT/checkpoints/step-NNNNNN/ holding `dcp/` (torch.distributed.checkpoint), `state.json`
 (global), `rank-RRRRR.json` (the loader state) and `rank-RRRRR.rng.safetensors` (RNG states) per rank,
 and `commit.json`, written last by rename. Only a committed checkpoint whose files match the record
-is ever read; DCP's pickled `.metadata` is hash-checked before DCP opens it.
+is ever read. DCP holds tensors only; every non-tensor value of the model and optimizer state is JSON
+(`state_tree.json`), and DCP's pickled `.metadata` is read through a restricted unpickler
+(`dpo_state.dcp_io`), so no general unpickler ever runs on a checkpoint file (docs/security.md).
 
 The checkpointer never sees the trainer: it receives `Checkpointable`, a typed set of `Stateful`
 objects (as torchtitan's CheckpointManager does), and a `RunContext` saying where the rank sits and
@@ -24,13 +26,31 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dpo_state.commit import COMMIT_FILE, commit_problems, write_commit
-from dpo_state.dcp_io import DCP_DIR, quiet_single_process_dcp
+from dpo_state.audit import checkpoint_problems
+from dpo_state.commit import COMMIT_FILE, write_commit
+from dpo_state.dcp_io import (
+    DCP_DIR,
+    merge_tensors,
+    quiet_single_process_dcp,
+    reading_tensors,
+    safe_reader,
+    split_tensors,
+)
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
 from dpo_state.errors import DocumentError, StateError
 from dpo_state.files import read_json, write_json_atomic
 from dpo_state.layout import list_checkpoints, resolve, retain, step_dir
-from dpo_state.state import CHECKPOINT_FORMAT_VERSION, STATE_FILE, identity_mismatches, normalized, read_state
+from dpo_state.state import (
+    CHECKPOINT_FORMAT_VERSION,
+    STATE_FILE,
+    TREE_FILE,
+    TREE_FORMAT_VERSION,
+    TREE_SCHEMA,
+    identity_mismatches,
+    normalized,
+    read_state,
+    read_state_tree,
+)
 from dpo_train.config import TrainConfig
 from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 
@@ -64,7 +84,8 @@ class TrainState:
 
 
 class ModelAndOptimizer:
-    """The policy and its optimizer as one Stateful for DCP: sharded state dicts under FSDP2, plain ones otherwise."""
+    """The policy and its optimizer as one Stateful, split for safe storage: `tensors` (sharded state
+    dicts under FSDP2) go to DCP, `tree` (the structure and every non-tensor value) goes to JSON."""
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -73,12 +94,23 @@ class ModelAndOptimizer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+        model_tensors, model_tree = split_tensors(model_state, "model")
+        optim_tensors, optim_tree = split_tensors(optim_state, "optim")
+        return {
+            "tensors": {"model": model_tensors or {}, "optim": optim_tensors or {}},
+            "tree": {"model": model_tree, "optim": optim_tree},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        tensors, tree = state["tensors"], state["tree"]
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=merge_tensors(tree["model"], tensors["model"]),
+            optim_state_dict=merge_tensors(tree["optim"], tensors["optim"]),
+        )
 
 
 class RNGState:
@@ -101,7 +133,7 @@ class Checkpointable:
     """Everything a checkpoint holds, and where each part goes."""
 
     model: ModelAndOptimizer
-    """-> dcp/ (tensors, sharded as trained)."""
+    """-> dcp/ (tensors, sharded as trained) and state_tree.json (everything else, as JSON)."""
     scheduler: Stateful
     """-> state.json `scheduler_state`."""
     loader: Stateful
@@ -157,14 +189,14 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         with quiet_single_process_dcp():
             # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
             writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
-            dcp.save(model_state, storage_writer=writer, no_dist=world == 1)
+            dcp.save(model_state["tensors"], storage_writer=writer, no_dist=world == 1)
         _kill_point(f"in-save:{step}:after-dcp")
         if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
             raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
         loader_state = parts.loader.state_dict()
         _write_rank_files(directory, rank, loader_state, parts.rng)
         _kill_point(f"in-save:{step}:after-rank-files")
-        tensors = {group: _tensor_summary(value) for group, value in model_state.items()}
+        tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
     except Exception as e:  # noqa: BLE001 - any failure is reported to every rank below
         failure = f"rank {rank}: {type(e).__name__}: {e}"
     failures = _gather_failures(failure, world)
@@ -176,6 +208,8 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
             "the latest): " + "; ".join(failures)
         )
     if rank == 0:
+        tree = {"format_version": TREE_FORMAT_VERSION, **model_state["tree"]}
+        write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
         document = _state_document(parts, ctx, loader_state["position"], tensors, lineage)
         write_json_atomic(directory / STATE_FILE, document)
         _kill_point(f"in-save:{step}:after-state")
@@ -263,7 +297,7 @@ def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
     for _, path in listing.incomplete:
         _report(rank, f"ignoring incomplete checkpoint {path} (no commit record: a save that never finished)")
     for _, path in reversed(listing.committed):
-        problems = commit_problems(path)
+        problems = checkpoint_problems(path)
         if not problems:
             return path
         message = f"checkpoint {path} does not verify:\n  - " + "\n  - ".join(problems)
@@ -292,13 +326,20 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         )
     for line in elastic:
         _report(ctx.rank, f"elastic resume ({line}): the same steps, re-dealt; not bitwise identical")
-    problems = commit_problems(path)  # hashes again, just before DCP unpickles .metadata
+    problems = checkpoint_problems(path)  # again, just before DCP reads the files
     if problems:
         raise ResumeError(f"checkpoint {path} changed while resuming:\n  - " + "\n  - ".join(problems))
-    loaded = parts.model.state_dict()
-    with quiet_single_process_dcp():
-        dcp.load(loaded, checkpoint_id=str(path / DCP_DIR), no_dist=ctx.world == 1)
-    parts.model.load_state_dict(loaded)
+    try:
+        tree = read_state_tree(path)
+    except DocumentError as e:
+        raise ResumeError(f"checkpoint {path}: {e}") from None
+    tensors = parts.model.state_dict()["tensors"]  # the shapes and shards to load into
+    try:
+        with reading_tensors(path / DCP_DIR):
+            dcp.load(tensors, storage_reader=safe_reader(path / DCP_DIR), no_dist=ctx.world == 1)
+    except StateError as e:
+        raise ResumeError(f"checkpoint {path}: {e}") from None
+    parts.model.load_state_dict({"tensors": tensors, "tree": tree})
     parts.scheduler.load_state_dict(state["scheduler_state"])
     saved_world = len(state["ranks"])
     source_rank = ctx.rank if saved_world == ctx.world else 0  # elastic: positions are equal on all ranks
@@ -323,18 +364,21 @@ def load_weights(policy: Any, path: str) -> None:
 
     directory = _verified_checkpoint("train.weights_from", path)
     state = {"model": get_model_state_dict(policy)}
-    with quiet_single_process_dcp():
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR), no_dist=True)
+    try:
+        with reading_tensors(directory / DCP_DIR):
+            dcp.load(state, storage_reader=safe_reader(directory / DCP_DIR), no_dist=True)
+    except StateError as e:
+        raise ResumeError(f"train.weights_from: {e}") from None
     set_model_state_dict(policy, state["model"])
 
 
 def _verified_checkpoint(key: str, path: str) -> Path:
-    """The checkpoint a setting names (a step or run directory), whose files match its commit record."""
+    """The checkpoint a setting names (a step or run directory), safe to read (`checkpoint_problems`)."""
     try:
         directory = resolve(path)
     except StateError as e:
         raise ResumeError(f"{key}: {e}") from None
-    problems = commit_problems(directory)
+    problems = checkpoint_problems(directory)
     if problems:
         raise ResumeError(f"{key}: checkpoint {directory} does not verify:\n  - " + "\n  - ".join(problems))
     return directory

@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.schema import schema_problems
 from dpo_train.errors import ConfigError
 from dpo_train.loss import LossConfig
+from dpo_train.strict_yaml import non_finite, parse_yaml, read_yaml_file
 
 CONFIG_SCHEMA = "train-config"
 CONFIG_FORMAT_VERSION = 1
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads 1e-5 (no dot) as a string; learning rates are written that way, so read it as a float."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml(text: str):
-    return yaml.load(text, Loader=_Loader)
 
 
 @dataclass(frozen=True)
@@ -129,6 +112,13 @@ class TrainSection:
     """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    check_microbatches: bool = True
+    """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
+    feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""
+    on_nonfinite: str = "stop"
+    """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
+    before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave
+    the optimizer and scheduler as they were)."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +173,19 @@ def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainCo
     raw = _read(source)
     for item in overrides:
         _apply_override(raw, item)
-    raw.pop("format_version", None)
+    version = raw.pop("format_version", CONFIG_FORMAT_VERSION)
+    if version != CONFIG_FORMAT_VERSION:
+        raise ConfigError(
+            f"format_version is {version!r}; this dpo-train reads config format_version "
+            f"{CONFIG_FORMAT_VERSION}: drop the key, or use the version the config was written for"
+        )
     _check_keys(raw)
+    bad = non_finite(raw)
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)}: not a finite number (NaN or infinity); every number in a config "
+            "must be finite and inside the key's range (docs/train-config.md)"
+        )
     problems = schema_problems(CONFIG_SCHEMA, {"format_version": CONFIG_FORMAT_VERSION, **raw})
     if problems:
         raise ConfigError("the config does not match schemas/train-config.schema.json:\n  - " + "\n  - ".join(problems))
@@ -195,12 +196,7 @@ def _read(source: str | Path | dict) -> dict:
     if isinstance(source, dict):
         return {k: dict(v) if isinstance(v, dict) else v for k, v in source.items()}
     path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass a YAML file")
-    try:
-        raw = _yaml(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    raw = read_yaml_file(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
@@ -215,7 +211,7 @@ def _apply_override(raw: dict, item: str) -> None:
     target = raw.setdefault(section, {})
     if not isinstance(target, dict):
         raise ConfigError(f"--set {item!r}: {section} is not a section")
-    target[name] = _yaml(value)
+    target[name] = parse_yaml(value, f"--set {item!r}: the value")
 
 
 def _check_keys(raw: dict) -> None:

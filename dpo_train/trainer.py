@@ -16,6 +16,8 @@ import torch.distributed as dist
 import yaml
 
 from dpo_data.dataset.store import PairStore
+from dpo_data.errors import DataError
+from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
 from dpo_train.checkpointing import (
     Checkpointable,
@@ -30,10 +32,12 @@ from dpo_train.checkpointing import (
     restore,
     save,
 )
+from dpo_train.compatibility import check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import Placement, attention_for, init_distributed, placement
-from dpo_train.errors import ConfigError
+from dpo_train.errors import ConfigError, NonFiniteError
 from dpo_train.evaluation import Evaluator
+from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
 from dpo_train.logps import pair_logps
 from dpo_train.loss import pair_losses
@@ -72,6 +76,8 @@ class Trainer:
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.state = TrainState()
+        self.skipped_steps = 0
+        self._step_pairs: set[int] = set()
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
 
     def checkpointable(self, loader) -> Checkpointable:
@@ -108,7 +114,16 @@ class Trainer:
         return self.initial if self.config.loss.needs_reference and self.config.reference.mode == "live" else None
 
     def microbatch(self, batch: dict) -> None:
-        """Forward/backward one micro-batch; the gradient syncs on the step's last micro-batch only."""
+        """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward
+        it; the gradient syncs on the step's last micro-batch only."""
+        if self.config.train.check_microbatches:
+            problems = contract_problems(batch)
+            if problems:
+                raise DataError(
+                    f"micro-batch {batch.get('microbatch')} of step {self.state.step} on rank {self.rank} "
+                    "breaks the micro-batch contract (docs/loader.md):\n  - " + "\n  - ".join(problems)
+                )
+        self._step_pairs.add(batch["step_pairs"])
         batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
@@ -146,16 +161,38 @@ class Trainer:
         return ref.chosen, ref.rejected
 
     def step(self) -> dict:
-        """Finish the optimizer step: clip the step gradient, update, and reduce the metrics."""
+        """Finish the optimizer step: clip the step gradient, reduce the metrics, and update, unless the
+        loss, a log-prob or the gradient norm is not finite on any rank (`train.on_nonfinite`)."""
         max_norm = self.config.optim.max_grad_norm or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        mine = local_nonfinite(self.sums, grad_norm)
+        device = self.place.device if self.place.backend != "gloo" else torch.device("cpu")
+        step_pairs, self._step_pairs = self._step_pairs, set()
+        bad_ranks, fewest, most = agree(bool(mine), max(step_pairs, default=0), self.rank, self.world, device)
+        if len(step_pairs) > 1 or fewest != most:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise DataError(
+                f"step {self.state.step}: the micro-batches disagree on step_pairs (this rank saw "
+                f"{sorted(step_pairs)}, the ranks {fewest} to {most}); every micro-batch of a step, on "
+                "every rank, must carry the step's total pair count (docs/loader.md)"
+            )
         if self.world > 1:
-            sums = self.sums.to(self.place.device) if self.place.backend != "gloo" else self.sums
+            sums = self.sums.to(device)
             dist.all_reduce(sums)
             self.sums = sums.cpu()
+        if bad_ranks and self.config.train.on_nonfinite == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {self.state.step}: {', '.join(mine) if mine else 'a metric'} not finite on rank(s) "
+                f"{', '.join(map(str, bad_ranks))} (this is rank {self.rank}); the step's pairs come from sources "
+                f"{', '.join(step_sources(self.sums, self.sources)) or '(none)'}. Nothing was stepped, committed or "
+                "exported: the newest checkpoint is the last good state. Fix: lower optim.lr or loss.beta, check "
+                "those sources, or set train.on_nonfinite: skip_step"
+            )
+        if not bad_ranks:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         record = step_record(
             self.sums,
             self.sources,
@@ -165,6 +202,10 @@ class Trainer:
             time.perf_counter() - self._started,
             self.world,
         )
+        if bad_ranks:  # skip_step: logged and counted; optimizer and scheduler did not move
+            self.skipped_steps += 1
+            record.update(skipped=True, nonfinite_ranks=bad_ranks)
+        record["skipped_steps"] = self.skipped_steps
         for key in self.state.consumed:
             self.state.consumed[key] += record[key]
         self.sums.zero_()
@@ -184,7 +225,10 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     loader = DPOLoader(
         config.data.paths, config.data.loader_config(rank, world), max_epochs=config.train.epochs, pad_to_multiple_of=8
     )
+    tokenizer = load_run_tokenizer(config)
+    check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
     trainer = Trainer(config, place, rank, world, loader.stream.store)
+    check_vocabulary(trainer.policy, {"data.path": loader.stream.store})
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
     resume_from = find_resume(config, out, rank)
@@ -201,6 +245,9 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             flush=True,
         )
     evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
+    if evaluator:
+        check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
+        check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
     if evaluator and resume_from is None:
         evaluator.run(step=0)
     fault = _fault(rank)
@@ -231,7 +278,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
     if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
         evaluator.run(step=trainer.state.step)
-    _export(trainer.policy, config, out, rank, world)
+    _export(trainer.policy, tokenizer, out, rank, world)
     return out
 
 
@@ -338,17 +385,15 @@ def _schedule(config: TrainConfig):
     return factor
 
 
-def _export(policy, config: TrainConfig, out: Path, rank: int, world: int) -> None:
-    """Save the final policy as a plain HF directory (rank 0), gathering FSDP shards first."""
+def _export(policy, tokenizer, out: Path, rank: int, world: int) -> None:
+    """Save the final policy and the run's (attested) tokenizer as a plain HF directory (rank 0), gathering
+    FSDP shards first."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         policy.save_pretrained(out / "final", state_dict=state)
-        tokenizer_dir = config.model.tokenizer or config.model.path
-        if tokenizer_dir:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out / "final")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out / "final")
     if world > 1:
         dist.barrier()

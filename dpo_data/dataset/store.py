@@ -48,6 +48,7 @@ class PairStore:
                 if s["name"] not in self.sources:
                     self.sources.append(s["name"])
         self.dataset_sizes = [m["totals"]["pairs"] for m in manifests]
+        self.max_token_id = max(m["totals"]["max_token_id"] for m in manifests)
         self.dataset_offsets = np.concatenate([[0], np.cumsum(self.dataset_sizes)]).astype(np.int64)
         self._manifests = manifests
         self._open()

@@ -127,19 +127,15 @@ def _check_counts(root: Path, m: dict) -> list[str]:
 def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
     from transformers import AutoTokenizer
 
-    from dpo_state.attestation import tokenizer_attestation
+    from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
         return [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"]
-    actual = tokenizer_attestation(tokenizer)
-    recorded = m["tokenizer"]
-    if actual["fingerprint"] == recorded["fingerprint"]:
+    mismatch = attestation_mismatch(
+        m["tokenizer"], tokenizer_attestation(tokenizer), f"tokenizer {tokenizer_dir}", "the dataset"
+    )
+    if mismatch is None:
         return []
-    differ = [k for k in recorded["components"] if recorded["components"][k] != actual["components"].get(k)]
-    return [
-        f"tokenizer {tokenizer_dir}: fingerprint {actual['fingerprint']} differs from the dataset's "
-        f"{recorded['fingerprint']} (differing parts: {', '.join(differ) or 'unknown'}); "
-        "rebuild the dataset with this tokenizer or use the one it was built with"
-    ]
+    return [f"{mismatch}; rebuild the dataset with this tokenizer or use the one it was built with"]

@@ -238,6 +238,7 @@ class _Tally:
     pairs: int = 0
     truncated_prompts: int = 0
     truncated_prompt_tokens: int = 0
+    max_token_id: int = 0
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
@@ -351,6 +352,9 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
     tally.truncated_prompts += sum(1 for t in result.truncated if t)
     tally.truncated_prompt_tokens += sum(result.truncated)
     tally.lengths.append(block.lengths)
+    tally.max_token_id = max(
+        [tally.max_token_id, *(int(ids.max()) for ids in (block.prompt, block.chosen, block.rejected) if ids.size)]
+    )
     tally.pairs += len(block)
     writer.add(block)
 
@@ -393,6 +397,7 @@ def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: Bui
             "input_tokens": int(segments.sum()),
             "truncated_prompts": tally.truncated_prompts,
             "truncated_prompt_tokens": tally.truncated_prompt_tokens,
+            "max_token_id": tally.max_token_id,
         },
         "lengths": {
             "prompt": length_stats(prompt),

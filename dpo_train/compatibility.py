@@ -1,0 +1,64 @@
+"""Before anything trains: the run's tokenizer is its data's, and its model can embed every token id."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpo_data.dataset.store import PairStore
+from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
+from dpo_train.config import TrainConfig
+from dpo_train.errors import ConfigError
+
+
+def load_run_tokenizer(config: TrainConfig) -> Any | None:
+    """The tokenizer of `model.tokenizer`, else of `model.path`; None for a random init without one."""
+    from transformers import AutoTokenizer
+
+    directory = config.model.tokenizer or config.model.path
+    if not directory:
+        return None
+    key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{key} {directory}: cannot load a tokenizer ({e}); give a local tokenizer directory"
+        ) from None
+
+
+def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str, PairStore]) -> None:
+    """Refuse (ConfigError) a run tokenizer whose attestation differs from any dataset's: `stores` maps a
+    config key (data.path, eval.path) to its store. A precomputed reference is bound to the training
+    data's fingerprint, which includes the tokenizer, so it is covered by data.path."""
+    if tokenizer is None:
+        return
+    actual = tokenizer_attestation(tokenizer)
+    label = f"model.tokenizer {config.model.tokenizer}" if config.model.tokenizer else f"model.path {config.model.path}"
+    problems = []
+    for key, store in stores.items():  # a store's datasets share one tokenizer (PairStore checks)
+        recorded_by = f"{key} {', '.join(store.dirs)}"
+        mismatch = attestation_mismatch(
+            store.tokenizer_attestation, actual, f"the run's tokenizer ({label})", recorded_by
+        )
+        if mismatch:
+            problems.append(mismatch)
+    if problems:
+        raise ConfigError(
+            "the run's tokenizer is not the one its data was built with:\n  - "
+            + "\n  - ".join(problems)
+            + "\n  fix: point model.tokenizer at the tokenizer the datasets were built with, or rebuild "
+            "them with this one (dpo-data build --tokenizer DIR); `dpo-data verify DIR --tokenizer DIR` "
+            "shows the same comparison"
+        )
+
+
+def check_vocabulary(model: Any, stores: dict[str, PairStore]) -> None:
+    """Refuse (ConfigError) a model with fewer embedding rows than a dataset's largest token id + 1."""
+    rows = model.get_input_embeddings().num_embeddings
+    for key, store in stores.items():
+        if store.max_token_id >= rows:
+            raise ConfigError(
+                f"{key}: the datasets hold token id {store.max_token_id}, but the model embeds only "
+                f"{rows} ids (0 to {rows - 1}); use the model whose tokenizer built the data, or rebuild "
+                "the data with this model's tokenizer"
+            )

@@ -1,0 +1,288 @@
+"""Hostile-but-honest inputs: files someone could write beside their hashes. Every case is refused by
+name, nothing in them is executed, and no general unpickler ever runs on a checkpoint file."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dpo_state.commit import write_commit
+
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
+class _CreatesFile:
+    """Unpickled by a general unpickler, this opens `path` for writing: the file appears."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _train(config_path, *extra, code=0):
+    args = [sys.executable, "-m", "dpo_cli.train", str(config_path), "--quiet", *extra]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    return proc
+
+
+def _state(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "dpo_cli.state", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(sample_dataset, smollm2_dir, tmp_path_factory):
+    """A run with committed checkpoints at steps 1 and 2, and its config."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    config = {
+        "model": {"init": {"config": MODEL, "seed": 0}, "tokenizer": str(smollm2_dir)},
+        "data": {"path": str(sample_dataset), "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
+        "optim": {"lr": 1.0e-3},
+        "train": {"output_dir": str(tmp / "run"), "max_steps": 2, "save_every": 1},
+    }
+    (tmp / "c.yaml").write_text(yaml.safe_dump(config))
+    _train(tmp / "c.yaml")
+    return tmp, config
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A private copy of the trained run, its config pointing at the copy."""
+    source, config = trained
+    shutil.copytree(source / "run", tmp_path / "run")
+    config = {**config, "train": {**config["train"], "output_dir": str(tmp_path / "run"), "max_steps": 3}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path
+
+
+def _step(run, k):
+    return run / "run" / "checkpoints" / f"step-{k:06d}"
+
+
+def _every_reader_refuses(run, step, marker, named):
+    """verify, diff --values, resume (auto, strict, PATH) and weights_from refuse by name; no file appears."""
+    proc = _state("verify", step)
+    assert proc.returncode == 1 and named in proc.stderr
+    proc = _state("diff", _step(run, 1), step, "--values")
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr
+    strict = _train(run / "c.yaml", "--set", "train.resume_strict=true", code=2)
+    assert named in strict.stderr and "Traceback" not in strict.stderr
+    by_path = _train(run / "c.yaml", "--set", f"train.resume={step}", code=2)
+    assert named in by_path.stderr
+    fresh = _train(
+        run / "c.yaml", "--set", f"train.output_dir={run / 'new'}", "--set", f"train.weights_from={step}", code=2
+    )
+    assert named in fresh.stderr
+    auto = _train(run / "c.yaml")  # skips the hostile checkpoint, naming it, and resumes from the one before
+    assert f"skipping checkpoint {step}" in auto.stderr and named in auto.stderr
+    assert "resumed from" in auto.stderr and "step-000001" in auto.stderr
+    assert not marker.exists()
+
+
+def test_a_pickle_payload_in_the_dcp_metadata_is_refused_before_anything_is_built(run, tmp_path):
+    marker = tmp_path / "payload-ran"
+    step = _step(run, 2)
+    (step / "dcp" / ".metadata").write_bytes(pickle.dumps({"x": _CreatesFile(marker)}))
+    write_commit(step, 2)  # whoever can write the checkpoint can also write its hashes
+    _every_reader_refuses(run, step, marker, "names builtins.open")
+
+
+def test_a_pickled_item_indexed_by_valid_metadata_is_refused(run, tmp_path):
+    """DCP unpickles non-tensor items with a general unpickler: metadata that indexes one is refused."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from dpo_state.dcp_io import read_dcp_metadata
+
+    marker = tmp_path / "payload-ran"
+    step = _step(run, 2)
+    metadata = read_dcp_metadata(step / "dcp")
+    payload = pickle.dumps(_CreatesFile(marker))
+    (step / "dcp" / "__9_0.distcp").write_bytes(payload)
+    metadata.state_dict_metadata["optim.param_groups.0.lr"] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")] = _StorageInfo("__9_0.distcp", 0, len(payload))
+    (step / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_commit(step, 2)
+    _every_reader_refuses(run, step, marker, "non-tensor item")
+
+
+def test_a_pickle_payload_in_the_tensor_data_is_never_executed(run, tmp_path):
+    """Tensor bytes are read by torch's weights-only unpickler: the payload fails to load, named."""
+    marker = tmp_path / "payload-ran"
+    step = _step(run, 2)
+    for data in (step / "dcp").glob("*.distcp"):
+        data.write_bytes(pickle.dumps(_CreatesFile(marker)) * 64)
+    write_commit(step, 2)
+    by_path = _train(run / "c.yaml", "--set", f"train.resume={step}", code=2)
+    assert "could not read its tensors" in by_path.stderr and "Traceback" not in by_path.stderr
+    proc = _state("diff", _step(run, 1), step, "--values")
+    assert proc.returncode == 2 and "could not read its tensors" in proc.stderr
+    assert not marker.exists()
+
+
+def test_a_checkpoint_holds_tensors_only_and_its_hyperparameters_as_json(run):
+    from dpo_state.dcp_io import read_dcp_metadata
+    from dpo_state.state import read_state_tree
+
+    step = _step(run, 2)
+    read_dcp_metadata(step / "dcp")  # raises on any non-tensor item
+    tree = read_state_tree(step)
+    group = tree["optim"]["param_groups"][0]
+    assert group["lr"] == 1.0e-3 and group["betas"] == [0.9, 0.999] and group["params"]
+    assert all(leaf == {"$tensor": True} for leaf in tree["model"].values())
+
+
+# -- the run's tokenizer must be the dataset's -------------------------------------------------------------
+
+
+def test_a_run_tokenizer_that_differs_from_the_datasets_is_refused(run, smollm2_dir, tmp_path):
+    """One added token is enough: before, this trained (exit 0) and exported the wrong tokenizer."""
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "tokenizer-plus-one"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_tokens(["<an-added-token>"])
+    tokenizer.save_pretrained(other)
+    out = tmp_path / "fresh"
+    proc = _train(run / "c.yaml", "--set", f"model.tokenizer={other}", "--set", f"train.output_dir={out}", code=2)
+    assert "the run's tokenizer is not the one its data was built with" in proc.stderr
+    assert "differing parts:" in proc.stderr and "added_tokens" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "final").exists()
+
+
+def test_a_model_that_cannot_embed_every_token_id_is_refused(run, tmp_path):
+    small = {**MODEL, "vocab_size": 1000}
+    out = tmp_path / "fresh"
+    proc = _train(
+        run / "c.yaml", "--set", f"model.init={{config: {small}, seed: 0}}", "--set", f"train.output_dir={out}", code=2
+    )
+    assert "but the model embeds only 1000 ids" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_manifest_records_the_largest_token_id(sample_dataset):
+    import numpy as np
+
+    from dpo_data import PairStore, read_manifest
+
+    store = PairStore([sample_dataset])
+    largest = max(
+        int(max(p.prompt.max(), p.chosen.max(), p.rejected.max())) for p in map(store.pair, range(store.num_pairs))
+    )
+    assert read_manifest(sample_dataset)["totals"]["max_token_id"] == largest == store.max_token_id
+    assert np.int64(largest) < 49152
+
+
+# -- config files cannot hang or fool the trainer ---------------------------------------------------------
+
+
+def _config_error(text_or_dict, *overrides, match):
+    from dpo_train.config import load_config
+    from dpo_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(text_or_dict, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("model:\n  init:\n    config: &a [1, 1]\n    seed: *a\n", r"line 3: the anchor &a is not allowed"),
+        ("data: {path: x}\noptim: {lr: 1.0e-5}\noptim: {lr: 2.0e-5}\n", r"line 3: the key 'optim' appears twice"),
+        ("optim: {lr: 1.0e-5, lr: 2.0e-5}\n", r"the key 'lr' appears twice"),
+        ("model: {init: {config: {}, sed: 0}}\n", r"model/init: Additional properties are not allowed \('sed'"),
+        ("format_version: 2\n", r"format_version is 2; this dpo-train reads config format_version 1"),
+    ],
+)
+def test_a_config_that_could_hang_or_fool_the_trainer_is_refused(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    _config_error(path, match=match)
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("model:\n  init:\n    config:\n" + "".join(f"      {line}\n" for line in levels))
+    _config_error(path, match="anchor &a0 is not allowed")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.lr=.nan", "optim.lr"),
+        ("loss.beta=.inf", "loss.beta"),
+        ("optim.max_grad_norm=.nan", "optim.max_grad_norm"),
+        ("optim.weight_decay=.nan", "optim.weight_decay"),
+        ("optim.betas=[.nan, 0.9]", r"optim.betas\[0\]"),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_its_key(override, key):
+    _config_error({"data": {"path": "x"}}, override, match=rf"^{key}: not a finite number")
+
+
+def test_bad_config_files_and_overrides_are_named_errors_not_tracebacks(tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    _config_error(tmp_path / "binary.yaml", match="is not UTF-8 text")
+    (tmp_path / "nul.yaml").write_bytes(b"optim: {lr: 1}\x00\n")
+    _config_error(tmp_path / "nul.yaml", match="holds NUL bytes")
+    _config_error(tmp_path, match="is a directory; pass a YAML file")
+    _config_error({"data": {"path": "x"}}, "optim.lr=[1,", match=r"--set 'optim.lr=\[1,': the value is not valid YAML")
+    proc = _train(tmp_path / "binary.yaml", code=2)
+    assert "error: config file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- a run that goes non-finite stops, loudly ---------------------------------------------------------------
+
+
+def test_a_run_that_goes_non_finite_stops_before_the_optimizer_step(run, tmp_path):
+    """lr 1e30 is a finite, accepted number; the first update blows the weights up. Before, this exited 0
+    with `loss: null` in metrics.jsonl and an all-NaN model in final/."""
+    out = tmp_path / "blowup"
+    proc = _train(run / "c.yaml", "--set", "optim.lr=1.0e30", "--set", f"train.output_dir={out}", code=1)
+    assert re.search(r"step (\d+): .*not finite on rank\(s\) 0 .*sources ", proc.stderr), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (out / "final").exists()
+    failed = int(re.search(r"step (\d+): ", proc.stderr).group(1))
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints[-1] == f"step-{failed:06d}"  # the last good state: after step failed - 1, nothing later
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(failed))
+
+
+def test_skip_step_logs_and_counts_a_non_finite_step_and_leaves_the_optimizer_alone(run, tmp_path):
+    out = tmp_path / "skips"
+    _train(
+        run / "c.yaml",
+        "--set",
+        "optim.lr=1.0e30",
+        "--set",
+        "train.on_nonfinite=skip_step",
+        "--set",
+        f"train.output_dir={out}",
+        "--set",
+        "train.save_every=0",
+    )
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("skipped")]
+    assert skipped and records[-1]["skipped_steps"] == len(skipped) and skipped[0]["nonfinite_ranks"] == [0]
+    assert all(r["lr"] == records[0]["lr"] for r in records)  # constant schedule; nothing else moved it
