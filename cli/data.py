@@ -146,15 +146,31 @@ def inspect(data_dir, as_json) -> None:
 @main.command()
 @click.argument("data_dir", metavar="DIR")
 @click.option("--tokenizer", "tokenizer_dir", default=None, metavar="DIR", help="Also check the tokenizer attestation.")
-def verify(data_dir, tokenizer_dir) -> None:
-    """Check schema, every shard's bytes, sha256 and rows, the rejects file, counts and fingerprint.
+@click.option("--strict", is_flag=True, help="Files in DIR that the manifest does not name are failures, not notes.")
+@click.option(
+    "--inputs",
+    "inputs",
+    multiple=True,
+    metavar="FILE",
+    help="Re-hash a raw input file against the manifest's record of it (matched by name); repeatable.",
+)
+def verify(data_dir, tokenizer_dir, strict, inputs) -> None:
+    """Check the manifest (schema, version, self-consistency), every shard's bytes, sha256, footer, schema
+    and rows, the rejects file, and recompute from the shards what the manifest states (token totals,
+    length statistics, largest token id, per-source pairs).
 
-    Exit 0 when all hold; 1 with every failure named.
+    Exit 0 when all hold; 1 with every failure named. Files the manifest does not name are listed as
+    notes (failures with --strict).
     """
-    from dpo_data import verify_dataset
+    from dpo_data import unlisted_files, verify_dataset
 
     with user_errors():
-        failures = verify_dataset(data_dir, tokenizer_dir)
+        failures = verify_dataset(data_dir, tokenizer_dir, strict=strict, inputs=list(inputs))
+    if not strict and not failures:
+        for name in unlisted_files(data_dir):
+            click.echo(
+                f"note: {name} is in {data_dir} but not named by the manifest (an error with --strict)", err=True
+            )
     if failures:
         click.echo(f"FAILED: {data_dir} ({len(failures)} problems)", err=True)
         for f in failures:

@@ -39,6 +39,7 @@ _PUBLIC = {
     "inspect_dataset": "dpo_data.dataset.verify",
     "format_inspection": "dpo_data.dataset.verify",
     "verify_dataset": "dpo_data.dataset.verify",
+    "unlisted_files": "dpo_data.dataset.verify",
     # prepare: building a dataset
     "build": "dpo_data.prepare.build",
     "BuildOptions": "dpo_data.prepare.build",

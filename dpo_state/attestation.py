@@ -45,6 +45,17 @@ def tokenizer_attestation(tokenizer: Any) -> dict:
     return attestation
 
 
+def attestation_problems(attestation: dict) -> list[str]:
+    """Whether a recorded attestation is self-consistent: its fingerprint is the digest of its components."""
+    expected = _PREFIX + sha256_json(attestation.get("components", {}))
+    if attestation.get("fingerprint") != expected:
+        return [
+            f"tokenizer fingerprint {attestation.get('fingerprint')} is not the digest of the recorded "
+            f"components ({expected}): the attestation was edited"
+        ]
+    return []
+
+
 def attestation_mismatch(recorded: dict, actual: dict, actual_label: str, recorded_label: str) -> str | None:
     """None when two attestations agree; else one line naming both fingerprints and every differing component."""
     if actual["fingerprint"] == recorded["fingerprint"]:

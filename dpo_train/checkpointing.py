@@ -51,6 +51,7 @@ from dpo_state.state import (
     read_state,
     read_state_tree,
 )
+from dpo_train.collectives import gather_failures
 from dpo_train.config import TrainConfig
 from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 
@@ -199,7 +200,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
     except Exception as e:  # noqa: BLE001 - any failure is reported to every rank below
         failure = f"rank {rank}: {type(e).__name__}: {e}"
-    failures = _gather_failures(failure, world)
+    failures = gather_failures(failure, world)
     if failures:
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
@@ -404,18 +405,6 @@ def _agree(step: int, world: int) -> None:
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     if int(lo) != int(hi):
         raise CheckpointError(f"ranks disagree on the step to save (steps {int(lo)} to {int(hi)}); nothing saved")
-
-
-def _gather_failures(failure: str, world: int) -> list[str]:
-    if world == 1:
-        return [failure] if failure else []
-    flags = torch.tensor([1 if failure else 0], dtype=torch.int64)
-    dist.all_reduce(flags)
-    if not int(flags):
-        return []
-    messages: list[Any] = [None] * world
-    dist.all_gather_object(messages, failure)  # in-memory between live ranks, never from disk
-    return [m for m in messages if m]
 
 
 def _barrier(world: int) -> None:

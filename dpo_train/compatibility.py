@@ -1,13 +1,36 @@
-"""Before anything trains: the run's tokenizer is its data's, and its model can embed every token id."""
+"""Before the first step: the data is intact, the run's tokenizer is its data's, the model embeds every token id."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from dpo_data.dataset.store import PairStore
+from dpo_data.dataset.verify import shard_problems
+from dpo_data.errors import DataError
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
+from dpo_train.collectives import gather_failures
 from dpo_train.config import TrainConfig
 from dpo_train.errors import ConfigError
+
+
+def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int, device: Any = "cpu") -> None:
+    """Refuse (DataError, on every rank) shards that differ from their manifests: size, and sha256 with
+    `data.verify: full`. The ranks share the shards (rank r checks every world-th), hash in threads, and
+    agree on the verdict. Manifests were already checked for self-consistency when the stores opened."""
+    failure = ""
+    try:
+        problems = [p for store in stores.values() for p in shard_problems(store.dirs, mode, (rank, world))]
+        failure = "\n  - ".join(problems)
+    except DataError as e:
+        failure = str(e)
+    failures = gather_failures(failure, world, device)
+    if failures:
+        raise DataError(
+            "the data does not match its manifests; refusing to train on it:\n  - "
+            + "\n  - ".join(failures)
+            + "\n  fix: rebuild the dataset, or restore its files; "
+            "`dpo-data verify DIR` names every problem"
+        )
 
 
 def load_run_tokenizer(config: TrainConfig) -> Any | None:

@@ -66,11 +66,12 @@ def _loader_config(self, rank: int, world_size: int) -> LoaderConfig:
 # so that a default is never written twice.
 DataConfig = make_dataclass(
     "DataConfig",
-    [("path", "str | list[str]", field(default=""))]
+    [("path", "str | list[str]", field(default="")), ("verify", "str", field(default="full"))]
     + [(f.name, f.type, field(default=f.default)) for f in fields(LoaderConfig) if f.name in LOADER_KEYS],
     frozen=True,
     namespace={
-        "__doc__": "The `data:` section: dataset directories and the loader's keys.",
+        "__doc__": "The `data:` section: dataset directories; how their shards are checked before use (verify: "
+        "full = size and sha256, the default | size); the loader's keys.",
         "paths": property(_paths),
         "loader_config": _loader_config,
     },

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dpo_data.dataset.store import PairStore
-from dpo_train.compatibility import check_tokenizer, check_vocabulary, load_run_tokenizer
+from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import attention_for, init_distributed, placement
 from dpo_train.errors import ConfigError
@@ -24,8 +24,11 @@ def precompute_reference(config: TrainConfig) -> Path:
     if not config.reference.path:
         raise ConfigError("--precompute-reference needs reference.path: the sidecar directory to write")
     place = placement(config.distributed.device, config.train.precision)
-    rank, _ = init_distributed(place)
+    rank, world = init_distributed(place)
     store = PairStore(config.data.paths)
+    check_data(
+        {"data.path": store}, config.data.verify, rank, world, place.device if place.backend != "gloo" else "cpu"
+    )
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     model = load_policy(config.model, attention_for(config.model.attention, place))
     check_vocabulary(model, {"data.path": store})

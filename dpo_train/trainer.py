@@ -32,7 +32,7 @@ from dpo_train.checkpointing import (
     restore,
     save,
 )
-from dpo_train.compatibility import check_tokenizer, check_vocabulary, load_run_tokenizer
+from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import Placement, attention_for, init_distributed, placement
 from dpo_train.errors import ConfigError, NonFiniteError
@@ -75,10 +75,27 @@ class Trainer:
         self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
+        self.vocab_rows = policy.get_input_embeddings().num_embeddings
         self.state = TrainState()
         self.skipped_steps = 0
         self._step_pairs: set[int] = set()
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
+
+    def _check_token_ids(self, batch: dict) -> None:
+        """A token id the model cannot embed (a damaged shard read with data.verify: size) is a named
+        DataError, not an IndexError deep inside the embedding."""
+        ids = batch["input_ids"]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_rows):
+            row = ids[0]
+            bad = int(torch.nonzero((row < 0) | (row >= self.vocab_rows))[0])
+            segment = int(torch.searchsorted(batch["cu_seqlens"].long(), bad, right=True)) - 1
+            slot = int(batch["segment_pair"][segment])
+            index = int(batch["pair_index"][slot]) if slot >= 0 else -1
+            where = "dataset {}, {}".format(*self.store.locate(index)) + f" (pair {index})" if slot >= 0 else "padding"
+            raise DataError(
+                f"token id {int(row[bad])} in {where} is outside the model's {self.vocab_rows} "
+                "embedding rows: the shard is damaged; run dpo-data verify on the dataset"
+            )
 
     def checkpointable(self, loader) -> Checkpointable:
         """The Stateful parts a checkpoint saves and restores (the checkpointer never sees the trainer)."""
@@ -124,6 +141,7 @@ class Trainer:
                     "breaks the micro-batch contract (docs/loader.md):\n  - " + "\n  - ".join(problems)
                 )
         self._step_pairs.add(batch["step_pairs"])
+        self._check_token_ids(batch)
         batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
@@ -225,6 +243,8 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     loader = DPOLoader(
         config.data.paths, config.data.loader_config(rank, world), max_epochs=config.train.epochs, pad_to_multiple_of=8
     )
+    collective_device = place.device if place.backend != "gloo" else torch.device("cpu")
+    check_data({"data.path": loader.stream.store}, config.data.verify, rank, world, collective_device)
     tokenizer = load_run_tokenizer(config)
     check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
     trainer = Trainer(config, place, rank, world, loader.stream.store)
@@ -246,6 +266,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         )
     evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
     if evaluator:
+        check_data({"eval.path": evaluator.store}, config.data.verify, rank, world, collective_device)
         check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
         check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
     if evaluator and resume_from is None:

@@ -9,8 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dpo_state.commit import write_commit
@@ -286,3 +288,223 @@ def test_skip_step_logs_and_counts_a_non_finite_step_and_leaves_the_optimizer_al
     skipped = [r for r in records if r.get("skipped")]
     assert skipped and records[-1]["skipped_steps"] == len(skipped) and skipped[0]["nonfinite_ranks"] == [0]
     assert all(r["lr"] == records[0]["lr"] for r in records)  # constant schedule; nothing else moved it
+
+
+# -- any loader's micro-batches are checked ------------------------------------------------------------------
+
+
+def _good_batch():
+    import numpy as np
+
+    from dpo_data import pack_microbatch
+    from dpo_data.dataset.store import PairIds
+
+    ids = lambda xs: np.array(xs, dtype=np.int32)
+    pairs = [PairIds(0, 0, ids([1, 2, 3]), ids([4, 5]), ids([6])), PairIds(1, 0, ids([8]), ids([9]), ids([10, 11]))]
+    batch = pack_microbatch(pairs, pad_to_multiple_of=8)
+    batch.update(step_pairs=2, microbatch=0, microbatches_in_step=1)
+    return batch
+
+
+def _break(kind):
+    batch = _good_batch()
+    if kind == "lengths":
+        batch["segment_length"][0] += 1
+    elif kind == "cu_seqlens":
+        batch["cu_seqlens"][1] += 1
+    elif kind == "two_chosen":
+        batch["segment_role"][1] = 0
+    elif kind == "padding_in_a_pair":
+        batch["segment_pair"][-1] = 0
+    elif kind == "label_on_padding":
+        batch["labels"][0, -1] = 7
+    elif kind == "label_across_a_boundary":
+        batch["labels"][0, int(batch["cu_seqlens"][1]) - 1] = 7
+    elif kind == "positions":
+        batch["position_ids"][0, int(batch["cu_seqlens"][1])] = 5
+    elif kind == "step_pairs":
+        batch["step_pairs"] = 1
+    elif kind == "pair_fields":
+        batch["pair_index"] = batch["pair_index"][:1]
+    return batch
+
+
+KINDS = {
+    "lengths": "segment lengths add up to",
+    "cu_seqlens": "cu_seqlens does not match",
+    "two_chosen": "have 2 chosen segments",
+    "padding_in_a_pair": "padding is never part of a pair",
+    "label_on_padding": "outside completion segments",
+    "label_across_a_boundary": "nothing may predict across a segment boundary",
+    "positions": "position_ids do not restart",
+    "step_pairs": "step_pairs is 1",
+    "pair_fields": "pair_index has 1 entries, num_pairs is 2",
+}
+
+
+def test_a_well_formed_micro_batch_passes_the_contract_check():
+    from dpo_data import contract_problems
+
+    assert contract_problems(_good_batch()) == []
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_kind_of_malformed_micro_batch_is_named(kind):
+    from dpo_data import contract_problems
+
+    problems = contract_problems(_break(kind))
+    assert any(KINDS[kind] in p for p in problems), problems
+
+
+def test_the_trainer_refuses_a_malformed_micro_batch_before_its_forward(sample_dataset):
+    from dpo_data import PairStore
+    from dpo_data.errors import DataError
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+    from dpo_train.trainer import Trainer
+
+    config = load_config(
+        {
+            "model": {"init": {"config": MODEL, "seed": 0}},
+            "data": {"path": str(sample_dataset)},
+            "optim": {"name": "sgd", "lr": 1.0},
+            "distributed": {"device": "cpu"},
+        }
+    )
+    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, PairStore([sample_dataset]))
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    with pytest.raises(DataError, match=r"micro-batch 0 of step 0 on rank 0 breaks the micro-batch contract.*2 chosen"):
+        trainer.microbatch(_break("two_chosen"))
+    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
+# -- the trainer reads only verified data --------------------------------------------------------------------
+
+
+@pytest.fixture
+def dataset_copy(sample_dataset, tmp_path):
+    target = tmp_path / "data"
+    shutil.copytree(sample_dataset, target)
+    return target
+
+
+def _edit_manifest(dataset, edit):
+    path = dataset / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _config_for(run, dataset, tmp_path, **data):
+    config = yaml.safe_load((run / "c.yaml").read_text())
+    config["data"] = {**config["data"], "path": str(dataset), **data}
+    config["train"] = {**config["train"], "output_dir": str(tmp_path / "out"), "save_every": 0, "max_steps": 1}
+    path = tmp_path / "data.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _flip(path, offset, mask=0x01):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_before_the_first_step(run, dataset_copy, tmp_path):
+    """Before, the run trained silently on the altered token."""
+    shard = dataset_copy / "shards" / "shard-00000.arrow"
+    _flip(shard, shard.stat().st_size // 2)
+    proc = _train(_config_for(run, dataset_copy, tmp_path), code=2)
+    assert "the data does not match its manifests" in proc.stderr
+    assert "shards/shard-00000.arrow: sha256 differs from its manifest" in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+def test_a_token_id_out_of_range_is_a_named_error_even_when_only_sizes_are_verified(run, dataset_copy, tmp_path):
+    """Before: an IndexError at step 0 that named no dataset."""
+    from dpo_data import LoaderConfig, PairStore, plan_document
+
+    config_path = _config_for(run, dataset_copy, tmp_path, verify="size")
+    config = yaml.safe_load(config_path.read_text())["data"]
+    step0 = plan_document(
+        [dataset_copy],
+        LoaderConfig(
+            pairs_per_step=config["pairs_per_step"], max_tokens_per_microbatch=config["max_tokens_per_microbatch"]
+        ),
+        steps=1,
+    )["steps"][0]["ranks"][0]["microbatches"][0]["pairs"]
+    store = PairStore([dataset_copy])
+    directory, shard_path = store.locate(step0[0])
+    shard = Path(directory) / shard_path
+    needle = store.pair(step0[0]).chosen.astype("<i4").tobytes()  # the pair's whole completion: unique enough
+    data = shard.read_bytes()
+    assert needle in data
+    _flip(shard, data.index(needle) + 3, mask=0x80)  # the high bit of its first id: a negative token id
+    proc = _train(config_path, code=2)
+    assert "outside the model's 49152 embedding rows" in proc.stderr and shard_path in proc.stderr
+    assert "IndexError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_flipped_footer_byte_is_named_by_verify_not_a_traceback(dataset_copy, run_cli):
+    from dpo_cli.data import main as dpo_data
+
+    shard = dataset_copy / "shards" / "shard-00000.arrow"
+    _flip(shard, shard.stat().st_size - 3)
+    r = run_cli(dpo_data, "verify", dataset_copy)
+    assert r.exit_code == 1 and "shard-00000.arrow: not a readable Arrow IPC file" in r.output
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda m: m["totals"].update(pairs=m["totals"]["pairs"] + 1), "shards hold 342 rows, totals.pairs is 343"),
+        (lambda m: m.update(fingerprint="sha256:" + "0" * 64), "does not match its content"),
+        (lambda m: m["tokenizer"]["components"].update(chat_template="0" * 64), "not the digest of the recorded"),
+    ],
+)
+def test_an_edited_manifest_is_refused_by_every_reader(run, dataset_copy, tmp_path, run_cli, edit, named):
+    from dpo_cli.data import main as dpo_data
+
+    _edit_manifest(dataset_copy, edit)
+    for command in (["plan", dataset_copy, "--batching", "pairs", "--world-size", "1"], ["inspect", dataset_copy]):
+        r = run_cli(dpo_data, *command)
+        assert r.exit_code == 2 and named in r.output and "contradicts itself" in r.output
+    r = run_cli(dpo_data, "verify", dataset_copy)
+    assert r.exit_code == 1 and named in r.output
+    proc = _train(_config_for(run, dataset_copy, tmp_path), code=2)
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_verify_recomputes_what_the_manifest_states_about_the_data(dataset_copy, run_cli):
+    from dpo_cli.data import main as dpo_data
+
+    _edit_manifest(dataset_copy, lambda m: m["lengths"]["chosen"].update(max=m["lengths"]["chosen"]["max"] + 1))
+    _edit_manifest(dataset_copy, lambda m: m["totals"].update(max_token_id=m["totals"]["max_token_id"] - 1))
+    r = run_cli(dpo_data, "verify", dataset_copy)
+    assert r.exit_code == 1 and "lengths.chosen: manifest says" in r.output
+    assert "totals.max_token_id: manifest says" in r.output
+
+
+def test_verify_lists_unnamed_files_and_fails_on_them_with_strict(dataset_copy, run_cli):
+    from click.testing import CliRunner
+
+    from dpo_cli.data import main as dpo_data
+
+    (dataset_copy / "shards" / "stray.arrow").write_bytes(b"x")
+    r = CliRunner().invoke(dpo_data, ["verify", str(dataset_copy)])
+    assert r.exit_code == 0 and "note: shards/stray.arrow is in" in r.output
+    r = run_cli(dpo_data, "verify", dataset_copy, "--strict")
+    assert r.exit_code == 1 and "shards/stray.arrow: in the dataset directory but not named" in r.output
+
+
+def test_verify_rehashes_raw_inputs(dataset_copy, tmp_path, run_cli):
+    from dpo_cli.data import main as dpo_data
+    from tests.conftest import SAMPLE
+
+    original = SAMPLE / "arith_chat.jsonl"
+    assert run_cli(dpo_data, "verify", dataset_copy, "--inputs", original).exit_code == 0
+    changed = tmp_path / "arith_chat.jsonl"
+    changed.write_bytes(original.read_bytes() + b"\n")
+    r = run_cli(dpo_data, "verify", dataset_copy, "--inputs", changed)
+    assert r.exit_code == 1 and f"input {changed}: " in r.output and "truncated or appended to" in r.output

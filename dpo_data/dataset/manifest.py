@@ -62,14 +62,51 @@ def write_manifest(out_dir: Path, manifest: dict) -> None:
     write_json_atomic(out_dir / MANIFEST_NAME, manifest, schema=MANIFEST_SCHEMA)
 
 
-def read_manifest(data_dir: str | Path) -> dict:
-    """Read and validate a dataset's manifest; a missing, malformed or foreign one is a named `DataError`."""
+def manifest_problems(m: dict) -> list[str]:
+    """Whether a (schema-valid) manifest agrees with itself: its fingerprint recomputed from its content,
+    the tokenizer fingerprint from its components, shard rows and offsets, sources and input counts
+    against the totals. Files are not read (`dpo-data verify` does that)."""
+    from dpo_state.attestation import attestation_problems
+
+    problems = attestation_problems(m["tokenizer"])
+    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"])
+    if expected != m["fingerprint"]:
+        problems.append(f"fingerprint {m['fingerprint']} does not match its content ({expected})")
+    totals, offset = m["totals"], 0
+    for shard in m["shards"]:
+        if shard["first_pair_index"] != offset:
+            problems.append(
+                f"{shard['path']}: first_pair_index {shard['first_pair_index']}, the shards before it "
+                f"hold {offset} rows"
+            )
+        offset += shard["rows"]
+    if offset != totals["pairs"]:
+        problems.append(f"shards hold {offset} rows, totals.pairs is {totals['pairs']}")
+    if sum(s["pairs"] for s in m["sources"]) != totals["pairs"]:
+        problems.append("the sources' pairs do not add up to totals.pairs")
+    if sorted(s["id"] for s in m["sources"]) != list(range(len(m["sources"]))):
+        problems.append("source ids are not 0..N-1")
+    for entry in m["inputs"]:
+        if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
+            problems.append(f"input {entry['path']}: pairs + rejected != rows_read")
+    if totals["pairs"] + totals["rejected"] != totals["rows_read"]:
+        problems.append("totals: pairs + rejected != rows_read")
+    if totals["completion_tokens"] != totals["chosen_tokens"] + totals["rejected_tokens"]:
+        problems.append("totals: completion_tokens != chosen_tokens + rejected_tokens")
+    if totals["input_tokens"] != 2 * totals["prompt_tokens"] + totals["completion_tokens"]:
+        problems.append("totals: input_tokens != 2 x prompt_tokens + completion_tokens")
+    return problems
+
+
+def read_manifest(data_dir: str | Path, consistent: bool = True) -> dict:
+    """Read and validate a dataset's manifest; a missing, malformed, foreign or (with `consistent`)
+    self-contradicting one is a named `DataError`."""
     path = Path(data_dir) / MANIFEST_NAME
     if not path.is_file():
         hint = " (a failed build leaves only rejects.jsonl)" if (Path(data_dir) / REJECTS_NAME).exists() else ""
         raise DataError(f"{data_dir}: not a committed dataset, {MANIFEST_NAME} is missing{hint}; run dpo-data build")
     try:
-        return read_document(
+        manifest = read_document(
             path,
             MANIFEST_SCHEMA,
             MANIFEST_FORMAT_VERSION,
@@ -77,3 +114,12 @@ def read_manifest(data_dir: str | Path) -> dict:
         )
     except DocumentError as e:
         raise DataError(str(e)) from None
+    problems = manifest_problems(manifest) if consistent else []
+    if problems:
+        raise DataError(
+            f"{path} contradicts itself; it was edited or damaged:\n  - "
+            + "\n  - ".join(problems)
+            + "\n  fix: rebuild the dataset (dpo-data build ... --overwrite); dpo-data verify lists "
+            "every problem"
+        )
+    return manifest

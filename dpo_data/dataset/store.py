@@ -80,26 +80,40 @@ class PairStore:
     def __setstate__(self, state):
         self.__init__(state["dirs"])
 
+    def locate(self, index: int) -> tuple[str, str]:
+        """Where global pair `index` lives: (its dataset directory, its shard's path in that dataset)."""
+        return self._located[int(self._batch_of[index])]
+
     def _open(self) -> None:
+        self._located: list[tuple[str, str]] = []  # (dataset, shard) of every record batch, in order
         lengths, sources, parts, batch_of, row_of = [], [], [[], [], []], [], []
         for d, m in zip(self.dirs, self._manifests):
             remap = np.array(
                 [self.sources.index(s["name"]) for s in sorted(m["sources"], key=lambda s: s["id"])], dtype=np.int32
             )
             for shard in m["shards"]:
-                for batch in _batches(Path(d) / shard["path"], shard["rows"]):
-                    k = len(parts[0])
-                    for j, column in enumerate(("prompt_ids", "chosen_ids", "rejected_ids")):
-                        arr = batch.column(column)
-                        parts[j].append((arr.offsets.to_numpy(), arr.values.to_numpy()))
-                    lengths.append(
-                        np.stack(
-                            [batch.column(c).to_numpy() for c in ("prompt_len", "chosen_len", "rejected_len")], axis=1
+                path = Path(d) / shard["path"]
+                try:
+                    for batch in _batches(path, shard["rows"]):
+                        k = len(parts[0])
+                        for j, column in enumerate(("prompt_ids", "chosen_ids", "rejected_ids")):
+                            arr = batch.column(column)
+                            parts[j].append((arr.offsets.to_numpy(), arr.values.to_numpy()))
+                        lengths.append(
+                            np.stack(
+                                [batch.column(c).to_numpy() for c in ("prompt_len", "chosen_len", "rejected_len")],
+                                axis=1,
+                            )
                         )
-                    )
-                    sources.append(remap[batch.column("source_id").to_numpy()])
-                    batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
-                    row_of.append(np.arange(batch.num_rows, dtype=np.int32))
+                        sources.append(remap[batch.column("source_id").to_numpy()])
+                        batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
+                        row_of.append(np.arange(batch.num_rows, dtype=np.int32))
+                        self._located.append((d, shard["path"]))
+                except (pa.ArrowException, KeyError, IndexError, ValueError) as e:
+                    raise DataError(
+                        f"dataset {d}: shard {shard['path']} cannot be read ({type(e).__name__}: {e}); "
+                        "run dpo-data verify on it"
+                    ) from None
         all_lengths = np.concatenate(lengths)
         self.prompt_len, self.chosen_len, self.rejected_len = (
             np.ascontiguousarray(all_lengths[:, j]) for j in range(3)
@@ -112,7 +126,7 @@ class PairStore:
 def _batches(path: Path, rows: int) -> list[pa.RecordBatch]:
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-    except (OSError, pa.ArrowInvalid) as e:
+    except (OSError, pa.ArrowException) as e:
         raise DataError(f"{path}: cannot open the shard ({e}); run dpo-data verify on its dataset") from None
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     if sum(b.num_rows for b in batches) != rows:
