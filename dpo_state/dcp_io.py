@@ -132,12 +132,14 @@ def quiet_single_process_dcp():
 def reading_tensors(directory: str | Path):
     """Around a DCP load from `directory`: any failure to read the tensors (damaged or replaced data that
     torch's weights-only unpickler refuses, a missing key, a shape mismatch) becomes a named `StateError`."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         with quiet_single_process_dcp():
             yield
     except StateError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps every cause in its own exception types; name it once here
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every cause; name it once here
         cause = str(e).strip().splitlines()
         raise StateError(
             f"{directory}: DCP could not read its tensors ({type(e).__name__}: "

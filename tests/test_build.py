@@ -185,7 +185,7 @@ def test_no_surviving_pair_fails_and_keeps_an_existing_dataset(mixed_inputs, smo
     r = build(run_cli, smollm2_dir, out, bad, extra=["--overwrite"])
     assert r.exit_code == 1 and "no pair survived: all 2 rows read were rejected" in r.output
     assert (out / "manifest.json").read_bytes() == before  # the old dataset is untouched
-    incomplete = tmp_path / "ds.incomplete"
+    (incomplete,) = tmp_path.glob("ds.incomplete-*")  # this build's own staging directory, kept for its rejects
     assert (
         not (incomplete / "manifest.json").exists()
         and len((incomplete / "rejects.jsonl").read_text().splitlines()) == 2

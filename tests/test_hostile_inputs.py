@@ -105,7 +105,7 @@ def test_a_pickle_payload_in_the_dcp_metadata_is_refused_before_anything_is_buil
     step = _step(run, 2)
     (step / "dcp" / ".metadata").write_bytes(pickle.dumps({"x": _CreatesFile(marker)}))
     write_commit(step, 2)  # whoever can write the checkpoint can also write its hashes
-    _every_reader_refuses(run, step, marker, "names builtins.open")
+    _every_reader_refuses(run, step, marker, "names io.open")
 
 
 def test_a_pickled_item_indexed_by_valid_metadata_is_refused(run, tmp_path):
@@ -373,7 +373,9 @@ def test_the_trainer_refuses_a_malformed_micro_batch_before_its_forward(sample_d
     )
     trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, PairStore([sample_dataset]))
     before = [p.detach().clone() for p in trainer.policy.parameters()]
-    with pytest.raises(DataError, match=r"micro-batch 0 of step 0 on rank 0 breaks the micro-batch contract.*2 chosen"):
+    with pytest.raises(
+        DataError, match=r"(?s)micro-batch 0 of step 0 on rank 0 breaks the micro-batch contract.*2 chosen"
+    ):
         trainer.microbatch(_break("two_chosen"))
     assert all(p.grad is None for p in trainer.policy.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
@@ -421,6 +423,27 @@ def test_a_flipped_byte_in_a_shard_is_refused_before_the_first_step(run, dataset
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
 
 
+def _chosen_id_offset(dataset, index):
+    """The byte offset, in its shard, of the first chosen token id of pair `index` (one dataset)."""
+    import pyarrow as pa
+
+    from dpo_data import read_manifest
+    from dpo_data.dataset.shards import RECORD_BATCH_ROWS
+
+    shard = next(
+        s
+        for s in read_manifest(dataset)["shards"]
+        if s["first_pair_index"] <= index < s["first_pair_index"] + s["rows"]
+    )
+    data = pa.py_buffer((dataset / shard["path"]).read_bytes())
+    row = index - shard["first_pair_index"]
+    batch = pa.ipc.open_file(data).get_batch(row // RECORD_BATCH_ROWS)  # zero-copy views into `data`
+    ids = batch.column("chosen_ids")
+    values = ids.values
+    start = ids.offsets[row % RECORD_BATCH_ROWS].as_py() + values.offset
+    return values.buffers()[1].address + 4 * start - data.address
+
+
 def test_a_token_id_out_of_range_is_a_named_error_even_when_only_sizes_are_verified(run, dataset_copy, tmp_path):
     """Before: an IndexError at step 0 that named no dataset."""
     from dpo_data import LoaderConfig, PairStore, plan_document
@@ -437,10 +460,7 @@ def test_a_token_id_out_of_range_is_a_named_error_even_when_only_sizes_are_verif
     store = PairStore([dataset_copy])
     directory, shard_path = store.locate(step0[0])
     shard = Path(directory) / shard_path
-    needle = store.pair(step0[0]).chosen.astype("<i4").tobytes()  # the pair's whole completion: unique enough
-    data = shard.read_bytes()
-    assert needle in data
-    _flip(shard, data.index(needle) + 3, mask=0x80)  # the high bit of its first id: a negative token id
+    _flip(shard, _chosen_id_offset(dataset_copy, step0[0]) + 3, mask=0x80)  # the high bit: a negative token id
     proc = _train(config_path, code=2)
     assert "outside the model's 49152 embedding rows" in proc.stderr and shard_path in proc.stderr
     assert "IndexError" not in proc.stderr and "Traceback" not in proc.stderr
@@ -508,3 +528,119 @@ def test_verify_rehashes_raw_inputs(dataset_copy, tmp_path, run_cli):
     changed.write_bytes(original.read_bytes() + b"\n")
     r = run_cli(dpo_data, "verify", dataset_copy, "--inputs", changed)
     assert r.exit_code == 1 and f"input {changed}: " in r.output and "truncated or appended to" in r.output
+
+
+# -- building into a directory never loses or mixes data ----------------------------------------------------
+
+
+def _build_args(smollm2_dir, out, *inputs, extra=()):
+    return [
+        sys.executable,
+        "-m",
+        "dpo_cli.data",
+        "build",
+        *map(str, inputs),
+        "--tokenizer",
+        str(smollm2_dir),
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _fingerprint(out):
+    return json.loads((out / "manifest.json").read_text())["fingerprint"]
+
+
+def _verify(out):
+    return subprocess.run([sys.executable, "-m", "dpo_cli.data", "verify", str(out)], capture_output=True, text=True)
+
+
+def test_concurrent_builds_into_one_out_never_mix_and_the_loser_is_named(smollm2_dir, tmp_path):
+    """Before: both shared OUT.incomplete; the winner could commit one input's manifest over the other's shards."""
+    from tests.conftest import SAMPLE
+
+    out = tmp_path / "ds"
+    a, b = SAMPLE / "arith_chat.jsonl", SAMPLE / "facts_text.json"
+    for _ in range(3):
+        procs = [
+            subprocess.Popen(
+                _build_args(smollm2_dir, out, src, extra=["--overwrite"]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for src in (a, b)
+        ]
+        results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+        assert all(code in (0, 2) for code, _ in results) and any(code == 0 for code, _ in results), results
+        for code, err in results:
+            assert "Traceback" not in err
+            if code == 2:
+                assert "is being built by another process (pid " in err
+        assert _verify(out).returncode == 0
+        assert not list(tmp_path.glob("ds.incomplete*"))
+
+
+def test_overwrite_replaces_only_a_dataset(smollm2_dir, tmp_path):
+    from tests.conftest import SAMPLE
+
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep me")
+    proc = subprocess.run(
+        _build_args(smollm2_dir, notes, SAMPLE / "arith_chat.jsonl", extra=["--overwrite"]),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "is not a dataset" in proc.stderr and "notes.txt" in proc.stderr
+    assert (notes / "notes.txt").read_text() == "keep me"
+    inside = notes / "rows.jsonl"
+    shutil.copy(SAMPLE / "arith_chat.jsonl", inside)
+    proc = subprocess.run(
+        _build_args(smollm2_dir, notes, inside, extra=["--overwrite"]), capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "lies inside --out" in proc.stderr and inside.exists()
+
+
+@pytest.mark.parametrize("point", ["before-swap", "after-swap", "after-delete"])
+def test_a_build_killed_at_any_point_of_its_commit_leaves_the_old_or_the_new_dataset(smollm2_dir, tmp_path, point):
+    import os
+
+    from tests.conftest import SAMPLE
+
+    out = tmp_path / "ds"
+    assert (
+        subprocess.run(_build_args(smollm2_dir, out, SAMPLE / "arith_chat.jsonl"), capture_output=True).returncode == 0
+    )
+    old = _fingerprint(out)
+    args = _build_args(smollm2_dir, out, SAMPLE / "facts_text.json", extra=["--overwrite"])
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "DPO_DATA_KILL": point})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert _verify(out).returncode == 0
+    now = _fingerprint(out)
+    assert now == old if point == "before-swap" else now != old  # the old dataset, or the whole new one
+
+
+def test_small_build_hazards_are_handled(smollm2_dir, tmp_path):
+    from tests.conftest import SAMPLE
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (SAMPLE / "arith_chat.jsonl").read_bytes())
+    out = tmp_path / "bom-ds"
+    assert subprocess.run(_build_args(smollm2_dir, out, bom), capture_output=True).returncode == 0
+    assert json.loads((out / "manifest.json").read_text())["totals"]["rejected"] == 0  # the BOM is not a reject
+
+    twice = subprocess.run(_build_args(smollm2_dir, tmp_path / "t", bom, bom), capture_output=True, text=True)
+    assert twice.returncode == 2 and "given twice" in twice.stderr
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes((SAMPLE / "arith_chat.jsonl").read_bytes()[:-30])
+    broken = subprocess.run(_build_args(smollm2_dir, tmp_path / "c", cut), capture_output=True, text=True)
+    assert broken.returncode == 2 and "truncated" in broken.stderr and not list(tmp_path.glob("c.incomplete*"))
+
+    (tmp_path / "a-file").write_text("")
+    unwritable = subprocess.run(
+        _build_args(smollm2_dir, tmp_path / "a-file" / "ds", bom), capture_output=True, text=True
+    )
+    assert unwritable.returncode == 2 and "error: " in unwritable.stderr and "Traceback" not in unwritable.stderr

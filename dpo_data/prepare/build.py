@@ -28,11 +28,11 @@ from dpo_data.dataset.manifest import (
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
+from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, new_staging, swap_into_place
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
 from dpo_state.digest import file_digest
-from dpo_state.files import fsync_dir
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
@@ -246,13 +246,28 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     started = time.perf_counter()
     out = Path(out)
     files = _open_inputs(inputs, options)
-    if out.exists() and not options.overwrite:
-        raise DataError(f"--out {out} already exists; pass --overwrite to replace it, or choose another directory")
-    tokenizer = _load_tokenizer(tokenizer_dir)
-    attestation = tokenizer_attestation(tokenizer)
-    staging = out.with_name(out.name + ".incomplete")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    check_inputs_outside(out, inputs)
+    with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
+        check_replaceable(out, options.overwrite)
+        tokenizer = _load_tokenizer(tokenizer_dir)
+        attestation = tokenizer_attestation(tokenizer)
+        staging = new_staging(out)
+        try:
+            result = _build_into(staging, files, tokenizer, attestation, options)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
+            raise
+        if result.manifest is not None:
+            swap_into_place(staging, out)
+            result.out = out
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _build_into(
+    staging: Path, files: list[InputFile], tokenizer: Any, attestation: dict, options: BuildOptions
+) -> BuildResult:
+    """Everything but the commit: shards, rejects and (unless refused) the manifest, all in `staging`."""
     tally = _Tally(inputs=[_input_entry(f) for f in files])
     writer = ShardWriter(staging, options.pairs_per_shard)
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
@@ -260,19 +275,14 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
             _consume(result, tally, writer, rejects_file)
     shards = [asdict(s) for s in writer.close()]
     rows_read = sum(e["rows_read"] for e in tally.inputs)
-    result = BuildResult(out, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
+    result = BuildResult(staging, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
     result.error = _refusal(tally, rows_read, options)
     if result.error is None:
         manifest = _manifest(tally, shards, attestation, options, staging)
         write_manifest(staging, manifest)
-        _commit(staging, out)
         result.manifest = manifest
         result.prompt_tokens = manifest["totals"]["prompt_tokens"]
         result.completion_tokens = manifest["totals"]["completion_tokens"]
-        result.out = out
-    else:
-        result.out = staging
-    result.seconds = time.perf_counter() - started
     return result
 
 
@@ -284,6 +294,15 @@ def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
             f"--source {options.source!r} names the source of a single input, but {len(inputs)} inputs were given; "
             "drop --source (each input's file stem is its source) or set a 'source' field in the rows"
         )
+    seen: dict[Path, str] = {}
+    for path in inputs:
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise DataError(
+                f"input {path} is given twice (also as {seen[resolved]}); its rows would be read twice: "
+                "give each input once"
+            )
+        seen[resolved] = path
     return [open_input(path, options.source) for path in inputs]
 
 
@@ -415,11 +434,3 @@ def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: Bui
             "by_source": dict(sorted(tally.source_rejects.items())),
         },
     }
-
-
-def _commit(staging: Path, out: Path) -> None:
-    """Move the finished staging directory into place (replacing `out` when --overwrite)."""
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    staging.rename(out)
-    fsync_dir(out.parent)

@@ -21,6 +21,7 @@ FORMATS = {
     ".parquet": "parquet",
 }
 _READ_CHUNK = 1 << 20
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
 
 
@@ -113,6 +114,8 @@ def _lines(path: str, f: Any, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
         if not line:
             return
         number += 1
+        if number == 1 and line.startswith(_BOM):  # some editors write one; it is not part of the first row
+            line = line[len(_BOM) :]
         if len(line) > max_row_bytes and not line.endswith(b"\n"):
             size, head = len(line), line[:_HEAD_BYTES]
             while not line.endswith(b"\n"):  # skip the rest of the line without holding it
@@ -185,7 +188,7 @@ class _ZstdFrames(io.RawIOBase):
 
 
 def _json_array(path: str) -> Iterator[tuple[int, Any]]:
-    data = Path(path).read_bytes()
+    data = Path(path).read_bytes().removeprefix(_BOM)
     try:
         rows = orjson.loads(data)
     except orjson.JSONDecodeError as e:

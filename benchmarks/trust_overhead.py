@@ -1,0 +1,137 @@
+"""What the trust checks cost: shard verification before training, and the micro-batch contract check.
+
+- Shard verification (`dpo_data.dataset.verify.shard_problems`, what `dpo-train` runs before its first
+  step with `data.verify: full` or `size`): seconds and GB/s on a synthetic 20k-pair dataset (about 30 MB
+  of shards) with 1, 2 and 4 hashing threads, page cache warm; and on the demo's dataset (the bundled
+  sample) as a fraction of the demo's first optimizer step.
+- The micro-batch contract check (`dpo_data.contract_problems`, run by `dpo-train` on every micro-batch):
+  its time over the demo's micro-batches against the demo's step time.
+
+The demo's step: SmolLM2-135M-Instruct, 8 pairs per step, 1024-token micro-batches, live reference, CPU,
+one process; the first step is timed (it includes warm-up), then --steps more.
+
+    .venv/bin/python benchmarks/trust_overhead.py [--pairs 20000] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _build(inputs: list[str], tokenizer_dir: str, out: Path) -> Path:
+    from dpo_data import BuildOptions, build
+
+    result = build(inputs, tokenizer_dir, out, BuildOptions(num_proc=2))
+    assert result.manifest is not None, result.error
+    return out
+
+
+def _shard_bytes(dataset: Path) -> int:
+    return sum(p.stat().st_size for p in (dataset / "shards").iterdir())
+
+
+def _time(fn, repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def verification(dataset: Path) -> dict:
+    from dpo_data.dataset.verify import shard_problems
+
+    size = _shard_bytes(dataset)
+    shard_problems([dataset], "full", threads=4)  # warm the page cache: every run below reads from memory
+    out = {"bytes": size}
+    for threads in (1, 2, 4):
+        seconds = _time(lambda t=threads: shard_problems([dataset], "full", threads=t))
+        out[f"full_{threads}_threads"] = {"seconds": round(seconds, 4), "GB/s": round(size / seconds / 1e9, 3)}
+    out["size_only_seconds"] = round(_time(lambda: shard_problems([dataset], "size")), 5)
+    return out
+
+
+def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
+    """The demo's optimizer steps, in process; micro-batches kept to time the contract check on them."""
+    from dpo_data import DPOLoader, contract_problems
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+    from dpo_train.trainer import Trainer
+
+    config = load_config(
+        {
+            "model": {"path": model_dir},
+            "data": {"path": str(dataset), "pairs_per_step": 8, "max_tokens_per_microbatch": 1024},
+            "loss": {"type": "sigmoid", "beta": 0.1},
+            "optim": {"lr": 2.0e-5},
+            "distributed": {"device": "cpu"},
+        }
+    )
+    loader = DPOLoader(config.data.paths, config.data.loader_config(0, 1), pad_to_multiple_of=8)
+    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
+    batches, step_seconds, started = [], [], time.perf_counter()
+    for batch in loader:
+        batches.append(batch)
+        trainer.microbatch(batch)
+        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+            trainer.step()
+            step_seconds.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            if len(step_seconds) > steps:
+                break
+    check = _time(lambda: [contract_problems(b) for b in batches], repeat=20)
+    per_step = check / (len(step_seconds))
+    return {
+        "first_step_s": round(step_seconds[0], 3),
+        "step_s": round(statistics.median(step_seconds[1:]), 3),
+        "microbatches": len(batches),
+        "contract_check_s_per_step": round(per_step, 6),
+        "contract_check_fraction_of_step": round(per_step / statistics.median(step_seconds[1:]), 6),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    from build_throughput import write_rows
+
+    from dpo_train.bundled_model import materialize_smollm2
+
+    model_dir = str(materialize_smollm2())
+    work = Path(tempfile.mkdtemp(prefix="dpo-trust-bench-"))
+    try:
+        sample = ROOT / "examples" / "sample"
+        demo_inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
+        demo = _build(demo_inputs, model_dir, work / "demo")
+        write_rows(work / "synth.jsonl", args.pairs, seed=1234)
+        synth = _build([str(work / "synth.jsonl")], model_dir, work / "synth")
+        result = {
+            "synthetic": verification(synth),
+            "demo_dataset": verification(demo),
+            "demo_step": demo_step(demo, model_dir, args.steps),
+        }
+        full_demo = result["demo_dataset"]["full_4_threads"]["seconds"]
+        result["verify_full_fraction_of_first_step"] = round(full_demo / result["demo_step"]["first_step_s"], 6)
+        for key, value in result.items():
+            print(f"{key}: {value}")
+        print("JSON " + json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
