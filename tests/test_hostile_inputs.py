@@ -644,3 +644,66 @@ def test_small_build_hazards_are_handled(smollm2_dir, tmp_path):
         _build_args(smollm2_dir, tmp_path / "a-file" / "ds", bom), capture_output=True, text=True
     )
     assert unwritable.returncode == 2 and "error: " in unwritable.stderr and "Traceback" not in unwritable.stderr
+
+
+# -- one checkpoint verdict, on one lineage -------------------------------------------------------------------
+
+
+def _rewrite_state(step, edit):
+    path = step / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    write_commit(step, state["step"])
+
+
+def test_resuming_an_older_step_moves_the_later_ones_aside_and_keeps_one_lineage(run):
+    """Before: save() deleted the committed step directory of the abandoned branch, or auto-resume later
+    picked the abandoned branch's newest checkpoint."""
+    first, second = _step(run, 1), _step(run, 2)
+    proc = _train(run / "c.yaml", "--set", f"train.resume={first}", "--set", "train.max_steps=2")
+    assert "the later checkpoints step-000002 are moved aside to" in proc.stderr
+    (aside,) = (run / "run" / "checkpoints" / "abandoned").iterdir()
+    assert (aside / "step-000002" / "commit.json").is_file() and _state("verify", aside / "step-000002").returncode == 0
+    assert _state("verify", second).returncode == 0  # the new branch's own step 2
+    auto = _train(run / "c.yaml")  # max_steps 3: continues the new branch
+    assert f"resumed from {second}" in auto.stderr
+
+
+def test_a_rank_file_outside_the_checkpoint_is_refused_everywhere(run):
+    step = _step(run, 2)
+    _rewrite_state(step, lambda s: s["ranks"][0].update(state="../../outside.json"))
+    for command in ("verify", "inspect"):
+        proc = _state(command, step)
+        assert proc.returncode in (1, 2) and "'../../outside.json'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _train(run / "c.yaml", "--set", f"train.resume={step}", code=2)
+    assert "'../../outside.json'" in proc.stderr
+
+
+def test_diff_of_a_checkpoint_whose_commit_record_does_not_parse_is_an_error(run):
+    """Before: `dpo-state diff` said "equal" (exit 0)."""
+    (_step(run, 2) / "commit.json").write_text("{not json")
+    proc = _state("diff", _step(run, 2), _step(run, 2))
+    assert proc.returncode == 2 and "does not verify" in proc.stderr and "not valid JSON" in proc.stderr
+
+
+def test_verify_fails_a_commit_record_of_another_step(run):
+    step = _step(run, 2)
+    write_commit(step, 7)
+    proc = _state("verify", step)
+    assert proc.returncode == 1 and "commit.json is for step 7, state.json for step 2" in proc.stderr
+
+
+def test_each_rank_position_is_recorded_and_cross_checked(run):
+    step = _step(run, 2)
+    state = json.loads((step / "state.json").read_text())
+    assert state["ranks"][0]["position"] == {"epoch": 0, "step": 2, "microbatch": 0}
+    rank_file = step / "rank-00000.json"
+    document = json.loads(rank_file.read_text())
+    document["loader"]["position"]["step"] = 1
+    rank_file.write_text(json.dumps(document))
+    write_commit(step, 2)
+    proc = _state("verify", step)
+    assert proc.returncode == 1 and "rank-00000.json: loader position" in proc.stderr
+    proc = _train(run / "c.yaml", "--set", f"train.resume={step}", code=2)
+    assert "differs from the one state.json records for rank 0" in proc.stderr
