@@ -10,7 +10,15 @@ from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, read_dcp_metadata, reading_t
 from dpo_state.errors import DocumentError, StateError
 from dpo_state.files import read_json
 from dpo_state.layout import resolve
-from dpo_state.state import IDENTITY_PARTS, STATE_FILE, TREE_FILE, differences, read_state, read_state_tree
+from dpo_state.state import (
+    IDENTITY_PARTS,
+    STATE_FILE,
+    TREE_FILE,
+    differences,
+    rank_entry_problems,
+    read_state,
+    read_state_tree,
+)
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -19,6 +27,9 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     committed = (directory / COMMIT_FILE).is_file()
     state = read_state(directory)
     files = read_commit(directory)["files"] if committed else []
+    outside = rank_entry_problems(state)
+    if outside:  # never display (or open) a file the checkpoint does not own
+        raise StateError(f"{directory}: " + "; ".join(outside))
     ranks = []
     for entry in state["ranks"]:
         rank_file = directory / entry["state"]
@@ -44,53 +55,75 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def checkpoint_problems(directory: str | Path) -> list[str]:
-    """What makes a checkpoint unsafe to read: its files against the commit record (missing, resized,
-    altered, unlisted), then DCP's metadata through the restricted unpickler (tensors only). Every reader
-    checks this before DCP opens a file. Empty = safe to load."""
+    """Every reason a checkpoint must not be read; empty = sound. The one verification that `dpo-state
+    verify`, `diff`, resume and `weights_from` all use, so they never disagree.
+
+    Checked: the files against the commit record (missing, resized, altered, outside, unlisted); state.json
+    and state_tree.json (schema, version); the commit record's step against state.json's; the rank files
+    (named as the format says, listed, parsed, each rank's loader position equal to the one state.json
+    records); RNG files; and, last, DCP's metadata through the restricted unpickler (tensors only).
+    """
+    directory = Path(directory)
     problems = commit_problems(directory)
-    if problems:
-        return problems
     try:
-        read_dcp_metadata(Path(directory) / DCP_DIR)
-    except StateError as e:
-        return [str(e)]
-    return []
-
-
-def verify_checkpoint(path: str | Path) -> list[str]:
-    """Every failure of a checkpoint: commit record, sizes, hashes, DCP metadata, schemas, rank files. Empty = sound."""
-    try:
-        directory = resolve(path)
-    except StateError as e:
-        return [str(e)]
-    problems = checkpoint_problems(directory)
-    try:
+        record = read_commit(directory)
         state = read_state(directory)
     except DocumentError as e:
-        return problems + [str(e)]
-    try:
-        listed = {f["path"] for f in read_commit(directory)["files"]}
-    except DocumentError:
-        listed = set()
-    for required in (STATE_FILE, TREE_FILE, DCP_METADATA):
-        if listed and required not in listed:
-            problems.append(f"{required}: not in the commit record")
+        return _unique(problems + [str(e)])
+    if record["step"] != state["step"]:
+        problems.append(f"{COMMIT_FILE} is for step {record['step']}, {STATE_FILE} for step {state['step']}")
+    listed = {entry["path"] for entry in record["files"]}
+    problems += [
+        f"{name}: not in the commit record" for name in (STATE_FILE, TREE_FILE, DCP_METADATA) if name not in listed
+    ]
     try:
         read_state_tree(directory)
     except DocumentError as e:
         problems.append(str(e))
-    for entry in state["ranks"]:
-        for name in (entry["state"], entry["rng"]):
-            if listed and name not in listed:
-                problems.append(f"{name}: rank {entry['rank']}'s file is not in the commit record")
+    entries = rank_entry_problems(state)
+    problems += entries
+    if not entries:
+        for entry in state["ranks"]:
+            problems += _rank_file_problems(directory, entry, listed)
+    if not problems:
         try:
-            document = read_json(directory / entry["state"])
-            if not isinstance(document, dict) or "loader" not in document:
-                problems.append(f"{entry['state']}: not a rank state (no 'loader')")
-        except DocumentError as e:
+            read_dcp_metadata(directory / DCP_DIR)
+        except StateError as e:
             problems.append(str(e))
-        problems += _rng_problems(directory / entry["rng"])
+    return _unique(problems)
+
+
+def _rank_file_problems(directory: Path, entry: dict, listed: set[str]) -> list[str]:
+    problems = [
+        f"{name}: rank {entry['rank']}'s file is not in the commit record"
+        for name in (entry["state"], entry["rng"])
+        if name not in listed
+    ]
+    try:
+        document = read_json(directory / entry["state"])
+        if not isinstance(document, dict) or not isinstance(document.get("loader"), dict):
+            problems.append(f"{entry['state']}: not a rank state (no 'loader')")
+        elif document["loader"].get("position") != entry["position"]:
+            problems.append(
+                f"{entry['state']}: loader position {document['loader'].get('position')} differs from "
+                f"the one {STATE_FILE} records for rank {entry['rank']} ({entry['position']})"
+            )
+    except DocumentError as e:
+        problems.append(str(e))
+    return problems + _rng_problems(directory / entry["rng"])
+
+
+def _unique(problems: list[str]) -> list[str]:
     return sorted(set(problems), key=problems.index)
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """`checkpoint_problems` of a step directory, or of a run directory's latest committed checkpoint."""
+    try:
+        directory = resolve(path)
+    except StateError as e:
+        return [str(e)]
+    return checkpoint_problems(directory)
 
 
 def _rng_problems(path: Path) -> list[str]:
@@ -111,6 +144,10 @@ def diff_checkpoints(a: str | Path, b: str | Path, values: bool = False, atol: f
     """Differences between two checkpoints by section; with `values`, the largest absolute difference
     per tensor (reads the tensors: DCP metadata is hash-checked against each commit record first)."""
     da, db = resolve(a), resolve(b)
+    for directory in (da, db):  # a checkpoint that does not verify has no trustworthy content to compare
+        problems = checkpoint_problems(directory)
+        if problems:
+            raise StateError(f"{directory} does not verify:\n  - " + "\n  - ".join(problems))
     sa, sb = read_state(da), read_state(db)
     sections: dict[str, list] = {}
     sections["config"] = _lines(
@@ -166,9 +203,6 @@ def _load_tensors(directory: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    problems = checkpoint_problems(directory)
-    if problems:
-        raise StateError(f"{directory}: refusing to let DCP read it: " + "; ".join(problems))
     with reading_tensors(directory / DCP_DIR):
         state = _load_state_dict_from_keys(storage_reader=safe_reader(directory / DCP_DIR))
     flat: dict[str, Any] = {}

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_state.commit import COMMIT_FILE
-from dpo_state.errors import StateError
+from dpo_state.errors import DocumentError, StateError
 
 CHECKPOINTS = "checkpoints"
+ABANDONED = "abandoned"
+"""Under checkpoints/: committed checkpoints moved aside (another branch, or damaged), never deleted."""
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -54,13 +58,25 @@ def resolve(path: str | Path) -> Path:
     return listing.latest
 
 
-def retain(run_dir: str | Path, keep_last: int, writing: Path | None = None) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`, and incomplete ones older than the
-    newest committed. Never the newest committed one, never `writing`. Returns what was deleted."""
+def lineage_of(path: Path) -> str | None:
+    """The run id of a checkpoint's lineage (None when its state cannot be read)."""
+    from dpo_state.state import read_state
+
+    try:
+        return read_state(path)["lineage"]["run_id"]
+    except DocumentError:
+        return None
+
+
+def retain(run_dir: str | Path, keep_last: int, run_id: str, writing: Path | None = None) -> list[Path]:
+    """Delete committed checkpoints of lineage `run_id` beyond its newest `keep_last`, and incomplete
+    ones older than the newest committed. Never the newest committed one, never `writing`, never a
+    checkpoint of another lineage (or one whose lineage cannot be read). Returns what was deleted."""
     listing = list_checkpoints(run_dir)
-    keep = {p for _, p in listing.committed[-max(1, keep_last) :]}
+    mine = [(s, p) for s, p in listing.committed if lineage_of(p) == run_id]
+    keep = {p for _, p in mine[-max(1, keep_last) :]}
     newest = listing.committed[-1][0] if listing.committed else -1
-    doomed = [p for _, p in listing.committed if p not in keep]
+    doomed = [p for _, p in mine if p not in keep]
     doomed += [p for s, p in listing.incomplete if s < newest]
     doomed = [p for p in doomed if writing is None or p.resolve() != Path(writing).resolve()]
     for path in doomed:
@@ -68,3 +84,14 @@ def retain(run_dir: str | Path, keep_last: int, writing: Path | None = None) -> 
         (path / COMMIT_FILE).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def move_aside(run_dir: str | Path, paths: list[Path], why: str) -> Path | None:
+    """Move committed checkpoints out of the way into checkpoints/abandoned/<time>-<why>/, keeping them."""
+    if not paths:
+        return None
+    target = Path(run_dir) / CHECKPOINTS / ABANDONED / f"{time.strftime('%Y%m%dT%H%M%S')}-{why}"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        os.rename(path, target / path.name)
+    return target

@@ -25,6 +25,28 @@ depend on these, so the loader re-deals the same steps. The loader's geometry an
 identity both use this one list."""
 
 
+def rank_files(rank: int) -> tuple[str, str]:
+    """A rank's two files in a checkpoint: its JSON state (loader) and its RNG states."""
+    return f"rank-{rank:05d}.json", f"rank-{rank:05d}.rng.safetensors"
+
+
+def rank_entry_problems(state: dict) -> list[str]:
+    """state.json names rank 0..N-1, each with exactly its own two files: a path anywhere else (`../x`,
+    an absolute path, another rank's file) is refused before any of them is opened."""
+    problems = []
+    for position, entry in enumerate(state["ranks"]):
+        if entry["rank"] != position:
+            problems.append(f"state.json: rank entry {position} is for rank {entry['rank']}; ranks run 0..N-1 in order")
+        expected = rank_files(position)
+        for name, want in zip((entry["state"], entry["rng"]), expected):
+            if name != want:
+                problems.append(
+                    f"state.json: rank {entry['rank']} names the file {name!r}, not {want!r} "
+                    "(a path outside the checkpoint, or another rank's file)"
+                )
+    return problems
+
+
 def read_state(directory: str | Path) -> dict:
     """state.json of a checkpoint, schema-checked, format version checked."""
     return read_document(Path(directory) / STATE_FILE, STATE_SCHEMA, CHECKPOINT_FORMAT_VERSION)

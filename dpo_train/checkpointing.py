@@ -39,7 +39,7 @@ from dpo_state.dcp_io import (
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
 from dpo_state.errors import DocumentError, StateError
 from dpo_state.files import read_json, write_json_atomic
-from dpo_state.layout import list_checkpoints, resolve, retain, step_dir
+from dpo_state.layout import lineage_of, list_checkpoints, move_aside, resolve, retain, step_dir
 from dpo_state.state import (
     CHECKPOINT_FORMAT_VERSION,
     STATE_FILE,
@@ -48,10 +48,11 @@ from dpo_state.state import (
     TREE_SCHEMA,
     identity_mismatches,
     normalized,
+    rank_files,
     read_state,
     read_state_tree,
 )
-from dpo_train.collectives import gather_failures
+from dpo_train.collectives import broadcast_from_rank0, gather_failures, gather_objects
 from dpo_train.config import TrainConfig
 from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 
@@ -160,10 +161,6 @@ class RunContext:
     batching: str
 
 
-def rank_files(rank: int) -> tuple[str, str]:
-    return f"rank-{rank:05d}.json", f"rank-{rank:05d}.rng.safetensors"
-
-
 def new_lineage() -> dict:
     return {"run_id": uuid.uuid4().hex, "parent": None, "resumed_from": None}
 
@@ -179,8 +176,10 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     _agree(step, world)  # every rank is at the same step before anyone writes
     directory = step_dir(ctx.out, step)
     if rank == 0:
-        if directory.exists():  # a save that never committed, or a damaged checkpoint resume skipped
-            (directory / COMMIT_FILE).unlink(missing_ok=True)  # first: a half-removed one reads as incomplete
+        if (directory / COMMIT_FILE).is_file():  # committed checkpoints are only ever deleted by retention
+            aside = move_aside(ctx.out, [directory], f"replaced-at-step-{step}")
+            _report(rank, f"moved the committed {directory.name} aside to {aside} before saving step {step} again")
+        elif directory.exists():  # a save that never committed
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
     _barrier(world)
@@ -201,6 +200,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     except Exception as e:  # noqa: BLE001 - any failure is reported to every rank below
         failure = f"rank {rank}: {type(e).__name__}: {e}"
     failures = gather_failures(failure, world)
+    positions = gather_objects(loader_state["position"] if not failures else None, world)
     if failures:
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
@@ -211,12 +211,12 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     if rank == 0:
         tree = {"format_version": TREE_FORMAT_VERSION, **model_state["tree"]}
         write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
-        document = _state_document(parts, ctx, loader_state["position"], tensors, lineage)
+        document = _state_document(parts, ctx, positions, tensors, lineage)
         write_json_atomic(directory / STATE_FILE, document)
         _kill_point(f"in-save:{step}:after-state")
         write_commit(directory, step)
         _kill_point(f"in-save:{step}:after-commit")
-        retain(ctx.out, ctx.keep_last, writing=directory)
+        retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
     _barrier(world)
     _kill_point(f"after-save:{step}")
     return directory
@@ -230,10 +230,11 @@ def _write_rank_files(directory: Path, rank: int, loader_state: dict, rng: State
     save_file(rng.state_dict(), str(directory / rng_name))
 
 
-def _state_document(parts: Checkpointable, ctx: RunContext, position: dict, tensors: dict, lineage: dict) -> dict:
+def _state_document(parts: Checkpointable, ctx: RunContext, positions: list, tensors: dict, lineage: dict) -> dict:
+    """state.json: rank 0's position is the run's; every rank's own position is recorded beside its files."""
     from dpo_data import __version__
 
-    train = parts.train.state_dict()
+    train, position = parts.train.state_dict(), positions[0]
     return normalized(
         {
             "format_version": CHECKPOINT_FORMAT_VERSION,
@@ -248,7 +249,7 @@ def _state_document(parts: Checkpointable, ctx: RunContext, position: dict, tens
             "rng": {"format": "safetensors", "keys": ["cpu", "cuda (when used)"]},
             "tensors": tensors,
             "ranks": [
-                {"rank": r, "state": rank_files(r)[0], "rng": rank_files(r)[1], "position": position}
+                {"rank": r, "state": rank_files(r)[0], "rng": rank_files(r)[1], "position": positions[r]}
                 for r in range(ctx.world)
             ],
             "package": {"name": "dpo-toolkit", "version": __version__},
@@ -274,14 +275,29 @@ def _tensor_summary(state: Any) -> dict:
 # ---------------------------------------------------------------- resume
 
 
-def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
-    """The checkpoint to resume from, verified, or None for a fresh start.
+def find_resume(config: TrainConfig, out: Path, rank: int, world: int = 1, device: Any = "cpu") -> Path | None:
+    """The checkpoint to resume from, verified, or None for a fresh start. Rank 0 chooses and verifies;
+    every rank gets its choice, or fails with its one message.
 
-    auto: the newest committed checkpoint whose files match their commit record; incomplete or failing
-    ones are reported and skipped (with train.resume_strict, a failing one stops the run).
-    never: a fresh start, refused if the output directory already holds committed checkpoints.
-    PATH: that step directory (or a run directory's latest); it must verify.
+    auto: the newest committed checkpoint that verifies, following the lineage (run id) of the newest
+    committed one; incomplete or failing ones are reported and skipped (with train.resume_strict, a
+    failing one stops the run). never: a fresh start, refused if the output directory already holds
+    committed checkpoints. PATH: that step directory (or a run directory's latest); it must verify.
     """
+    choice, error = None, ""
+    if rank == 0:
+        try:
+            found = _choose(config, out)
+            choice = str(found) if found is not None else None
+        except ResumeError as e:
+            error = str(e)
+    choice, error = broadcast_from_rank0((choice, error), world, device)
+    if error:
+        raise ResumeError(error)
+    return Path(choice) if choice is not None else None
+
+
+def _choose(config: TrainConfig, out: Path) -> Path | None:
     mode = config.train.resume
     if mode == "never":
         listing = list_checkpoints(out)
@@ -296,16 +312,33 @@ def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
         return _verified_checkpoint("train.resume", mode)
     listing = list_checkpoints(out)
     for _, path in listing.incomplete:
-        _report(rank, f"ignoring incomplete checkpoint {path} (no commit record: a save that never finished)")
+        _report(0, f"ignoring incomplete checkpoint {path} (no commit record: a save that never finished)")
+    lineage = next((lineage_of(p) for _, p in reversed(listing.committed) if lineage_of(p)), None)
     for _, path in reversed(listing.committed):
         problems = checkpoint_problems(path)
-        if not problems:
+        if not problems and lineage_of(path) == lineage:
             return path
+        if not problems:
+            _report(0, f"skipping checkpoint {path}: another lineage than the newest committed checkpoint's")
+            continue
         message = f"checkpoint {path} does not verify:\n  - " + "\n  - ".join(problems)
         if config.train.resume_strict:
             raise ResumeError(message + "\n  train.resume_strict is set; repair or delete it, or unset resume_strict")
-        _report(rank, "skipping " + message)
+        _report(0, "skipping " + message)
     return None
+
+
+def abandon_later(out: Path, resumed: Path, rank: int, world: int) -> None:
+    """After resuming from `resumed`, move the committed checkpoints of later steps aside (another branch,
+    or ones that did not verify): the run continues one lineage, and nothing committed is deleted."""
+    if rank == 0:
+        step = int(resumed.name.removeprefix("step-")) if resumed.name.startswith("step-") else None
+        later = [p for s, p in list_checkpoints(out).committed if step is not None and s > step]
+        aside = move_aside(out, later, f"after-resume-from-{resumed.name}")
+        if aside is not None:
+            names = ", ".join(p.name for p in later)
+            _report(rank, f"resumed from {resumed.name}: the later checkpoints {names} are moved aside to {aside}")
+    _barrier(world)
 
 
 def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
@@ -327,9 +360,6 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         )
     for line in elastic:
         _report(ctx.rank, f"elastic resume ({line}): the same steps, re-dealt; not bitwise identical")
-    problems = checkpoint_problems(path)  # again, just before DCP reads the files
-    if problems:
-        raise ResumeError(f"checkpoint {path} changed while resuming:\n  - " + "\n  - ".join(problems))
     try:
         tree = read_state_tree(path)
     except DocumentError as e:
@@ -348,6 +378,12 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         rank_state = read_json(path / rank_files(source_rank)[0])
     except DocumentError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
+    recorded = state["ranks"][source_rank]["position"]
+    if rank_state["loader"]["position"] != recorded:  # rank 0 verified this; a change since is refused
+        raise ResumeError(
+            f"checkpoint {path}: rank {source_rank}'s loader position {rank_state['loader']['position']} "
+            f"differs from the one state.json records ({recorded})"
+        )
     parts.loader.load_state_dict(rank_state["loader"])
     if saved_world == ctx.world:
         from safetensors.torch import load_file

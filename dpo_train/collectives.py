@@ -21,3 +21,21 @@ def gather_failures(failure: str, world: int, device: torch.device | str = "cpu"
     messages: list[Any] = [None] * world
     dist.all_gather_object(messages, failure)  # in-memory between live ranks, never from disk
     return [m for m in messages if m]
+
+
+def gather_objects(value: Any, world: int) -> list[Any]:
+    """Every rank's small JSON-like `value`, in rank order, on every rank (in memory between live ranks)."""
+    if world == 1:
+        return [value]
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def broadcast_from_rank0(value: Any, world: int, device: torch.device | str = "cpu") -> Any:
+    """Rank 0's small `value`, on every rank."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=torch.device(device))
+    return box[0]

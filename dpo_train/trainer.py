@@ -25,6 +25,7 @@ from dpo_train.checkpointing import (
     RNGState,
     RunContext,
     TrainState,
+    abandon_later,
     check_resume_config,
     find_resume,
     load_weights,
@@ -251,9 +252,10 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     check_vocabulary(trainer.policy, {"data.path": loader.stream.store})
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
-    resume_from = find_resume(config, out, rank)
+    resume_from = find_resume(config, out, rank, world, collective_device)
     if resume_from is not None:
         state = restore(parts, ctx, resume_from)
+        abandon_later(out, resume_from, rank, world)
         lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
         if rank == 0:
             _truncate_logs(out, trainer.state.step)

@@ -707,3 +707,42 @@ def test_each_rank_position_is_recorded_and_cross_checked(run):
     assert proc.returncode == 1 and "rank-00000.json: loader position" in proc.stderr
     proc = _train(run / "c.yaml", "--set", f"train.resume={step}", code=2)
     assert "differs from the one state.json records for rank 0" in proc.stderr
+
+
+# -- every persisted document has a schema and a version -------------------------------------------------------
+
+
+def test_logs_and_rank_files_match_their_schemas_and_resume_reads_them_back(run):
+    from dpo_state.schema import schema_problems
+    from dpo_state.state import read_rank_state
+
+    records = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(schema_problems("metrics-record", r) == [] for r in records)
+    rank = read_rank_state(_step(run, 2) / "rank-00000.json")
+    assert rank["format_version"] == 1 and rank["loader"]["format_version"] == 2
+    log = run / "run" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 9, "lo')  # a crash in the middle of a write
+    assert _train(run / "c.yaml").returncode == 0  # the torn line is dropped with the steps after step 2
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
+    proc = _train(run / "c.yaml", "--set", "train.max_steps=4", code=2)
+    assert "metrics.jsonl line 2 is not JSON" in proc.stderr
+
+
+def test_a_loader_state_that_breaks_its_schema_is_refused(sample_dataset):
+    from dpo_data import DataError, DPOLoader, LoaderConfig
+
+    loader = DPOLoader([sample_dataset], LoaderConfig())
+    state = loader.state_dict()
+    state["position"] = "somewhere"
+    with pytest.raises(DataError, match="does not match schemas/loader-state.schema.json"):
+        DPOLoader([sample_dataset], LoaderConfig()).load_state_dict(state)
+    state["format_version"] = 1
+    with pytest.raises(DataError, match="loader state format_version 1; this dpo-data reads format_version 2"):
+        DPOLoader([sample_dataset], LoaderConfig()).load_state_dict(state)
+
+
+def test_a_config_format_version_is_checked_not_dropped():
+    _config_error({"format_version": 7, "data": {"path": "x"}}, match="format_version is 7")
