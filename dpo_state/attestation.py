@@ -23,7 +23,7 @@ _cache: weakref.WeakKeyDictionary[Any, tuple[tuple, dict]] = weakref.WeakKeyDict
 
 
 def tokenizer_attestation(tokenizer: Any) -> dict:
-    """Return `{"version": 2, "fingerprint": "v2:<sha256>", "components": {...}}` for a fast tokenizer.
+    """Return `{"format_version": 2, "fingerprint": "v2:<sha256>", "components": {...}}` for a fast tokenizer.
 
     The fingerprint hashes canonical content: the backend (vocabulary, merges, normalizer,
     pre-tokenizer, post-processor, decoder) without its mutable truncation/padding state, the added
@@ -36,7 +36,7 @@ def tokenizer_attestation(tokenizer: Any) -> dict:
         return hit[1]
     components = {name: sha256_json(value) for name, value in _components(tokenizer).items()}
     attestation = {
-        "version": TOKENIZER_ATTESTATION_VERSION,
+        "format_version": TOKENIZER_ATTESTATION_VERSION,
         "fingerprint": _PREFIX + sha256_json(components),
         "components": components,
         "vocab_size": len(tokenizer),

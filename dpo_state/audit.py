@@ -16,6 +16,7 @@ from dpo_state.state import (
     TREE_FILE,
     differences,
     rank_entry_problems,
+    read_rank_state,
     read_state,
     read_state_tree,
 )
@@ -100,10 +101,8 @@ def _rank_file_problems(directory: Path, entry: dict, listed: set[str]) -> list[
         if name not in listed
     ]
     try:
-        document = read_json(directory / entry["state"])
-        if not isinstance(document, dict) or not isinstance(document.get("loader"), dict):
-            problems.append(f"{entry['state']}: not a rank state (no 'loader')")
-        elif document["loader"].get("position") != entry["position"]:
+        document = read_rank_state(directory / entry["state"])
+        if document["loader"]["position"] != entry["position"]:
             problems.append(
                 f"{entry['state']}: loader position {document['loader'].get('position')} differs from "
                 f"the one {STATE_FILE} records for rank {entry['rank']} ({entry['position']})"

@@ -25,6 +25,24 @@ depend on these, so the loader re-deals the same steps. The loader's geometry an
 identity both use this one list."""
 
 
+RANK_SCHEMA = "checkpoint-rank"
+RANK_FORMAT_VERSION = 1
+
+
+def read_rank_state(path: str | Path) -> dict:
+    """A rank's JSON file: schema-checked, and its loader state checked against schemas/loader-state."""
+    from dpo_state.errors import DocumentError
+    from dpo_state.schema import schema_problems
+
+    document = read_document(path, RANK_SCHEMA, RANK_FORMAT_VERSION)
+    problems = schema_problems("loader-state", document["loader"])
+    if problems:
+        raise DocumentError(
+            f"{path}: its loader state does not match schemas/loader-state.schema.json:\n  - " + "\n  - ".join(problems)
+        )
+    return document
+
+
 def rank_files(rank: int) -> tuple[str, str]:
     """A rank's two files in a checkpoint: its JSON state (loader) and its RNG states."""
     return f"rank-{rank:05d}.json", f"rank-{rank:05d}.rng.safetensors"

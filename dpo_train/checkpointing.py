@@ -38,17 +38,21 @@ from dpo_state.dcp_io import (
 )
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
 from dpo_state.errors import DocumentError, StateError
-from dpo_state.files import read_json, write_json_atomic
+from dpo_state.files import write_json_atomic
 from dpo_state.layout import lineage_of, list_checkpoints, move_aside, resolve, retain, step_dir
 from dpo_state.state import (
     CHECKPOINT_FORMAT_VERSION,
+    RANK_FORMAT_VERSION,
+    RANK_SCHEMA,
     STATE_FILE,
+    STATE_SCHEMA,
     TREE_FILE,
     TREE_FORMAT_VERSION,
     TREE_SCHEMA,
     identity_mismatches,
     normalized,
     rank_files,
+    read_rank_state,
     read_state,
     read_state_tree,
 )
@@ -212,7 +216,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         tree = {"format_version": TREE_FORMAT_VERSION, **model_state["tree"]}
         write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
         document = _state_document(parts, ctx, positions, tensors, lineage)
-        write_json_atomic(directory / STATE_FILE, document)
+        write_json_atomic(directory / STATE_FILE, document, schema=STATE_SCHEMA)
         _kill_point(f"in-save:{step}:after-state")
         write_commit(directory, step)
         _kill_point(f"in-save:{step}:after-commit")
@@ -226,7 +230,8 @@ def _write_rank_files(directory: Path, rank: int, loader_state: dict, rng: State
     from safetensors.torch import save_file
 
     state_name, rng_name = rank_files(rank)
-    write_json_atomic(directory / state_name, {"rank": rank, "loader": loader_state})
+    document = {"format_version": RANK_FORMAT_VERSION, "rank": rank, "loader": loader_state}
+    write_json_atomic(directory / state_name, document, schema=RANK_SCHEMA)
     save_file(rng.state_dict(), str(directory / rng_name))
 
 
@@ -375,7 +380,7 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
     saved_world = len(state["ranks"])
     source_rank = ctx.rank if saved_world == ctx.world else 0  # elastic: positions are equal on all ranks
     try:
-        rank_state = read_json(path / rank_files(source_rank)[0])
+        rank_state = read_rank_state(path / rank_files(source_rank)[0])
     except DocumentError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
     recorded = state["ranks"][source_rank]["position"]

@@ -11,6 +11,9 @@ from dpo_data.dataset.store import PairStore
 from dpo_train.errors import ConfigError
 from dpo_train.scoring import Scores, score_pairs
 
+EVAL_FORMAT_VERSION = 1
+"""Every eval.jsonl record carries it; schema `eval-record`."""
+
 
 class Evaluator:
     """Scores `eval.path` with the initial policy once (it is the reference), then with the policy.
@@ -42,6 +45,7 @@ class Evaluator:
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
         record = {
+            "format_version": EVAL_FORMAT_VERSION,
             "step": step,
             "pairs": int(len(margin)),
             "accuracy": float((margin > 0).sum() / n),

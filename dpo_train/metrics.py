@@ -6,6 +6,9 @@ import torch
 
 from dpo_data.loading.microbatch import pair_sums
 
+METRICS_FORMAT_VERSION = 1
+"""Every metrics.jsonl record carries it; schema `metrics-record`."""
+
 # Row 0 holds all pairs of the step, row 1 + s the pairs of source s: a pair counts once.
 SUMS = (
     "loss",
@@ -66,6 +69,7 @@ def step_record(
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
     return {
+        "format_version": METRICS_FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
         "loss": s["loss"] / pairs,

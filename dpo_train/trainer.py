@@ -19,6 +19,8 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
+from dpo_state.errors import DocumentError
+from dpo_state.schema import schema_problems
 from dpo_train.checkpointing import (
     Checkpointable,
     ModelAndOptimizer,
@@ -316,17 +318,32 @@ def _truncate_logs(out: Path, step: int) -> int:
     """On resume, drop log lines of steps after the checkpoint: they are trained again (on a fresh
     start, all of them). Returns how many lines were dropped."""
     dropped = 0
-    for name, keep in (
-        ("metrics.jsonl", lambda r: r["step"] < step),
-        ("eval.jsonl", lambda r: r["step"] <= step and step > 0),
+    for name, schema, keep in (
+        ("metrics.jsonl", "metrics-record", lambda r: r["step"] < step),
+        ("eval.jsonl", "eval-record", lambda r: r["step"] <= step and step > 0),
     ):
         path = out / name
         if path.is_file():
             lines = [x for x in path.read_bytes().splitlines() if x.strip()]
-            kept = [x for x in lines if keep(orjson.loads(x))]
+            kept = [x for n, x in enumerate(lines, 1) if keep(_log_record(path, n, x, schema, last=n == len(lines)))]
             path.write_bytes(b"".join(x + b"\n" for x in kept))
             dropped += len(lines) - len(kept)
     return dropped
+
+
+def _log_record(path: Path, number: int, line: bytes, schema: str, last: bool) -> dict:
+    """One parsed log line; a torn last line (a crash mid-write) reads as a step to drop, anything else
+    malformed is a named error."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        if last:
+            return {"step": float("inf")}
+        raise DocumentError(f"{path} line {number} is not JSON; the log was edited or damaged") from None
+    problems = schema_problems(schema, record)
+    if problems:
+        raise DocumentError(f"{path} line {number} does not match schemas/{schema}.schema.json: {problems[0]}")
+    return record
 
 
 def _keeps_initial(config: TrainConfig) -> bool:

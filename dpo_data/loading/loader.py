@@ -16,9 +16,11 @@ from dpo_data.errors import DataError
 from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.loading.steps import PlannerState, StepPlan, StepPlanner
+from dpo_state.schema import schema_problems
 from dpo_state.state import ELASTIC_KEYS
 
-LOADER_STATE_VERSION = 1
+LOADER_STATE_VERSION = 2
+"""2: the version key is spelled `format_version`, as in every other document."""
 
 
 class MicrobatchStream(IterableDataset):
@@ -166,7 +168,7 @@ class DPOLoader:
     def state_dict(self) -> dict[str, Any]:
         return copy.deepcopy(
             {
-                "version": LOADER_STATE_VERSION,
+                "format_version": LOADER_STATE_VERSION,
                 "geometry": self.stream.geometry(),
                 "position": self._next,
                 "dataloader": self.loader.state_dict(),
@@ -175,10 +177,16 @@ class DPOLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = copy.deepcopy(state)  # never alias the caller's copy
-        if state.get("version") != LOADER_STATE_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else None
+        if found != LOADER_STATE_VERSION:
             raise DataError(
-                f"loader state version {state.get('version')!r}; this dpo-data reads version "
+                f"loader state format_version {found!r}; this dpo-data reads format_version "
                 f"{LOADER_STATE_VERSION}. Fix: resume with the version that saved it"
+            )
+        problems = schema_problems("loader-state", state)
+        if problems:
+            raise DataError(
+                "the loader state does not match schemas/loader-state.schema.json:\n  - " + "\n  - ".join(problems)
             )
         saved, current = state["geometry"], self.stream.geometry()
         differ = {

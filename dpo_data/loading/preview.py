@@ -11,6 +11,7 @@ import numpy as np
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.steps import PlannerState, StepPlanner
+from dpo_state.schema import validate
 
 PLAN_FORMAT_VERSION = 1
 
@@ -47,7 +48,7 @@ def plan_document(
         )
     used = [mb["tokens"] for s in out for r in s["ranks"] for mb in r["microbatches"] if mb["pairs"]]
     capacity = len(used) * config.max_tokens_per_microbatch
-    return {
+    document = {
         "format_version": PLAN_FORMAT_VERSION,
         "datasets": [str(d) for d in dirs],
         "fingerprint": store.fingerprint,
@@ -65,6 +66,8 @@ def plan_document(
         },
         "packing_efficiency": round(sum(used) / capacity, 6) if capacity else 0.0,
     }
+    validate("plan", document, "the plan document")  # the format --json promises
+    return document
 
 
 def format_plan(doc: dict[str, Any], show_steps: int = 3) -> str:
