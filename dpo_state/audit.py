@@ -55,7 +55,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     }
 
 
-def checkpoint_problems(directory: str | Path) -> list[str]:
+def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]:
     """Every reason a checkpoint must not be read; empty = sound. The one verification that `dpo-state
     verify`, `diff`, resume and `weights_from` all use, so they never disagree.
 
@@ -63,9 +63,10 @@ def checkpoint_problems(directory: str | Path) -> list[str]:
     and state_tree.json (schema, version); the commit record's step against state.json's; the rank files
     (named as the format says, listed, parsed, each rank's loader position equal to the one state.json
     records); RNG files; and, last, DCP's metadata through the restricted unpickler (tensors only).
+    `hashes=False` checks sizes but not sha256: for readers that open no tensor (`diff` without `--values`).
     """
     directory = Path(directory)
-    problems = commit_problems(directory)
+    problems = commit_problems(directory, hashes)
     try:
         record = read_commit(directory)
         state = read_state(directory)
@@ -144,7 +145,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, values: bool = False, atol: f
     per tensor (reads the tensors: DCP metadata is hash-checked against each commit record first)."""
     da, db = resolve(a), resolve(b)
     for directory in (da, db):  # a checkpoint that does not verify has no trustworthy content to compare
-        problems = checkpoint_problems(directory)
+        problems = checkpoint_problems(directory, hashes=values)  # sha256 only when tensors are read
         if problems:
             raise StateError(f"{directory} does not verify:\n  - " + "\n  - ".join(problems))
     sa, sb = read_state(da), read_state(db)

@@ -33,9 +33,9 @@ def read_commit(directory: str | Path) -> dict:
     return read_document(Path(directory) / COMMIT_FILE, COMMIT_SCHEMA, COMMIT_FORMAT_VERSION)
 
 
-def commit_problems(directory: str | Path) -> list[str]:
+def commit_problems(directory: str | Path, hashes: bool = True) -> list[str]:
     """Every way the files of `directory` differ from its commit record: missing, resized, altered
-    (sha256), outside the directory, or present but unlisted. Empty when the checkpoint is sound."""
+    (sha256, unless `hashes` is False), outside the directory, or present but unlisted. Empty when sound."""
     directory = Path(directory)
     try:
         record = read_commit(directory)
@@ -48,7 +48,7 @@ def commit_problems(directory: str | Path) -> list[str]:
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             problems.append(f"{rel}: a path outside the checkpoint")
             continue
-        problems += file_problems(directory / rel, entry["bytes"], entry["sha256"], rel, "the commit record")
+        problems += file_problems(directory / rel, entry["bytes"], entry["sha256"], rel, "the commit record", hashes)
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
         if rel not in listed and rel != COMMIT_FILE:
