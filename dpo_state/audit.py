@@ -63,7 +63,8 @@ def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]
     and state_tree.json (schema, version); the commit record's step against state.json's; the rank files
     (named as the format says, listed, parsed, each rank's loader position equal to the one state.json
     records); RNG files; and, last, DCP's metadata through the restricted unpickler (tensors only).
-    `hashes=False` checks sizes but not sha256: for readers that open no tensor (`diff` without `--values`).
+    `hashes=False` checks sizes but not sha256, RNG files or DCP's metadata (no torch import): for readers
+    that open no tensor (`diff` without `--values`).
     """
     directory = Path(directory)
     problems = commit_problems(directory, hashes)
@@ -86,8 +87,8 @@ def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]
     problems += entries
     if not entries:
         for entry in state["ranks"]:
-            problems += _rank_file_problems(directory, entry, listed)
-    if not problems:
+            problems += _rank_file_problems(directory, entry, listed, hashes)
+    if not problems and hashes:
         try:
             read_dcp_metadata(directory / DCP_DIR)
         except StateError as e:
@@ -95,7 +96,7 @@ def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]
     return _unique(problems)
 
 
-def _rank_file_problems(directory: Path, entry: dict, listed: set[str]) -> list[str]:
+def _rank_file_problems(directory: Path, entry: dict, listed: set[str], rng: bool = True) -> list[str]:
     problems = [
         f"{name}: rank {entry['rank']}'s file is not in the commit record"
         for name in (entry["state"], entry["rng"])
@@ -110,7 +111,7 @@ def _rank_file_problems(directory: Path, entry: dict, listed: set[str]) -> list[
             )
     except DocumentError as e:
         problems.append(str(e))
-    return problems + _rng_problems(directory / entry["rng"])
+    return problems + (_rng_problems(directory / entry["rng"]) if rng else [])
 
 
 def _unique(problems: list[str]) -> list[str]:
