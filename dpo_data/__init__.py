@@ -12,8 +12,7 @@ on-disk contract: shards, manifest, verification, the pair store) and `loading` 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpo_state.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -51,14 +50,4 @@ _PUBLIC = {
 __all__ = ["__version__", *_PUBLIC]
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dpo_data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("dpo_data", globals(), _PUBLIC)

@@ -8,8 +8,7 @@ The public API (names are imported on first use):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpo_state.lazy import lazy_exports
 
 _PUBLIC = {
     # the one error family
@@ -39,14 +38,4 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dpo_state' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("dpo_state", globals(), _PUBLIC)
