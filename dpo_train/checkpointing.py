@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from dpo_state.audit import checkpoint_problems
 from dpo_state.commit import COMMIT_FILE, write_commit
@@ -56,7 +55,7 @@ from dpo_state.state import (
     read_state,
     read_state_tree,
 )
-from dpo_train.collectives import broadcast_from_rank0, gather_failures, gather_objects
+from dpo_train import collectives
 from dpo_train.config import TrainConfig
 from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 
@@ -177,7 +176,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     import torch.distributed.checkpoint as dcp
 
     rank, world, step = ctx.rank, ctx.world, parts.train.step
-    _agree(step, world)  # every rank is at the same step before anyone writes
+    _agree(step)  # every rank is at the same step before anyone writes
     directory = step_dir(ctx.out, step)
     if rank == 0:
         if (directory / COMMIT_FILE).is_file():  # committed checkpoints are only ever deleted by retention
@@ -186,7 +185,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         elif directory.exists():  # a save that never committed
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
-    _barrier(world)
+    collectives.barrier()
     failure = ""
     try:
         model_state = parts.model.state_dict()
@@ -203,8 +202,8 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
     except Exception as e:  # noqa: BLE001 - any failure is reported to every rank below
         failure = f"rank {rank}: {type(e).__name__}: {e}"
-    failures = gather_failures(failure, world)
-    positions = gather_objects(loader_state["position"] if not failures else None, world)
+    failures = collectives.gather_failures(failure)
+    positions = collectives.gather_objects(loader_state["position"] if not failures else None)
     if failures:
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
@@ -221,7 +220,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
         write_commit(directory, step)
         _kill_point(f"in-save:{step}:after-commit")
         retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
-    _barrier(world)
+    collectives.barrier()
     _kill_point(f"after-save:{step}")
     return directory
 
@@ -280,7 +279,7 @@ def _tensor_summary(state: Any) -> dict:
 # ---------------------------------------------------------------- resume
 
 
-def find_resume(config: TrainConfig, out: Path, rank: int, world: int = 1, device: Any = "cpu") -> Path | None:
+def find_resume(config: TrainConfig, out: Path, rank: int) -> Path | None:
     """The checkpoint to resume from, verified, or None for a fresh start. Rank 0 chooses and verifies;
     every rank gets its choice, or fails with its one message.
 
@@ -296,7 +295,7 @@ def find_resume(config: TrainConfig, out: Path, rank: int, world: int = 1, devic
             choice = str(found) if found is not None else None
         except ResumeError as e:
             error = str(e)
-    choice, error = broadcast_from_rank0((choice, error), world, device)
+    choice, error = collectives.broadcast_from_rank0((choice, error))
     if error:
         raise ResumeError(error)
     return Path(choice) if choice is not None else None
@@ -343,7 +342,7 @@ def abandon_later(out: Path, resumed: Path, rank: int, world: int) -> None:
         if aside is not None:
             names = ", ".join(p.name for p in later)
             _report(rank, f"resumed from {resumed.name}: the later checkpoints {names} are moved aside to {aside}")
-    _barrier(world)
+    collectives.barrier()
 
 
 def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
@@ -437,20 +436,12 @@ def check_resume_config(config: TrainConfig) -> None:
 # ---------------------------------------------------------------- collectives and hooks
 
 
-def _agree(step: int, world: int) -> None:
-    if world == 1:
-        return
-    lo = torch.tensor([step], dtype=torch.int64)
-    hi = lo.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    if int(lo) != int(hi):
-        raise CheckpointError(f"ranks disagree on the step to save (steps {int(lo)} to {int(hi)}); nothing saved")
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+def _agree(step: int) -> None:
+    """Every rank is at `step` (one MAX all-reduce of the step with both signs), else nothing is saved."""
+    both = collectives.all_reduce(torch.tensor([step, -step], dtype=torch.int64), "max")
+    lo, hi = -int(both[1]), int(both[0])
+    if lo != hi:
+        raise CheckpointError(f"ranks disagree on the step to save (steps {lo} to {hi}); nothing saved")
 
 
 def _kill_point(name: str) -> None:

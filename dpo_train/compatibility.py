@@ -8,12 +8,12 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.dataset.verify import shard_problems
 from dpo_data.errors import DataError
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
-from dpo_train.collectives import gather_failures
+from dpo_train import collectives
 from dpo_train.config import TrainConfig
 from dpo_train.errors import ConfigError
 
 
-def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int, device: Any = "cpu") -> None:
+def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int) -> None:
     """Refuse (DataError, on every rank) shards that differ from their manifests: size, and sha256 with
     `data.verify: full`. The ranks share the shards (rank r checks every world-th), hash in threads, and
     agree on the verdict. Manifests were already checked for self-consistency when the stores opened."""
@@ -23,7 +23,7 @@ def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int, d
         failure = "\n  - ".join(problems)
     except DataError as e:
         failure = str(e)
-    failures = gather_failures(failure, world, device)
+    failures = collectives.gather_failures(failure)
     if failures:
         raise DataError(
             "the data does not match its manifests; refusing to train on it:\n  - "

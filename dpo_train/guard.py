@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from dpo_train import collectives
 from dpo_train.metrics import SUMS
 
 CHECKED = {"loss": "loss", "chosen_logp": "logps/chosen", "rejected_logp": "logps/rejected"}
@@ -20,15 +20,13 @@ def local_nonfinite(sums: torch.Tensor, grad_norm: float) -> list[str]:
     return bad + ([] if math.isfinite(grad_norm) else ["grad_norm"])
 
 
-def agree(flag: bool, step_pairs: int, rank: int, world: int, device: torch.device) -> tuple[list[int], int, int]:
+def agree(flag: bool, step_pairs: int, rank: int, world: int) -> tuple[list[int], int, int]:
     """(ranks that raised `flag`, smallest and largest `step_pairs` over ranks), from one all-reduce (MAX)
     of a one-hot vector and the pair count with both signs. Every rank must call."""
-    values = torch.zeros(world + 2, dtype=torch.float64, device=device)
+    values = torch.zeros(world + 2, dtype=torch.float64)
     values[rank] = float(flag)
     values[world], values[world + 1] = float(step_pairs), -float(step_pairs)
-    if world > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    out = values.tolist()
+    out = collectives.all_reduce(values, "max").tolist()
     return [r for r, f in enumerate(out[:world]) if f], int(-out[world + 1]), int(out[world])
 
 

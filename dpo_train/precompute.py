@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dpo_data.dataset.store import PairStore
+from dpo_train import collectives
 from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import attention_for, init_distributed, placement
@@ -26,9 +25,7 @@ def precompute_reference(config: TrainConfig) -> Path:
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
     store = PairStore(config.data.paths)
-    check_data(
-        {"data.path": store}, config.data.verify, rank, world, place.device if place.backend != "gloo" else "cpu"
-    )
+    check_data({"data.path": store}, config.data.verify, rank, world)
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     model = load_policy(config.model, attention_for(config.model.attention, place))
     check_vocabulary(model, {"data.path": store})
@@ -39,6 +36,5 @@ def precompute_reference(config: TrainConfig) -> Path:
     path = Path(config.reference.path)
     if rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, config.model.path or "init")
-    if dist.is_initialized():
-        dist.barrier()
+    collectives.barrier()
     return path

@@ -14,6 +14,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
 from dpo_data.loading.microbatch import pack_microbatch
+from dpo_train import collectives
 from dpo_train.logps import pair_logps
 
 
@@ -63,9 +64,6 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) ->
             for row, values in enumerate((out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens)):
                 table[row, index] = values.detach().double().cpu()
     model.train(was_training)
-    if world > 1:
-        table = table.to(device) if dist.get_backend() != "gloo" else table
-        dist.all_reduce(table)
-        table = table.cpu()
+    table = collectives.all_reduce(table)
     values = table.numpy()
     return Scores(values[0].copy(), values[1].copy(), values[2].astype(np.int32), values[3].astype(np.int32))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import orjson
 import torch
-import torch.distributed as dist
 import yaml
 
 from dpo_data.dataset.store import PairStore
@@ -21,6 +20,7 @@ from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
 from dpo_state.errors import DocumentError
 from dpo_state.schema import schema_problems
+from dpo_train import collectives
 from dpo_train.checkpointing import (
     Checkpointable,
     ModelAndOptimizer,
@@ -187,9 +187,8 @@ class Trainer:
         max_norm = self.config.optim.max_grad_norm or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
         mine = local_nonfinite(self.sums, grad_norm)
-        device = self.place.device if self.place.backend != "gloo" else torch.device("cpu")
         step_pairs, self._step_pairs = self._step_pairs, set()
-        bad_ranks, fewest, most = agree(bool(mine), max(step_pairs, default=0), self.rank, self.world, device)
+        bad_ranks, fewest, most = agree(bool(mine), max(step_pairs, default=0), self.rank, self.world)
         if len(step_pairs) > 1 or fewest != most:
             self.optimizer.zero_grad(set_to_none=True)
             raise DataError(
@@ -197,10 +196,7 @@ class Trainer:
                 f"{sorted(step_pairs)}, the ranks {fewest} to {most}); every micro-batch of a step, on "
                 "every rank, must carry the step's total pair count (docs/loader.md)"
             )
-        if self.world > 1:
-            sums = self.sums.to(device)
-            dist.all_reduce(sums)
-            self.sums = sums.cpu()
+        self.sums = collectives.all_reduce(self.sums)
         if bad_ranks and self.config.train.on_nonfinite == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -246,15 +242,14 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     loader = DPOLoader(
         config.data.paths, config.data.loader_config(rank, world), max_epochs=config.train.epochs, pad_to_multiple_of=8
     )
-    collective_device = place.device if place.backend != "gloo" else torch.device("cpu")
-    check_data({"data.path": loader.stream.store}, config.data.verify, rank, world, collective_device)
+    check_data({"data.path": loader.stream.store}, config.data.verify, rank, world)
     tokenizer = load_run_tokenizer(config)
     check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
     trainer = Trainer(config, place, rank, world, loader.stream.store)
     check_vocabulary(trainer.policy, {"data.path": loader.stream.store})
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
-    resume_from = find_resume(config, out, rank, world, collective_device)
+    resume_from = find_resume(config, out, rank)
     if resume_from is not None:
         state = restore(parts, ctx, resume_from)
         abandon_later(out, resume_from, rank, world)
@@ -270,7 +265,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         )
     evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
     if evaluator:
-        check_data({"eval.path": evaluator.store}, config.data.verify, rank, world, collective_device)
+        check_data({"eval.path": evaluator.store}, config.data.verify, rank, world)
         check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
         check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
     if evaluator and resume_from is None:
@@ -435,5 +430,4 @@ def _export(policy, tokenizer, out: Path, rank: int, world: int) -> None:
         policy.save_pretrained(out / "final", state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "final")
-    if world > 1:
-        dist.barrier()
+    collectives.barrier()
