@@ -9,8 +9,9 @@ import orjson
 
 from dpo_state.files import read_document
 
-CHECKPOINT_FORMAT_VERSION = 2
-"""2: DCP holds tensors only; the non-tensor model and optimizer state is JSON (`TREE_FILE`)."""
+CHECKPOINT_FORMAT_VERSION = 3
+"""2: DCP holds tensors only; the non-tensor model and optimizer state is JSON (`TREE_FILE`).
+3: the identity records the device kind (and the LoRA settings); RNG states are kept per device kind."""
 STATE_SCHEMA = "checkpoint-state"
 STATE_FILE = "state.json"
 TREE_FILE = "state_tree.json"

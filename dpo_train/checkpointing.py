@@ -119,18 +119,29 @@ class ModelAndOptimizer:
 
 
 class RNGState:
-    """This process's generator states: cpu always, cuda when it was used."""
+    """This process's generator states, by device kind: cpu always, and the rank's accelerator (cuda, or
+    npu through torch-npu, whose generators live in `torch.npu`) when the run is on one."""
+
+    def __init__(self, device_kind: str = "cpu"):
+        self.kinds = ["cpu"] if device_kind == "cpu" else ["cpu", device_kind]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return rng
+        return {kind: _generator(kind).get_rng_state() for kind in self.kinds}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+        if sorted(state) != sorted(self.kinds):
+            raise ResumeError(
+                f"the checkpoint holds generator states for {', '.join(sorted(state))}, this run needs "
+                f"{', '.join(self.kinds)}: it was saved on another device kind; resume on that kind, or start a "
+                "new run from its weights with train.weights_from"
+            )
+        for kind in self.kinds:
+            _generator(kind).set_rng_state(state[kind])
+
+
+def _generator(kind: str) -> Any:
+    """The module holding `kind`'s default generator: torch (cpu), torch.cuda, torch.npu."""
+    return torch if kind == "cpu" else getattr(torch, kind)
 
 
 @dataclass
@@ -250,7 +261,7 @@ def _state_document(parts: Checkpointable, ctx: RunContext, positions: list, ten
             "config_sha256": DIGEST_PREFIX + sha256_json(ctx.config),
             "identity": ctx.identity,
             "scheduler_state": parts.scheduler.state_dict(),
-            "rng": {"format": "safetensors", "keys": ["cpu", "cuda (when used)"]},
+            "rng": {"format": "safetensors", "keys": parts.rng.kinds},
             "tensors": tensors,
             "ranks": [
                 {"rank": r, "state": rank_files(r)[0], "rng": rank_files(r)[1], "position": positions[r]}

@@ -10,6 +10,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
 from dpo_train.config import TrainConfig
+from dpo_train.device import Placement
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
@@ -23,7 +24,7 @@ def run_identity(
     scheduler: Any,
     weights: str,
     sidecar_sha256: str | None,
-    precision: str,
+    place: Placement,
 ) -> dict:
     """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
     objective, optimizer, scheduler and layout (whose ELASTIC_KEYS may change in pairs batching)."""
@@ -62,7 +63,8 @@ def run_identity(
                 "num_workers": geometry.num_workers,
                 "data_seed": geometry.seed,
                 "weights": list(geometry.weights) if geometry.weights else None,
-                "precision": precision,
+                "precision": place.precision,
+                "device": place.device.type,  # cpu, cuda or npu: its generators and kernels are not another's
                 "train_seed": config.train.seed,
             },
         }

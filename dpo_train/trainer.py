@@ -71,7 +71,9 @@ class Trainer:
         prepare_for_training(policy, config.train.activation_checkpointing)
         self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
         policy.to(place.device)
-        self.initial = frozen_copy(policy) if _keeps_initial(config) else None
+        self.initial = None
+        if _keeps_initial(config):  # copied before the policy is wrapped, then sharded the same way
+            self.initial = _shard(frozen_copy(policy), config.distributed.strategy, world)
         self.table = None
         if config.loss.needs_reference and config.reference.mode == "precomputed":
             self.table = load_sidecar(config.reference.path, store, self.weights, place.precision)
@@ -103,7 +105,11 @@ class Trainer:
     def checkpointable(self, loader) -> Checkpointable:
         """The Stateful parts a checkpoint saves and restores (the checkpointer never sees the trainer)."""
         return Checkpointable(
-            ModelAndOptimizer(self.model, self.optimizer), self.scheduler, loader, RNGState(), self.state
+            ModelAndOptimizer(self.model, self.optimizer),
+            self.scheduler,
+            loader,
+            RNGState(self.place.device.type),
+            self.state,
         )
 
     def run_context(self, loader: DPOLoader, out: Path) -> RunContext:
@@ -117,7 +123,7 @@ class Trainer:
             self.scheduler,
             self.weights,
             self.table.sha256 if self.table is not None else None,
-            self.place.precision,
+            self.place,
         )
         return RunContext(
             out,
@@ -148,8 +154,12 @@ class Trainer:
         batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
-            if batch["num_pairs"] == 0:  # join the collectives, contribute nothing
-                out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
+                inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+                out = self.model(**inputs)
+                if self.live_reference is not None and self.world > 1:
+                    with torch.no_grad():
+                        self.live_reference(**inputs)
                 out.logits.sum().mul(0).backward()
                 return
             policy = pair_logps(self.model, batch)
@@ -382,18 +392,25 @@ def _metrics_file(out: Path, rank: int):
 
 
 def _wrap(policy, strategy: str, world: int, place: Placement):
-    if world == 1:
-        return policy
-    if strategy == "ddp":
+    if world > 1 and strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(policy, device_ids=[place.device] if place.device.type != "cpu" else None)
+    return _shard(policy, strategy, world)
+
+
+def _shard(model, strategy: str, world: int):
+    """FSDP2 over `world` ranks: each decoder layer, then the rest. The frozen reference is sharded like
+    the policy (it has no gradients or optimizer state to shard), so it costs 1/world of its weights
+    per rank, not a whole copy; its forward all-gathers one layer at a time, as the policy's does."""
+    if world == 1 or strategy != "fsdp":
+        return model
     from torch.distributed.fsdp import fully_shard
 
-    for layer in getattr(getattr(policy, "model", policy), "layers", []):
+    for layer in getattr(getattr(model, "model", model), "layers", []):
         fully_shard(layer)
-    fully_shard(policy)
-    return policy
+    fully_shard(model)
+    return model
 
 
 def _no_sync(model, strategy: str, world: int, sync: bool):

@@ -138,3 +138,106 @@ def test_every_collective_goes_through_the_helper_on_its_device(sample_dataset, 
     }
     assert expected <= sites, expected - sites
     assert any(site.startswith("torch:") for calls in first for site in calls)  # FSDP2 and DCP are not ours to place
+
+
+class _FakeNpu:
+    """torch.npu as torch-npu provides it, reduced to its default generator."""
+
+    def __init__(self):
+        self.state = torch.tensor([7, 7, 7], dtype=torch.uint8)
+
+    def get_rng_state(self):
+        return self.state.clone()
+
+    def set_rng_state(self, state):
+        self.state = state.clone()
+
+
+def test_rng_states_are_saved_and_restored_per_device_kind(monkeypatch):
+    from dpo_train.checkpointing import RNGState
+
+    npu = _FakeNpu()
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    saved = RNGState("npu").state_dict()
+    assert sorted(saved) == ["cpu", "npu"] and saved["npu"].tolist() == [7, 7, 7]
+    expected = torch.rand(4)  # the draw the saved cpu state produces
+    npu.state = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    RNGState("npu").load_state_dict(saved)
+    assert npu.state.tolist() == [7, 7, 7] and torch.equal(torch.rand(4), expected)
+    assert sorted(RNGState("cpu").state_dict()) == ["cpu"]
+
+
+def test_rng_states_of_another_device_kind_are_refused():
+    from dpo_train.checkpointing import RNGState
+    from dpo_train.errors import ResumeError
+
+    with pytest.raises(ResumeError, match="generator states for cpu, cuda, this run needs cpu"):
+        RNGState("cpu").load_state_dict({"cpu": torch.get_rng_state(), "cuda": torch.zeros(8, dtype=torch.uint8)})
+
+
+def test_the_identity_knows_the_device_kind():
+    from dpo_state.state import identity_mismatches
+
+    saved = {"layout": {"batching": "pairs", "device": "cuda", "world_size": 8}}
+    now = {"layout": {"batching": "pairs", "device": "npu", "world_size": 4}}
+    mismatches, elastic = identity_mismatches(saved, now)
+    assert mismatches == ["layout.device: checkpoint cuda, this run npu"]
+    assert elastic == ["layout.world_size: checkpoint 8, this run 4"]
+
+
+def _reference_worker(rank: int, port: int, dataset: str, out: str) -> None:
+    """One of 2 FSDP2 ranks: build the Trainer with a live reference and describe both models' parameters."""
+    import torch.distributed as dist
+
+    from dpo_data.dataset.store import PairStore
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+    from dpo_train.trainer import Trainer
+    from tests.test_invariance import MODEL
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    config = load_config(
+        {
+            "model": {"init": {"config": MODEL, "seed": 0}},
+            "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
+            "distributed": {"strategy": "fsdp", "device": "cpu"},
+        }
+    )
+    trainer = Trainer(config, placement("cpu", "fp32"), rank, 2, PairStore([dataset]))
+
+    def describe(model):
+        params = list(model.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        return {
+            "local": local,
+            "total": sum(p.numel() for p in params),
+            "sharded": all(hasattr(p, "to_local") for p in params),
+            "trainable": sum(p.requires_grad for p in params),
+        }
+
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    report = {
+        "policy": describe(trainer.policy),
+        "reference": describe(trainer.live_reference),
+        "reference_in_optimizer": any(id(p) in in_optimizer for p in trainer.live_reference.parameters()),
+    }
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_live_reference_is_sharded_like_the_policy_under_fsdp2(sample_dataset, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.test_invariance import _free_port
+
+    mp.start_processes(
+        _reference_worker, args=(_free_port(), str(sample_dataset), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        policy, reference = report["policy"], report["reference"]
+        assert reference["sharded"] and reference["total"] == policy["total"]
+        assert reference["local"] == policy["local"] <= reference["total"] // 2 + 64  # half, up to uneven rows
+        assert reference["trainable"] == 0 and not report["reference_in_optimizer"]
