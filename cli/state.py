@@ -58,6 +58,8 @@ def inspect(path, as_json) -> None:
         "objective   " + ", ".join(f"{k}={v}" for k, v in ident["objective"].items()),
         f"optimizer   {ident['optimizer']['class']}, {len(ident['optimizer']['parameters'])} parameters, "
         + ", ".join(f"{k}={v}" for k, v in ident["optimizer"]["hyperparameters"][0].items()),
+        "model       "
+        + ("LoRA " + ", ".join(f"{k}={v}" for k, v in lora.items()) if (lora := ident["model"]["lora"]) else "full"),
         f"scheduler   {ident['scheduler']['class']} ({ident['scheduler']['kind']})",
         "layout      " + ", ".join(f"{k}={v}" for k, v in ident["layout"].items()),
         f"lineage     run {info['lineage']['run_id']}, parent {info['lineage']['parent']}"

@@ -19,7 +19,7 @@ TREE_FILE = "state_tree.json"
 `{"$tensor": true}` marks where DCP holds a tensor."""
 TREE_SCHEMA = "checkpoint-state-tree"
 TREE_FORMAT_VERSION = 1
-IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "scheduler", "layout")
+IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "model", "scheduler", "layout")
 ELASTIC_KEYS = ("world_size", "rank", "strategy", "max_tokens_per_microbatch", "num_workers")
 """What may change on resume in `pairs` batching, at a step boundary: the pairs of a step do not
 depend on these, so the loader re-deals the same steps. The loader's geometry and the run's layout

@@ -98,7 +98,7 @@ class ModelAndOptimizer:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._options())
         model_tensors, model_tree = split_tensors(model_state, "model")
         optim_tensors, optim_tree = split_tensors(optim_state, "optim")
         return {
@@ -115,7 +115,17 @@ class ModelAndOptimizer:
             self.optimizer,
             model_state_dict=merge_tensors(tree["model"], tensors["model"]),
             optim_state_dict=merge_tensors(tree["optim"], tensors["optim"]),
+            options=self._options(),
         )
+
+    def _options(self):
+        """Frozen parameters (the base weights under LoRA) are not saved: they are the model's own, checked
+        by the reference weights fingerprint. Loading then fills only the trainable ones (DCP has already
+        refused a checkpoint that lacks any of them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
 class RNGState:

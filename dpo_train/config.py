@@ -28,6 +28,10 @@ class ModelConfig:
     attention: str = "auto"
     """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, else sdpa) | sdpa | eager |
     flash_attention_2."""
+    lora: dict | None = None
+    """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
+    (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the
+    live reference is the same model with its adapters disabled. null: full fine-tuning."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,13 @@ class TrainSection:
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave
     the optimizer and scheduler as they were)."""
+    export: str = "adapter"
+    """With model.lora, what OUTPUT/final/ holds: adapter (a PEFT adapter directory) | merged (a plain HF
+    model with the adapters merged in) | both (the adapter in final/, the merged model in final-merged/).
+    Without model.lora, final/ is always the whole model."""
+    export_dtype: str = "model"
+    """The dtype of the exported weights: model (the model's own dtype as loaded: its config's dtype,
+    fp32 without one) | fp32 | bf16. Training keeps fp32 master weights whatever this says."""
 
 
 @dataclass(frozen=True)

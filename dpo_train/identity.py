@@ -11,6 +11,7 @@ from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
 from dpo_train.config import TrainConfig
 from dpo_train.device import Placement
+from dpo_train.lora import lora_settings
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
@@ -27,7 +28,8 @@ def run_identity(
     place: Placement,
 ) -> dict:
     """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
-    objective, optimizer, scheduler and layout (whose ELASTIC_KEYS may change in pairs batching)."""
+    objective, optimizer (its trainable parameters), model (LoRA settings), scheduler and layout
+    (whose ELASTIC_KEYS may change in pairs batching)."""
     return normalized(
         {
             "dataset": {
@@ -45,8 +47,9 @@ def run_identity(
             "optimizer": {
                 "class": type(optimizer).__name__,
                 "hyperparameters": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups],
-                "parameters": [[name, list(p.shape)] for name, p in policy.named_parameters()],
+                "parameters": [[name, list(p.shape)] for name, p in policy.named_parameters() if p.requires_grad],
             },
+            "model": {"lora": lora_settings(config.model.lora) if config.model.lora else None},
             "scheduler": {
                 "class": type(scheduler).__name__,
                 "kind": config.optim.scheduler,

@@ -40,9 +40,11 @@ from dpo_train.config import TrainConfig
 from dpo_train.device import Placement, attention_for, init_distributed, placement
 from dpo_train.errors import ConfigError, NonFiniteError
 from dpo_train.evaluation import Evaluator
+from dpo_train.export import check_export, export
 from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
 from dpo_train.logps import pair_logps
+from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
 from dpo_train.model import frozen_copy, load_policy, prepare_for_training
@@ -70,9 +72,13 @@ class Trainer:
             load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)
         self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
+        if config.model.lora:
+            policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)
         self.initial = None
-        if _keeps_initial(config):  # copied before the policy is wrapped, then sharded the same way
+        if _keeps_initial(config) and config.model.lora:
+            self.initial = AdaptersDisabled(policy)  # the base weights, shared with the policy
+        elif _keeps_initial(config):  # copied before the policy is wrapped, then sharded the same way
             self.initial = _shard(frozen_copy(policy), config.distributed.strategy, world)
         self.table = None
         if config.loss.needs_reference and config.reference.mode == "precomputed":
@@ -156,14 +162,14 @@ class Trainer:
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
                 inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-                out = self.model(**inputs)
                 if self.live_reference is not None and self.world > 1:
                     with torch.no_grad():
                         self.live_reference(**inputs)
-                out.logits.sum().mul(0).backward()
+                self.model(**inputs).logits.sum().mul(0).backward()
                 return
-            policy = pair_logps(self.model, batch)
+            # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self._reference(batch)
+            policy = pair_logps(self.model, batch)
             terms = pair_losses(
                 self.config.loss,
                 policy.chosen,
@@ -308,15 +314,17 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
     if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
         evaluator.run(step=trainer.state.step)
-    _export(trainer.policy, tokenizer, out, rank, world)
+    export(trainer.policy, config, tokenizer, out, rank)
     return out
 
 
 def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
-    o = config.optim
+    """The optimizer over the trainable parameters only (under LoRA, the adapters: frozen base weights get
+    no optimizer state)."""
+    o, params = config.optim, [p for p in policy.parameters() if p.requires_grad]
     if o.name == "sgd":
-        return torch.optim.SGD(policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _truncate_logs(out: Path, step: int) -> int:
@@ -359,6 +367,7 @@ def _keeps_initial(config: TrainConfig) -> bool:
 def _check_settings(config: TrainConfig) -> None:
     """Settings that cannot work together fail before anything starts."""
     check_resume_config(config)
+    check_export(config)
     if config.reference.mode == "precomputed" and not config.reference.path:
         raise ConfigError(
             "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
@@ -435,16 +444,3 @@ def _schedule(config: TrainConfig):
         return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[kind]
 
     return factor
-
-
-def _export(policy, tokenizer, out: Path, rank: int, world: int) -> None:
-    """Save the final policy and the run's (attested) tokenizer as a plain HF directory (rank 0), gathering
-    FSDP shards first."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        policy.save_pretrained(out / "final", state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out / "final")
-    collectives.barrier()

@@ -59,7 +59,7 @@ def config(tmp_path, dataset, tokenizer, name, **over) -> tuple:
     }
     for key, value in over.items():
         section, name_ = key.split("__")
-        c[section][name_] = value
+        c.setdefault(section, {})[name_] = value
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(c))
     return path, out

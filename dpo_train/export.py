@@ -1,0 +1,81 @@
+"""OUTPUT/final/: the trained policy as a plain HF directory, or under LoRA its PEFT adapter and/or the merged model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpo_train import collectives
+from dpo_train.config import ModelConfig, TrainConfig
+from dpo_train.errors import ConfigError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_export(config: TrainConfig) -> None:
+    """train.export other than the default makes sense only with adapters to export."""
+    if config.train.export != "adapter" and not config.model.lora:
+        raise ConfigError(
+            f"train.export is {config.train.export}, but model.lora is not set: without adapters final/ is "
+            "always the whole model; drop train.export, or set model.lora"
+        )
+
+
+def export_dtype(config: TrainConfig) -> torch.dtype:
+    """train.export_dtype resolved: `model` is the dtype the model's own config names (fp32 without one)."""
+    if config.train.export_dtype != "model":
+        return _DTYPES[config.train.export_dtype]
+    return _NAMED.get(_declared_dtype(config.model) or "float32", torch.float32)
+
+
+def _declared_dtype(model: ModelConfig) -> str | None:
+    if model.path:
+        declared = json.loads((Path(model.path) / "config.json").read_text())
+        return declared.get("dtype") or declared.get("torch_dtype")
+    spec = (model.init or {}).get("config")
+    return (spec.get("dtype") or spec.get("torch_dtype")) if isinstance(spec, dict) else None
+
+
+def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: int) -> None:
+    """Write OUTPUT/final (and final-merged with `train.export: both`) on rank 0, after gathering FSDP
+    shards on every rank; with the run's (attested) tokenizer beside each model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        dtype = export_dtype(config)
+        if not config.model.lora:
+            _save(policy, _cast(state, dtype), dtype, out / "final", tokenizer)
+        else:
+            if config.train.export in ("adapter", "both"):
+                _save(policy, _cast(state, dtype), dtype, out / "final", tokenizer)
+            if config.train.export in ("merged", "both"):
+                merged = _merged(config, state)
+                target = out / ("final" if config.train.export == "merged" else "final-merged")
+                _save(merged, _cast(merged.state_dict(), dtype), dtype, target, tokenizer)
+    collectives.barrier()
+
+
+def _merged(config: TrainConfig, state: dict) -> Any:
+    """The adapters merged into a fresh base model (loaded on this rank only, on the CPU)."""
+    from dpo_train.lora import merged_model
+    from dpo_train.model import load_policy
+
+    return merged_model(load_policy(config.model), config.model.lora, state)
+
+
+def _cast(state: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
+
+
+def _save(model: Any, state: dict, dtype: torch.dtype, target: Path, tokenizer: Any) -> None:
+    model.save_pretrained(target, state_dict=state)
+    if not hasattr(model, "peft_config"):  # a whole model: config.json names the dtype its weights are in
+        model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
+        model.config.save_pretrained(target)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
