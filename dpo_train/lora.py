@@ -46,14 +46,27 @@ def apply_lora(model: Any, lora: dict) -> Any:
 
 class AdaptersDisabled:
     """The live reference under LoRA: the policy itself, called with its adapters disabled, without
-    gradients. No second copy of the weights exists; under FSDP2 it all-gathers the policy's shards."""
+    gradients. No second copy of the weights exists; under FSDP2 it all-gathers the policy's shards.
+
+    PEFT's own `disable_adapter()` also switches the adapters' `requires_grad` off and on again; under
+    FSDP2 that flag lands on other parameter objects than the sharded ones the optimizer and the
+    checkpoint see, and a saved checkpoint came out without its adapters. So the layers' switch alone
+    is flipped here: the flag every PEFT tuner layer reads in its forward (`disable_adapters`)."""
 
     def __init__(self, model: Any):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
     def __call__(self, *args, **kwargs):
-        with self.model.disable_adapter():
+        try:
+            for layer in self.layers:
+                layer._disable_adapters = True
             return self.model(*args, **kwargs)
+        finally:
+            for layer in self.layers:
+                layer._disable_adapters = False
 
     def parameters(self):
         return self.model.parameters()

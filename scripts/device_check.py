@@ -1,0 +1,204 @@
+"""The device check: the trainer on one accelerator, end to end, in a few minutes, with one summary.
+
+Run by scripts/device_check.sh on a CUDA GPU (`--device cuda`, the default); `--device cpu` runs the same
+steps on gloo and CPU so that the script itself can be checked where no GPU is. Steps:
+
+1. every collective helper of `dpo_train.collectives` under a one-rank process group of the device's
+   backend (nccl on CUDA; the helpers are forced on, since one rank would otherwise skip them);
+2. per-pair log-probs of the demo model in bf16 autocast against fp32, with the attention the trainer
+   picks (flash-attention varlen when installed, else sdpa);
+3. precompute the reference, train 6 steps in bf16 with a checkpoint every 2; a second run is SIGKILLed
+   after step 2 and resumed; `dpo-state diff --values` compares the two bitwise;
+4. tokens/s from metrics.jsonl and model FLOPs utilization against this device's measured bf16 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def check_collectives(device: str) -> dict:
+    """Each helper once, under a one-rank group of the device's backend."""
+    import torch.distributed as dist
+
+    from dpo_train import collectives
+
+    backend = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[device]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group(backend, rank=0, world_size=1)
+    collectives.active = dist.is_initialized  # one rank: the helpers would skip the collectives
+    try:
+        where = collectives.device()
+        summed = collectives.all_reduce(torch.tensor([1.0, 2.0]))
+        most = collectives.all_reduce(torch.tensor([3], dtype=torch.int64), "max")
+        collectives.barrier()
+        failures = collectives.gather_failures("rank 0: a test failure")
+        objects = collectives.gather_objects({"position": 3})
+        broadcast = collectives.broadcast_from_rank0(("choice", ""))
+        ok = (
+            summed.tolist() == [1.0, 2.0]
+            and summed.device.type == "cpu"
+            and int(most) == 3
+            and failures == ["rank 0: a test failure"]
+            and objects == [{"position": 3}]
+            and broadcast == ("choice", "")
+        )
+        return {"ok": ok, "backend": backend, "device": str(where)}
+    finally:
+        dist.destroy_process_group()
+
+
+def check_logps(model_dir: str, data: str, device: str) -> dict:
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.config import ModelConfig
+    from dpo_train.device import attention_for, placement
+    from dpo_train.logps import pair_logps
+    from dpo_train.model import load_policy, prepare_for_training
+
+    place = placement(device, "bf16")
+    attention = attention_for("auto", place)
+    store = PairStore([data])
+    batch = pack_microbatch([store.pair(i) for i in range(16)], pad_to_multiple_of=8)
+    batch = {k: v.to(place.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    exact_model = load_policy(ModelConfig(path=model_dir), "sdpa")
+    prepare_for_training(exact_model)
+    fast_model = load_policy(ModelConfig(path=model_dir), attention)
+    prepare_for_training(fast_model)
+    with torch.no_grad():
+        exact = pair_logps(exact_model.to(place.device), batch)
+        with place.autocast():
+            low = pair_logps(fast_model.to(place.device), batch)
+    tokens = torch.cat([exact.chosen_tokens, exact.rejected_tokens])
+    diff = (torch.cat([low.chosen, low.rejected]) - torch.cat([exact.chosen, exact.rejected])).abs() / tokens
+    worst = float(diff.max())
+    return {"ok": worst < 0.05, "attention": attention, "max_abs_diff_per_token": worst}
+
+
+def _train(config: Path, *extra: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "dpo_cli.train", str(config), "--quiet", *extra]
+    proc = subprocess.run(
+        args, capture_output=True, text=True, env={**os.environ, **(env or {})}, start_new_session=True
+    )
+    if check and proc.returncode:
+        raise SystemExit(f"dpo-train failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def check_training(model_dir: str, data: str, work: Path, device: str) -> dict:
+    precision = "bf16" if device != "cpu" else "fp32"
+
+    def config(name: str) -> Path:
+        c = {
+            "model": {"path": model_dir, "attention": "auto"},
+            "reference": {"mode": "precomputed", "path": str(work / "sidecar")},
+            "data": {"path": data, "batching": "pairs", "pairs_per_step": 16, "max_tokens_per_microbatch": 2048},
+            "optim": {"lr": 1.0e-5},
+            # bf16 on the GPU; fp32 on the CPU smoke run (bf16 matmuls are slow there, and step 2 covers bf16)
+            "train": {"output_dir": str(work / name), "max_steps": 6, "save_every": 2, "precision": precision},
+            "distributed": {"device": device},
+        }
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(c))
+        return path
+
+    full, cut = config("full"), config("cut")
+    _train(full, "--precompute-reference")
+    _train(full)
+    killed = _train(cut, env={"DPO_TRAIN_KILL": "after-save:2"}, check=False)
+    resumed = _train(cut)
+    diff = subprocess.run(
+        [sys.executable, "-m", "dpo_cli.state", "diff", str(work / "full"), str(work / "cut"), "--values"],
+        capture_output=True,
+        text=True,
+    )
+    records = [json.loads(x) for x in (work / "full" / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "ok": killed.returncode != 0 and "resumed from" in resumed.stderr and diff.returncode == 0,
+        "killed_exit": killed.returncode,
+        "bitwise_equal_after_resume": diff.returncode == 0,
+        "diff": diff.stdout.strip().splitlines()[-1:],
+        "losses": [round(r["loss"], 4) for r in records],
+        "tokens_per_s": sorted(r["tokens/s"] for r in records[1:])[len(records[1:]) // 2],
+    }
+
+
+def matmul_peak(device: str, dtype=torch.bfloat16) -> float:
+    """This device's measured dense matmul throughput (FLOP/s): large square matmuls, best of 5."""
+    n = 8192 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    best = 0.0
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        _sync(device)
+        best = max(best, 10 * 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_flops_per_token(model_dir: str) -> float:
+    """Policy forward and backward (6 N): the reference is precomputed, attention ignored (short pairs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("device check: torch sees no CUDA device; run it on a GPU machine (or --device cpu)")
+    from dpo_data.prepare.build import BuildOptions, build
+    from dpo_train.bundled_model import materialize_smollm2
+
+    started = time.perf_counter()
+    model_dir = str(materialize_smollm2())
+    summary: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    summary["torch"] = torch.__version__
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        sample = ROOT / "examples" / "sample"
+        inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
+        data = str(work / "data")
+        build(inputs, model_dir, data, BuildOptions())
+        summary["collectives"] = check_collectives(args.device)
+        summary["logps_bf16_vs_fp32"] = check_logps(model_dir, data, args.device)
+        summary["train_precompute_kill_resume"] = check_training(model_dir, data, work, args.device)
+    peak = matmul_peak(args.device)
+    achieved = summary["train_precompute_kill_resume"]["tokens_per_s"] * model_flops_per_token(model_dir)
+    summary["throughput"] = {
+        "tokens_per_s": summary["train_precompute_kill_resume"]["tokens_per_s"],
+        "matmul_peak_tflops": round(peak / 1e12, 2),
+        "model_flops_utilization": round(achieved / peak, 4),
+    }
+    summary["ok"] = all(part.get("ok", True) for part in summary.values() if isinstance(part, dict))
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary, indent=2))
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
