@@ -47,10 +47,11 @@ from dpo_train.logps import pair_logps
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import frozen_copy, load_policy, prepare_for_training
+from dpo_train.model import load_policy, prepare_for_training
 from dpo_train.objective import microbatch_loss
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
+from dpo_train.sharding import frozen_reference, shard
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
 """Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
@@ -78,8 +79,8 @@ class Trainer:
         self.initial = None
         if _keeps_initial(config) and config.model.lora:
             self.initial = AdaptersDisabled(policy)  # the base weights, shared with the policy
-        elif _keeps_initial(config):  # copied before the policy is wrapped, then sharded the same way
-            self.initial = _shard(frozen_copy(policy), config.distributed.strategy, world)
+        elif _keeps_initial(config):  # built from the policy before it is wrapped; sharded like it
+            self.initial = frozen_reference(policy, config.distributed.strategy, world)
         self.table = None
         if config.loss.needs_reference and config.reference.mode == "precomputed":
             self.table = load_sidecar(config.reference.path, store, self.weights, place.precision)
@@ -405,21 +406,7 @@ def _wrap(policy, strategy: str, world: int, place: Placement):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(policy, device_ids=[place.device] if place.device.type != "cpu" else None)
-    return _shard(policy, strategy, world)
-
-
-def _shard(model, strategy: str, world: int):
-    """FSDP2 over `world` ranks: each decoder layer, then the rest. The frozen reference is sharded like
-    the policy (it has no gradients or optimizer state to shard), so it costs 1/world of its weights
-    per rank, not a whole copy; its forward all-gathers one layer at a time, as the policy's does."""
-    if world == 1 or strategy != "fsdp":
-        return model
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in getattr(getattr(model, "model", model), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    return shard(policy, strategy, world)
 
 
 def _no_sync(model, strategy: str, world: int, sync: bool):

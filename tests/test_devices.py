@@ -217,7 +217,16 @@ def _reference_worker(rank: int, port: int, dataset: str, out: str) -> None:
         }
 
     in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    policy_params = dict(trainer.policy.named_parameters())
+    same_weights = all(
+        torch.equal(p.full_tensor(), policy_params[name].full_tensor())
+        for name, p in trainer.live_reference.named_parameters()
+    )
+    policy_buffers = dict(trainer.policy.named_buffers())
+    same_buffers = all(torch.equal(b, policy_buffers[n]) for n, b in trainer.live_reference.named_buffers())
     report = {
+        "same_weights": same_weights and len(policy_params) == len(list(trainer.live_reference.parameters())),
+        "same_buffers": same_buffers and bool(policy_buffers),
         "policy": describe(trainer.policy),
         "reference": describe(trainer.live_reference),
         "reference_in_optimizer": any(id(p) in in_optimizer for p in trainer.live_reference.parameters()),
@@ -241,3 +250,4 @@ def test_the_live_reference_is_sharded_like_the_policy_under_fsdp2(sample_datase
         assert reference["sharded"] and reference["total"] == policy["total"]
         assert reference["local"] == policy["local"] <= reference["total"] // 2 + 64  # half, up to uneven rows
         assert reference["trainable"] == 0 and not report["reference_in_optimizer"]
+        assert report["same_weights"] and report["same_buffers"]  # the initial policy's, shard for shard
