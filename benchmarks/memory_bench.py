@@ -3,7 +3,10 @@ the reference replicated (as before it was sharded) against sharded, and LoRA ag
 
 Each variant is one `dpo-train` run under torchrun (2 ranks, gloo) on the bundled sample, 4 steps of 8
 pairs, fp32, AdamW. Memory is each rank process's lifetime peak RSS (`ru_maxrss`) and its highest RSS
-while training (sampled every 20 ms after the first step), both from `benchmarks/rank_peak.py`; pairs/s is the median over the steps after the first (warm-up). The
+while training (sampled every 20 ms after the first step), both from `benchmarks/rank_peak.py`; pairs/s
+is the median over the steps after the first (warm-up). glibc's malloc is told to map every allocation
+over 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so a freed tensor leaves RSS at once: by default its
+threshold grows with the tensors freed, and RSS then keeps memory no tensor uses. The
 replicated variant patches the trainer so that the frozen reference is a whole copy on every rank, which
 is what every rank held before; nothing else differs.
 
@@ -55,6 +58,7 @@ def run(variant: str, model: str, data: str, work: Path, steps: int) -> dict:
     path.write_text(yaml.safe_dump(config))
     peaks = work / f"{variant}-peaks"
     env = {**os.environ, "RANK_PEAK_OUT": str(peaks), "RANK_PEAK_PATCH": spec.get("patch", "")}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # RSS follows the live tensors (see above)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     args += [str(ROOT / "benchmarks" / "rank_peak.py"), str(path), "--quiet"]
     subprocess.run(args, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -87,7 +91,8 @@ def main() -> None:
         if "full-sharded" in base and r["variant"] != "full-sharded":
             ref = base["full-sharded"]
             ratio = max(r["training_rss_mib_per_rank"]) / max(ref["training_rss_mib_per_rank"])
-            line += f"; vs full-sharded: training memory x{ratio:.3f}, speed x{r['pairs_per_s'] / ref['pairs_per_s']:.2f}"
+            speed = r["pairs_per_s"] / ref["pairs_per_s"]
+            line += f"; vs full-sharded: training memory x{ratio:.3f}, speed x{speed:.2f}"
         print(line)
     print(json.dumps(results))
 
