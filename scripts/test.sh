@@ -7,4 +7,4 @@ bash scripts/env.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"  # the slowest tests, for keeping the suite fast
