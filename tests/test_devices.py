@@ -134,7 +134,7 @@ def test_every_collective_goes_through_the_helper_on_its_device(sample_dataset, 
         "barrier<-checkpointing.save",
         "barrier<-checkpointing.abandon_later",
         "barrier<-precompute.precompute_reference",
-        "barrier<-trainer._export",
+        "barrier<-export.export",
     }
     assert expected <= sites, expected - sites
     assert any(site.startswith("torch:") for calls in first for site in calls)  # FSDP2 and DCP are not ours to place
