@@ -48,7 +48,7 @@ class OutputLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown"
+            holder = _holder(fd)
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise DataError(
@@ -56,8 +56,10 @@ class OutputLock:
                     "wait for it to finish, or choose another --out"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode(), 0)
+        # written over the previous holder's line, then cut to length: the file is never empty while held
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode()
+        os.pwrite(fd, holder, 0)
+        os.ftruncate(fd, len(holder))
         self._fd = fd
         return self
 
@@ -65,6 +67,17 @@ class OutputLock:
         if self._fd is not None:
             os.close(self._fd)  # closing releases the flock
             self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it. A holder that has just taken a new lock file has not
+    written its line yet: wait for it (up to a second) rather than name nobody."""
+    for _ in range(50):
+        line = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+        if line:
+            return line
+        time.sleep(0.02)
+    return "holder unknown"
 
 
 def new_staging(out: Path) -> Path:
