@@ -48,15 +48,13 @@ def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: in
     state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         dtype = export_dtype(config)
-        if not config.model.lora:
+        lora, kind = config.model.lora, config.train.export
+        if not lora or kind in ("adapter", "both"):  # the whole policy, or its PEFT adapter
             _save(policy, _cast(state, dtype), dtype, out / "final", tokenizer)
-        else:
-            if config.train.export in ("adapter", "both"):
-                _save(policy, _cast(state, dtype), dtype, out / "final", tokenizer)
-            if config.train.export in ("merged", "both"):
-                merged = _merged(config, state)
-                target = out / ("final" if config.train.export == "merged" else "final-merged")
-                _save(merged, _cast(merged.state_dict(), dtype), dtype, target, tokenizer)
+        if lora and kind in ("merged", "both"):
+            merged = _merged(config, state)
+            target = out / ("final" if kind == "merged" else "final-merged")
+            _save(merged, _cast(merged.state_dict(), dtype), dtype, target, tokenizer)
     collectives.barrier()
 
 
