@@ -20,10 +20,19 @@ TREE_FILE = "state_tree.json"
 TREE_SCHEMA = "checkpoint-state-tree"
 TREE_FORMAT_VERSION = 1
 IDENTITY_PARTS = ("dataset", "tokenizer", "reference", "objective", "optimizer", "model", "scheduler", "layout")
-ELASTIC_KEYS = ("world_size", "rank", "strategy", "max_tokens_per_microbatch", "num_workers")
+ELASTIC_KEYS = (
+    "world_size",
+    "rank",
+    "strategy",
+    "max_tokens_per_microbatch",
+    "num_workers",
+    "sequence_parallel.ulysses",
+    "sequence_parallel.context",
+)
 """What may change on resume in `pairs` batching, at a step boundary: the pairs of a step do not
-depend on these, so the loader re-deals the same steps. The loader's geometry and the run's layout
-identity both use this one list."""
+depend on these, so the loader re-deals the same steps (a sequence-parallel group shares its rows, so
+its sizes only change how a row is split). The loader's geometry and the run's layout identity both use
+this one list."""
 
 
 RANK_SCHEMA = "checkpoint-rank"

@@ -38,13 +38,14 @@ def device() -> torch.device:
     return device_for(dist.get_backend()) if active() else torch.device("cpu")
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """`tensor` summed (or "max", "min") over ranks, returned on `tensor`'s own device (a new tensor
-    when it had to move; `tensor` itself otherwise)."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """`tensor` summed (or "max", "min") over ranks (of `group`, default all), returned on `tensor`'s own
+    device (a new tensor when it had to move; `tensor` itself otherwise)."""
     if not active():
         return tensor
     moved = tensor.to(device())
-    dist.all_reduce(moved, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(moved, op=ops[op], group=group)
     return moved.to(tensor.device)
 
 
@@ -84,3 +85,79 @@ def broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0, device=device())
     return box[0]
+
+
+# Differentiable collectives inside one sequence-parallel group (dpo_train/sequence_parallel.py). They run
+# on the tensors' own device: the activations are already where the group's backend reduces.
+
+
+def sum_same_loss(partial: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of every group rank's `partial`, for a loss that every rank of the group then computes
+    identically from it. Backward passes the gradient through unchanged: each rank's partial enters
+    the (one) loss once, so its gradient is the loss's gradient with respect to the sum; summing the
+    gradient as well (what a plain differentiable all-reduce does) would count it once per rank."""
+    return _SumSameLoss.apply(partial, group)
+
+
+def exchange(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-to-all: `chunks` [G, ...] sends chunk j to group rank j; the result's chunk j came from group
+    rank j. Its own adjoint, so backward exchanges the gradient the same way."""
+    return _Exchange.apply(chunks, group)
+
+
+def gather_chunks(chunk: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every group rank's `chunk`, concatenated along dim 0 in group-rank order. Backward sums the
+    gradients of all ranks and keeps this rank's slice (a reduce-scatter)."""
+    return _GatherChunks.apply(chunk, group)
+
+
+# torch 2.13 renamed the single-tensor forms (the old names warn); torch >= 2.6 has the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _SumSameLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group):
+        total = partial.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, chunks, group):
+        ctx.group = group
+        return _exchange(chunks, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    chunks = chunks.contiguous()
+    out = torch.empty_like(chunks)
+    dist.all_to_all_single(out, chunks, group=group)
+    return out
+
+
+class _GatherChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, chunk, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = chunk.new_empty((size * chunk.shape[0], *chunk.shape[1:]))
+        _ALL_GATHER(out, chunk.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = dist.get_world_size(ctx.group)
+        mine = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        _REDUCE_SCATTER(mine, grad.contiguous(), group=ctx.group)
+        return mine, None

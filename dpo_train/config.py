@@ -139,6 +139,15 @@ class DistributedConfig:
     """fsdp (FSDP2 fully_shard) | ddp."""
     device: str = "auto"
     """auto (cuda, else npu through torch-npu when installed, else cpu) | cpu | cuda | npu."""
+    sequence_parallel: dict | None = None
+    """Split each packed row over ulysses x context ranks: {ulysses: U, context: C} (each defaults to 1).
+    The world is dp x C x U; each group of U x C ranks shares one row, pairs stay whole (docs/objective.md)."""
+
+    @property
+    def sequence_sizes(self) -> tuple[int, int]:
+        """(ulysses, context)."""
+        sp = self.sequence_parallel or {}
+        return int(sp.get("ulysses", 1)), int(sp.get("context", 1))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,9 +77,20 @@ def init_distributed(place: Placement) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def attention_for(requested: str, place: Placement) -> str:
+def attention_for(requested: str, place: Placement, mesh: Any = None) -> str:
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed), else sdpa, which
-    keeps packed segments apart through position_ids (see `dpo_train.logps.pair_logps`)."""
+    keeps packed segments apart through position_ids (see `dpo_train.logps.pair_logps`). Under sequence
+    parallelism (an active `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
+    if mesh is not None and mesh.active:
+        from dpo_train import sequence_parallel
+
+        if requested not in ("auto", "sdpa"):
+            raise ConfigError(
+                f"model.attention {requested} cannot run under distributed.sequence_parallel, which brings "
+                "its own attention (sdpa over the gathered row with a segment mask); use auto or sdpa"
+            )
+        sequence_parallel.register()
+        return sequence_parallel.ATTENTION
     if requested != "auto":
         if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
             raise ConfigError(

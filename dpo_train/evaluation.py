@@ -38,7 +38,7 @@ class Evaluator:
         self.reference = self._score(trainer.initial)
 
     def _score(self, model) -> Scores:
-        return score_pairs(model, self.store, self.budget, self.trainer.place.autocast)
+        return score_pairs(model, self.store, self.budget, self.trainer.place.autocast, self.trainer.mesh)
 
     def run(self, step: int) -> dict:
         policy = self.reference if step == 0 else self._score(self.trainer.model)

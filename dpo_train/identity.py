@@ -59,6 +59,7 @@ def run_identity(
             "layout": {
                 "world_size": geometry.world_size,
                 "strategy": config.distributed.strategy,
+                "sequence_parallel": dict(zip(("ulysses", "context"), config.distributed.sequence_sizes)),
                 "batching": geometry.batching,
                 "pairs_per_step": geometry.pairs_per_step,
                 "max_tokens_per_microbatch": geometry.max_tokens_per_microbatch,

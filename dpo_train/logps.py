@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, pair_sums
+from dpo_train import collectives
+from dpo_train.sequence_parallel import complete_sums, split_row
 
 
 @dataclass
@@ -33,7 +35,18 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(mask, picked)
 
 
-def pair_logps(model: Any, batch: dict[str, Any]) -> PairLogps:
+def row_inputs(batch: dict[str, Any], mesh: Any = None) -> tuple[dict[str, Any], torch.Tensor, Any]:
+    """The model's keyword inputs for this rank's part of the row (all of it without sequence
+    parallelism), its labels, and its sequence shard (None without sequence parallelism)."""
+    if mesh is None or not mesh.active:
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+        return inputs, batch["labels"][0].to(batch["input_ids"].device), None
+    part, shard = split_row(batch, mesh)
+    inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}
+    return {**inputs, "sequence_shard": shard}, part["labels"], shard
+
+
+def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
     On CPU with sdpa/eager attention, transformers keeps packed segments apart when it gets
@@ -42,13 +55,18 @@ def pair_logps(model: Any, batch: dict[str, Any]) -> PairLogps:
     The vocabulary projection runs only at supervised positions (`logits_to_keep` with a boolean
     mask): prompt positions never need logits, and on a 135M model the projection is a fifth of the
     forward.
+
+    With a sequence-parallel `mesh` (dpo_train.sequence_parallel), this rank forwards its positions only
+    and the per-pair sums are completed over its group: every rank of the group returns the whole sums.
     """
-    labels = batch["labels"][0].to(batch["input_ids"].device)
+    inputs, labels, shard = row_inputs(batch, mesh)
     mask = labels != IGNORE_INDEX
-    logits = model(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=mask[None]
-    ).logits
+    logits = model(**inputs, logits_to_keep=mask[None]).logits
     logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
-    sums = pair_sums(token_logps(logits, labels), batch)
-    counts = pair_sums(mask.float(), batch)
+    tokens = token_logps(logits, labels)
+    if shard is None:
+        sums = pair_sums(tokens, batch)
+    else:
+        sums = collectives.sum_same_loss(pair_sums(complete_sums(tokens, shard), batch), mesh.group)
+    counts = pair_sums((batch["labels"][0] != IGNORE_INDEX).float().to(sums.device), batch)
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])

@@ -13,6 +13,7 @@ from dpo_train.errors import ConfigError
 from dpo_train.model import load_policy, prepare_for_training
 from dpo_train.reference import weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
+from dpo_train.sequence_parallel import check_heads, run_mesh
 
 
 def precompute_reference(config: TrainConfig) -> Path:
@@ -27,12 +28,14 @@ def precompute_reference(config: TrainConfig) -> Path:
     store = PairStore(config.data.paths)
     check_data({"data.path": store}, config.data.verify, rank, world)
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
-    model = load_policy(config.model, attention_for(config.model.attention, place))
+    mesh = run_mesh(config, rank, world)
+    model = load_policy(config.model, attention_for(config.model.attention, place, mesh))
+    check_heads(model.config, mesh.ulysses)
     check_vocabulary(model, {"data.path": store})
     prepare_for_training(model)  # same dropout settings as the trainer's reference
     weights = weights_fingerprint(model)
     model.to(place.device)
-    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast)
+    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, mesh)
     path = Path(config.reference.path)
     if rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, config.model.path or "init")

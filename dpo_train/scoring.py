@@ -15,7 +15,7 @@ from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
 from dpo_data.loading.microbatch import pack_microbatch
 from dpo_train import collectives
-from dpo_train.logps import pair_logps
+from dpo_train.logps import pair_logps, row_inputs
 
 
 @dataclass
@@ -28,11 +28,12 @@ class Scores:
     rejected_tokens: np.ndarray
 
 
-def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) -> Scores:
+def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None, mesh: Any = None) -> Scores:
     """Forward every pair of `store` once, packed into micro-batches of at most `max_tokens`.
 
-    With a process group, rank r scores bins r, r + W, ... and one all-reduce assembles the result
-    (each pair is written by exactly one rank), so every rank returns the whole table.
+    With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
+    result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
+    that counts pairs), so every rank returns the whole table.
     """
     sizes = store.segment_tokens(np.arange(store.num_pairs))
     too_long = np.flatnonzero(sizes > max_tokens)
@@ -44,6 +45,9 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) ->
         )
     bins, _ = first_fit_decreasing(sizes, max_tokens)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if mesh is not None:
+        rank, world = mesh.dp_rank, mesh.dp_size
+    writes = mesh is None or mesh.counts_pairs
     table = torch.zeros(4, store.num_pairs, dtype=torch.float64)
     device = next(model.parameters()).device
     was_training = model.training
@@ -57,9 +61,11 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None) ->
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with (autocast or contextlib.nullcontext)():
                 if not members:
-                    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+                    model(**row_inputs(batch, mesh)[0])
                     continue
-                out = pair_logps(model, batch)
+                out = pair_logps(model, batch, mesh)
+            if not writes:
+                continue
             index = batch["pair_index"].cpu().long()
             for row, values in enumerate((out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens)):
                 table[row, index] = values.detach().double().cpu()

@@ -43,7 +43,7 @@ from dpo_train.evaluation import Evaluator
 from dpo_train.export import check_export, export
 from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
-from dpo_train.logps import pair_logps
+from dpo_train.logps import pair_logps, row_inputs
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
@@ -51,6 +51,7 @@ from dpo_train.model import load_policy, prepare_for_training
 from dpo_train.objective import microbatch_loss
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
+from dpo_train.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
 from dpo_train.sharding import frozen_reference, shard
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
@@ -64,11 +65,21 @@ class Trainer:
     `step()` clips, steps the optimizer and scheduler and returns the step's metrics over all ranks.
     """
 
-    def __init__(self, config: TrainConfig, place: Placement, rank: int, world: int, store: PairStore):
+    def __init__(
+        self,
+        config: TrainConfig,
+        place: Placement,
+        rank: int,
+        world: int,
+        store: PairStore,
+        mesh: SequenceMesh | None = None,
+    ):
         self.config, self.place, self.rank, self.world, self.store = config, place, rank, world, store
+        self.mesh = mesh or run_mesh(config, rank, world)
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
-        policy = load_policy(config.model, attention_for(config.model.attention, place))
+        policy = load_policy(config.model, attention_for(config.model.attention, place, self.mesh))
+        check_heads(policy.config, self.mesh.ulysses)
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)
@@ -158,11 +169,13 @@ class Trainer:
                 )
         self._step_pairs.add(batch["step_pairs"])
         self._check_token_ids(batch)
+        if self.mesh.active:
+            check_same_row(batch, self.mesh, self.state.step)
         batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+                inputs = row_inputs(batch, self.mesh)[0]
                 if self.live_reference is not None and self.world > 1:
                     with torch.no_grad():
                         self.live_reference(**inputs)
@@ -170,7 +183,7 @@ class Trainer:
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self._reference(batch)
-            policy = pair_logps(self.model, batch)
+            policy = pair_logps(self.model, batch, self.mesh)
             terms = pair_losses(
                 self.config.loss,
                 policy.chosen,
@@ -195,7 +208,7 @@ class Trainer:
         if self.live_reference is None:
             return None, None
         with torch.no_grad():
-            ref = pair_logps(self.live_reference, batch)
+            ref = pair_logps(self.live_reference, batch, self.mesh)
         return ref.chosen, ref.rejected
 
     def step(self) -> dict:
@@ -213,7 +226,8 @@ class Trainer:
                 f"{sorted(step_pairs)}, the ranks {fewest} to {most}); every micro-batch of a step, on "
                 "every rank, must carry the step's total pair count (docs/loader.md)"
             )
-        self.sums = collectives.all_reduce(self.sums)
+        # every rank of a sequence-parallel group holds the same pairs: one of them reports them
+        self.sums = collectives.all_reduce(self.sums if self.mesh.counts_pairs else torch.zeros_like(self.sums))
         if bad_ranks and self.config.train.on_nonfinite == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -256,13 +270,17 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.resolved.yaml").write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
-    loader = DPOLoader(
-        config.data.paths, config.data.loader_config(rank, world), max_epochs=config.train.epochs, pad_to_multiple_of=8
+    mesh = run_mesh(config, rank, world)
+    loader = DPOLoader(  # asked for data-parallel ranks: a sequence-parallel group shares its rows
+        config.data.paths,
+        config.data.loader_config(mesh.dp_rank, mesh.dp_size),
+        max_epochs=config.train.epochs,
+        pad_to_multiple_of=8,
     )
     check_data({"data.path": loader.stream.store}, config.data.verify, rank, world)
     tokenizer = load_run_tokenizer(config)
     check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
-    trainer = Trainer(config, place, rank, world, loader.stream.store)
+    trainer = Trainer(config, place, rank, world, loader.stream.store, mesh)
     check_vocabulary(trainer.policy, {"data.path": loader.stream.store})
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()

@@ -1,0 +1,255 @@
+"""Sequence parallelism: one packed row split by position over a group of ranks (Ulysses x context), pairs whole.
+
+The mesh is world = dp x context x ulysses; global rank = (dp * C + c) * U + u. The U x C ranks of one
+sequence-parallel group get the same micro-batch (the loader is asked for dp ranks only) and each
+keeps the positions [k * s, (k + 1) * s) of the row, k = c * U + u, s = S / (U x C), where S is the row
+length padded to a multiple of U x C with padding that belongs to no pair.
+
+Inside attention (the function registered as ATTENTION):
+- Ulysses: an all-to-all turns "all heads, my s positions" into "H / U heads, the U x s positions of my
+  context chunk", and back after attention;
+- context: keys and values of the whole row are all-gathered within the context group, and a mask
+  keeps each query to earlier keys of its own segment (segments apart, causal across the cut).
+Everything else in the model is position-wise, so it runs on the local positions only. Labels are
+pre-shifted, so each position's log-prob is local too; per-pair sums are completed with one sum over the
+group (`collectives.sum_same_loss`) before the objective, which every rank of the group then computes
+identically. See docs/objective.md, "Sequence parallelism".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dpo_data.errors import DataError
+from dpo_data.loading.microbatch import IGNORE_INDEX
+from dpo_train import collectives
+from dpo_train.errors import ConfigError, ModelError
+
+ATTENTION = "dpo_sequence_parallel"
+"""The attention implementation name a sequence-parallel model runs with (registered with transformers)."""
+
+
+@dataclass(frozen=True)
+class SequenceMesh:
+    """Where this rank sits in world = dp x context x ulysses, and its process groups (None when size 1)."""
+
+    dp_rank: int
+    dp_size: int
+    ulysses: int = 1
+    context: int = 1
+    ulysses_rank: int = 0
+    context_rank: int = 0
+    ulysses_group: Any = None
+    context_group: Any = None
+    group: Any = None  # the U x C ranks that share one row
+
+    @property
+    def size(self) -> int:
+        return self.ulysses * self.context
+
+    @property
+    def rank(self) -> int:
+        """This rank's slice of the row, 0 .. U x C - 1."""
+        return self.context_rank * self.ulysses + self.ulysses_rank
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    @property
+    def counts_pairs(self) -> bool:
+        """One rank of each group reports the group's pairs in step metrics and score tables: every rank
+        of the group holds the same complete per-pair values, and a pair is counted once."""
+        return self.rank == 0
+
+
+def sequence_mesh(rank: int, world: int, ulysses: int = 1, context: int = 1) -> SequenceMesh:
+    """This rank's mesh; with U x C > 1 it creates the process groups (every rank must call it)."""
+    size = ulysses * context
+    if world % size:
+        raise ConfigError(
+            f"distributed.sequence_parallel: ulysses {ulysses} x context {context} = {size} must divide the "
+            f"world size {world}; launch a multiple of {size} processes or change ulysses/context"
+        )
+    dp_size = world // size
+    if size == 1:
+        return SequenceMesh(rank, world)
+    dp, inner = divmod(rank, size)
+    c, u = divmod(inner, ulysses)
+
+    def at(d: int, cc: int, uu: int) -> int:
+        return (d * context + cc) * ulysses + uu
+
+    def groups(enumeration: list[list[int]]) -> Any:
+        # every rank creates every group, in the same order (torch.distributed requires it)
+        mine, _ = dist.new_subgroups_by_enumeration(enumeration)
+        return mine
+
+    u_group = groups([[at(d, cc, uu) for uu in range(ulysses)] for d in range(dp_size) for cc in range(context)])
+    c_group = groups([[at(d, cc, uu) for cc in range(context)] for d in range(dp_size) for uu in range(ulysses)])
+    group = groups([list(range(d * size, (d + 1) * size)) for d in range(dp_size)])
+    return SequenceMesh(dp, dp_size, ulysses, context, u, c, u_group, c_group, group)
+
+
+def run_mesh(config: Any, rank: int, world: int) -> SequenceMesh:
+    """The mesh `distributed.sequence_parallel` asks for."""
+    ulysses, context = config.distributed.sequence_sizes
+    return sequence_mesh(rank, world, ulysses, context)
+
+
+def check_heads(model_config: Any, ulysses: int) -> None:
+    """Ulysses hands each rank H / U query heads and K / U key/value heads: both must divide."""
+    heads = int(model_config.num_attention_heads)
+    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+    if heads % ulysses or kv_heads % ulysses:
+        raise ConfigError(
+            f"distributed.sequence_parallel.ulysses {ulysses} must divide the model's attention heads "
+            f"({heads}) and key/value heads ({kv_heads}); use a ulysses that divides both, or context "
+            "parallelism (sequence_parallel.context), which has no head constraint"
+        )
+
+
+@dataclass
+class SequenceShard:
+    """One row's split: this rank keeps positions [start, stop) of the padded row of `padded` tokens
+    (`length` of them real); `mask` [1, 1, S / C, S] says which keys each query of this rank's context
+    chunk may attend to."""
+
+    mesh: SequenceMesh
+    length: int
+    padded: int
+    start: int
+    stop: int
+    mask: torch.Tensor
+
+
+def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
+    """This rank's model inputs (input_ids, position_ids, labels for its positions) and its shard.
+
+    The row is padded to a multiple of U x C with tokens of their own segment (id 0, labels ignored,
+    never a pair's); every existing segment, a one-token one included, keeps its identity and positions.
+    """
+    ids, positions, labels = batch["input_ids"][0], batch["position_ids"][0], batch["labels"][0]
+    length = int(ids.shape[0])
+    extra = -length % mesh.size
+    lengths = batch["segment_length"].long().to(ids.device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+    if extra:
+        ids = torch.cat([ids, ids.new_zeros(extra)])
+        positions = torch.cat([positions, torch.arange(extra, dtype=positions.dtype, device=positions.device)])
+        labels = torch.cat([labels, labels.new_full((extra,), IGNORE_INDEX)])
+        segment = torch.cat([segment, segment.new_full((extra,), len(lengths))])
+    padded = length + extra
+    s = padded // mesh.size
+    start = mesh.rank * s
+    chunk = padded // mesh.context
+    queries = torch.arange(mesh.context_rank * chunk, (mesh.context_rank + 1) * chunk, device=ids.device)
+    keys = torch.arange(padded, device=ids.device)
+    mask = (segment[queries, None] == segment[None, :]) & (keys[None, :] <= queries[:, None])
+    inputs = {
+        "input_ids": ids[None, start : start + s],
+        "position_ids": positions[None, start : start + s],
+        "labels": labels[start : start + s],
+    }
+    return inputs, SequenceShard(mesh, length, padded, start, start + s, mask[None, None])
+
+
+def complete_sums(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """This rank's per-token values [s] placed at its positions of the row: [length], zero elsewhere.
+    Differentiable; `pair_sums` of it is this rank's part of every pair's sums."""
+    return F.pad(local, (shard.start, shard.padded - shard.stop))[: shard.length]
+
+
+def check_same_row(batch: dict, mesh: SequenceMesh, step: int) -> None:
+    """Every rank of a group must hold the same row, labels and segments; a cheap signature (sizes and
+    position-weighted sums) is compared with one max all-reduce of (signature, -signature)."""
+    ids, labels = batch["input_ids"][0].long().cpu(), batch["labels"][0].long().cpu()
+    weight = torch.arange(1, ids.shape[0] + 1, dtype=torch.int64)
+    lengths = batch["segment_length"].long().cpu()
+    signature = torch.stack(
+        [
+            torch.tensor(ids.shape[0]),
+            (ids * weight).sum(),
+            (labels * weight).sum(),
+            batch["position_ids"][0].long().cpu().sum(),
+            (lengths * torch.arange(1, len(lengths) + 1)).sum(),
+            (batch["segment_role"].long().cpu() * torch.arange(1, len(lengths) + 1)).sum(),
+            batch["pair_index"].long().cpu().sum(),
+            torch.tensor(int(batch["step_pairs"])),
+        ]
+    )
+    both = collectives.all_reduce(torch.cat([signature, -signature]), op="max", group=mesh.group)
+    if not torch.equal(both[: len(signature)], -both[len(signature) :]):
+        raise DataError(
+            f"step {step}, micro-batch {batch.get('microbatch')}: the ranks of sequence-parallel group "
+            f"{mesh.dp_rank} hold different rows (input ids, labels or segments); every rank of a group "
+            "must get the same micro-batch: ask the loader for data-parallel ranks only "
+            "(LoaderConfig rank = dp rank, world_size = dp size; docs/objective.md)"
+        )
+
+
+def sequence_parallel_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sequence_shard: SequenceShard | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the whole row for this rank's positions; [B, H, s, D] in, [B, s, H, D] out."""
+    if sequence_shard is None:
+        raise ModelError(
+            "this model runs with sequence-parallel attention and was called without a sequence shard; "
+            "call it through dpo_train.logps.pair_logps with the run's SequenceMesh"
+        )
+    mesh = sequence_shard.mesh
+    if mesh.ulysses > 1:
+        query, key, value = (_heads_to_sequence(x, mesh) for x in (query, key, value))
+    if mesh.context > 1:
+        key, value = (_gather_sequence(x, mesh) for x in (key, value))
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a block of heads
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=sequence_shard.mask, dropout_p=dropout, scale=scaling
+    )
+    if mesh.ulysses > 1:
+        out = _sequence_to_heads(out, mesh)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _heads_to_sequence(x: torch.Tensor, mesh: SequenceMesh) -> torch.Tensor:
+    """[B, H, s, D] (all heads, my positions) -> [B, H / U, U s, D] (my heads, my context chunk)."""
+    b, h, s, d = x.shape
+    u = mesh.ulysses
+    got = collectives.exchange(x.reshape(b, u, h // u, s, d).transpose(0, 1), mesh.ulysses_group)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, mesh: SequenceMesh) -> torch.Tensor:
+    """The inverse of `_heads_to_sequence`."""
+    b, h, n, d = x.shape
+    u = mesh.ulysses
+    got = collectives.exchange(x.reshape(b, h, u, n // u, d).permute(2, 0, 1, 3, 4), mesh.ulysses_group)
+    return got.transpose(0, 1).reshape(b, u * h, n // u, d)
+
+
+def _gather_sequence(x: torch.Tensor, mesh: SequenceMesh) -> torch.Tensor:
+    """[B, h, S / C, D] -> [B, h, S, D]: every context rank's chunk, in order."""
+    return collectives.gather_chunks(x.permute(2, 0, 1, 3), mesh.context_group).permute(1, 2, 0, 3)
+
+
+def register() -> None:
+    """Make ATTENTION a transformers attention implementation (idempotent). It is not a mask
+    implementation, so transformers builds no mask for it: the shard carries its own."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, sequence_parallel_attention)

@@ -1,0 +1,239 @@
+"""Sequence parallelism (Ulysses x context) on real gloo process groups with a tiny random model: rows split
+inside chosen, on the chosen/rejected boundary, inside rejected and across three ranks give the
+single-process per-pair log-probs and gradients; training and resume under a mesh match one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+MESHES = [(2, 1), (1, 2), (2, 2), (1, 4)]  # (ulysses, context), built in this order on 4 ranks
+TOL = 1e-5  # fp32: the same sums, added in another order
+
+
+def _pair(index: int, prompt: int, chosen: int, rejected: int):
+    rng = np.random.default_rng(index)
+    ids = lambda n: rng.integers(1, MODEL["vocab_size"], n).astype(np.int32)  # noqa: E731 - three short draws
+    return SimpleNamespace(index=index, source_id=0, prompt=ids(prompt), chosen=ids(chosen), rejected=ids(rejected))
+
+
+# Each row, with where the cuts fall. Segment lengths are prompt + completion.
+ROWS = {
+    # segments 10 | 6: at 2 ranks the cut (8) is inside chosen; at 4 (cuts 4, 8, 12) inside both
+    "inside chosen": [_pair(0, 3, 7, 3)],
+    # segments 8 | 8: at 2 ranks the cut is exactly on the chosen/rejected boundary
+    "on the boundary": [_pair(1, 4, 4, 4)],
+    # segments 5 | 11: the cut (8) is inside rejected
+    "inside rejected": [_pair(2, 2, 3, 9)],
+    # segments 3 | 3 | 8 | 10 = 24; at 4 ranks (6 each) pair 4 spans ranks 1, 2 and 3
+    "a pair across three ranks": [_pair(3, 2, 1, 1), _pair(4, 5, 3, 5)],
+    # segments 6 | 4 | 3 | 2 = 15: a one-token completion ends the row, one padding token makes it 16
+    "one-token final completion next to divisibility padding": [_pair(5, 3, 3, 1), _pair(6, 1, 2, 1)],
+}
+
+
+def _model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dpo_train import sequence_parallel
+
+    sequence_parallel.register()
+    spec = dict(MODEL)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _logps_and_gradients(model, batch, mesh=None) -> dict:
+    """Per-pair sums and the gradient of a fixed function of them (summed over the group's ranks)."""
+    from dpo_train import collectives
+    from dpo_train.logps import pair_logps
+
+    model.zero_grad(set_to_none=True)
+    out = pair_logps(model, batch, mesh)
+    weights = torch.arange(1, 2 * batch["num_pairs"] + 1, dtype=torch.float32).reshape(-1, 2) / 10
+    (out.chosen * weights[:, 0] - out.rejected * weights[:, 1]).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if mesh is not None:  # each rank holds its positions' part of the gradient
+        grads = {n: collectives.all_reduce(g, group=mesh.group) for n, g in grads.items()}
+    return {
+        "chosen": out.chosen.detach(),
+        "rejected": out.rejected.detach(),
+        "tokens": torch.stack([out.chosen_tokens, out.rejected_tokens]),
+        **{f"grad/{n}": g for n, g in grads.items()},
+    }
+
+
+def _split_worker(rank: int, world: int, port: int, result: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnf
+
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train import collectives
+    from dpo_train.device import attention_for, placement
+    from dpo_train.sequence_parallel import sequence_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in MESHES}
+    model = _model()
+    model.config._attn_implementation = attention_for("auto", placement("cpu", "fp32"), meshes[(2, 1)])
+    out = {}
+    for name, pairs in ROWS.items():
+        batch = pack_microbatch(pairs)  # no loader padding: the split pads to U x C itself
+        for (u, c), mesh in meshes.items():
+            out[f"{name} U{u}C{c}"] = _logps_and_gradients(model, batch, mesh)
+    exact = collectives.sum_same_loss
+    # the mutant: a plain differentiable all-reduce, whose backward sums the gradient once per group rank
+    collectives.sum_same_loss = lambda partial, group: dnf.all_reduce(partial, group=group)
+    for (u, c), mesh in meshes.items():
+        out[f"mutant U{u}C{c}"] = _logps_and_gradients(model, pack_microbatch(ROWS["on the boundary"]), mesh)
+    collectives.sum_same_loss = exact
+    if rank == 0:
+        torch.save(out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker, world: int, *args) -> None:
+    mp.start_processes(worker, args=(world, _free_port(), *args), nprocs=world, start_method="spawn")
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """Per row: the per-pair sums and gradients of one process with the ordinary (sdpa) attention."""
+    from dpo_data.loading.microbatch import pack_microbatch
+
+    model = _model()
+    return {name: _logps_and_gradients(model, pack_microbatch(pairs)) for name, pairs in ROWS.items()}
+
+
+def _worst(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).double().norm() / a[k].double().norm().clamp(min=1e-30)) for k in a)
+
+
+def test_split_rows_give_the_single_process_logps_and_gradients(single_process, tmp_path):
+    """Every cut and every mesh: per-pair sums, token counts and gradients equal one process; a reduction
+    that counts a pair once per group rank (a plain differentiable all-reduce) is caught."""
+    result = tmp_path / "split.pt"
+    _spawn(_split_worker, 4, str(result))
+    got = torch.load(result, weights_only=True)
+    for name, expected in single_process.items():
+        for u, c in MESHES:
+            actual = got[f"{name} U{u}C{c}"]
+            assert torch.equal(actual["tokens"], expected["tokens"]), (name, u, c)
+            assert _worst(expected, actual) < TOL, (name, u, c, _worst(expected, actual))
+    for u, c in MESHES:  # the gradient counted U x C times
+        assert _worst(single_process["on the boundary"], got[f"mutant U{u}C{c}"]) > 0.5
+
+
+RTOL = 2e-6  # the invariance suite's tolerance (tests/test_invariance.py)
+LAYOUTS = {  # name -> (world, ulysses, context, strategy)
+    "dp1 x U2": (2, 2, 1, "fsdp"),
+    "dp1 x C2": (2, 1, 2, "ddp"),
+    "dp2 x U2": (4, 2, 1, "fsdp"),
+    "U2 x C2": (4, 2, 2, "ddp"),
+}
+
+
+def _train_config(dataset: str, ulysses: int = 1, context: int = 1, strategy: str = "ddp") -> dict:
+    return {
+        "model": {"init": {"config": {**MODEL, "vocab_size": 49152}, "seed": 0}},
+        "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": 256},
+        "optim": {"name": "sgd", "lr": 1.0},
+        "train": {"output_dir": "unused", "max_steps": 2},
+        "distributed": {
+            "strategy": strategy,
+            "device": "cpu",
+            "sequence_parallel": {"ulysses": ulysses, "context": context},
+        },
+    }
+
+
+def _train_worker(rank: int, world: int, port: int, config: dict, result: str, mutant: bool) -> None:
+    """Two SGD steps of the real Trainer fed by the real loader (asked for data-parallel ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from dpo_train import collectives
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+    from dpo_train.sequence_parallel import run_mesh
+    from dpo_train.trainer import DPOLoader, Trainer
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if mutant:  # each rank's partial sums counted as if they were the group's: a pair once per group rank
+        import torch.distributed.nn.functional as dnf
+
+        collectives.sum_same_loss = lambda partial, group: dnf.all_reduce(partial, group=group)
+    cfg = load_config(config)
+    mesh = run_mesh(cfg, rank, world)
+    loader = DPOLoader([cfg.data.path], cfg.data.loader_config(mesh.dp_rank, mesh.dp_size), pad_to_multiple_of=8)
+    trainer = Trainer(cfg, placement("cpu", "fp32"), rank, world, loader.stream.store, mesh)
+    records = []
+    for batch in loader:
+        trainer.microbatch(batch)
+        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+            records.append(trainer.step())
+            if len(records) == 2:
+                break
+    state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"params": dict(state), "records": json.dumps(records)}, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _trained(tmp_path, name: str, config: dict, world: int, mutant: bool = False) -> tuple[dict, list]:
+    result = tmp_path / f"{name}.pt"
+    _spawn(_train_worker, world, config, str(result), mutant)
+    got = torch.load(result, weights_only=True)
+    return got["params"], json.loads(got["records"])
+
+
+@pytest.mark.slow
+def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
+    """dp1xU2, dp1xC2, dp2xU2 and U2xC2 train the same weights as one process after 2 steps (live
+    reference, FSDP2 and DDP), with the same pair counts and losses; counting a pair once per group rank
+    fails."""
+    base_params, base_records = _trained(tmp_path, "base", _train_config(str(sample_dataset)), 1)
+
+    def worst(params: dict) -> float:
+        return max(
+            float((base_params[k] - params[k]).double().norm() / base_params[k].double().norm()) for k in base_params
+        )
+
+    for name, (world, u, c, strategy) in LAYOUTS.items():
+        params, records = _trained(tmp_path, name, _train_config(str(sample_dataset), u, c, strategy), world)
+        assert worst(params) < RTOL, (name, worst(params))
+        for a, b in zip(base_records, records, strict=True):
+            assert (b["pairs"], b["input_tokens"], b["world_size"]) == (a["pairs"], a["input_tokens"], world), name
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), name
+    params, _ = _trained(tmp_path, "mutant", _train_config(str(sample_dataset), 2, 1, "fsdp"), 2, mutant=True)
+    assert worst(params) > 100 * RTOL
