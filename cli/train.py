@@ -50,13 +50,17 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
     newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).
 
     Exit 0 on success; 2 on a config, data, reference-sidecar or resume error; 1 when a rank fails
-    (every rank stops, the failing rank names its error) or a save fails (nothing is committed).
+    (every rank stops, the failing rank names its error) or a save fails (nothing is committed). With
+    --nproc-per-node, the code of the first rank that failed.
+
+    distributed.sequence_parallel {ulysses: U, context: C} splits each packed row over U x C ranks
+    (world = dp x C x U); pairs stay whole and are counted once (docs/objective.md).
     """
     if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "dpo_cli.launch",  # torchrun, minus its traceback on a failed rank
             "--standalone",
             f"--nproc-per-node={nproc_per_node}",
             "-m",

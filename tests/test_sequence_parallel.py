@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests.test_checkpoint import config, metrics, small_dataset, state_cli, train  # noqa: F401 - small_dataset is a fixture
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
     "model_type": "llama",
@@ -85,10 +88,11 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnf
 
+    from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train import collectives
     from dpo_train.device import attention_for, placement
-    from dpo_train.sequence_parallel import sequence_mesh
+    from dpo_train.sequence_parallel import check_same_row, sequence_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -106,6 +110,14 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     for (u, c), mesh in meshes.items():
         out[f"mutant U{u}C{c}"] = _logps_and_gradients(model, pack_microbatch(ROWS["on the boundary"]), mesh)
     collectives.sum_same_loss = exact
+    rows = [pack_microbatch(pairs) for pairs in ROWS.values()]
+    for name, batch in (("same rows", rows[0]), ("different rows", rows[rank % 2])):
+        batch = {**batch, "step_pairs": 1, "microbatch": 0}
+        try:
+            check_same_row(batch, meshes[(2, 2)], step=0)
+            out[name] = ""
+        except DataError as e:
+            out[name] = str(e)
     if rank == 0:
         torch.save(out, result)
     dist.barrier()
@@ -148,6 +160,8 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
             assert _worst(expected, actual) < TOL, (name, u, c, _worst(expected, actual))
     for u, c in MESHES:  # the gradient counted U x C times
         assert _worst(single_process["on the boundary"], got[f"mutant U{u}C{c}"]) > 0.5
+    assert got["same rows"] == ""
+    assert "ranks of sequence-parallel group 0 hold different rows" in got["different rows"]
 
 
 RTOL = 2e-6  # the invariance suite's tolerance (tests/test_invariance.py)
@@ -237,3 +251,62 @@ def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), name
     params, _ = _trained(tmp_path, "mutant", _train_config(str(sample_dataset), 2, 1, "fsdp"), 2, mutant=True)
     assert worst(params) > 100 * RTOL
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elastic(
+    small_dataset, smollm2_dir, tmp_path
+):
+    """Through the CLI on 2 processes with ulysses 2: SIGKILL after committing step 3, resume, and the run
+    ends bitwise equal to an uninterrupted one; the step-3 checkpoint resumed with ulysses 1 on one
+    process is reported elastic and trains the same pairs."""
+    sp = {"distributed__sequence_parallel": {"ulysses": 2}}
+    full_path, full = config(tmp_path, small_dataset, smollm2_dir, "full", **sp)
+    train(full_path, nproc=2)
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "cut", **sp)
+    assert train(path, nproc=2, env={"DPO_TRAIN_KILL": "after-save:3"}, check=None).returncode != 0
+    shutil.copytree(out, tmp_path / "elastic")
+    resumed = train(path, nproc=2)
+    assert f"resumed from {out / 'checkpoints' / 'step-000003'}" in resumed.stderr
+    assert metrics(out) == metrics(full) and {r["world_size"] for r in metrics(out)} == {2}
+    same = state_cli("diff", full, out, "--values")
+    assert same.returncode == 0, same.stdout[-3000:]
+    inspected = json.loads(state_cli("inspect", out, "--json").stdout)
+    assert inspected["identity"]["layout"]["sequence_parallel"] == {"ulysses": 2, "context": 1}
+
+    elastic_path, elastic = config(tmp_path, small_dataset, smollm2_dir, "elastic")
+    moved = train(elastic_path)
+    assert "elastic resume (layout.sequence_parallel.ulysses: checkpoint 2, this run 1)" in moved.stderr
+    for a, b in zip(metrics(full), metrics(elastic), strict=True):
+        assert (a["step"], a["pairs"], a["input_tokens"]) == (b["step"], b["pairs"], b["input_tokens"])
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+
+
+def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_dir, tmp_path):
+    """A mesh that does not divide the world, Ulysses that does not divide the heads, and an attention
+    that cannot run split are config errors before training (exit 2, named, no traceback)."""
+    from dpo_train.device import attention_for, placement
+    from dpo_train.errors import ConfigError
+    from dpo_train.sequence_parallel import check_heads, sequence_mesh
+
+    with pytest.raises(ConfigError, match=r"ulysses 2 x context 2 = 4 must divide the world size 6"):
+        sequence_mesh(0, 6, 2, 2)
+    with pytest.raises(ConfigError, match=r"attention heads \(9\) and key/value heads \(3\)"):
+        check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 2)
+    check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 3)
+    mesh = SimpleNamespace(active=True)
+    with pytest.raises(ConfigError, match="eager cannot run under distributed.sequence_parallel"):
+        attention_for("eager", placement("cpu", "fp32"), mesh)
+
+    one_kv_head = {"init": {"config": {**MODEL, "vocab_size": 49152, "num_key_value_heads": 1}, "seed": 0}}
+    path, _ = config(
+        tmp_path,
+        small_dataset,
+        smollm2_dir,
+        "heads",
+        model__init=one_kv_head["init"],
+        distributed__sequence_parallel={"ulysses": 2},
+    )
+    failed = train(path, nproc=2, check=2)  # the failed rank's code, as in one process
+    assert "attention heads (4) and key/value heads (1)" in failed.stderr
+    assert "Traceback (most recent call last)" not in failed.stderr
