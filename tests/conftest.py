@@ -69,3 +69,22 @@ def sample_dataset(smollm2_dir, tmp_path_factory) -> Path:
     result = build(inputs, str(smollm2_dir), out, BuildOptions(pairs_per_shard=200))
     assert result.manifest is not None
     return out
+
+
+@pytest.fixture(scope="session")
+def small_dataset(smollm2_dir, tmp_path_factory):
+    """24 pairs: 6 steps of 4 pairs per epoch, so runs cross epoch boundaries quickly."""
+    from dpo_data.prepare.build import BuildOptions, build
+
+    tmp = tmp_path_factory.mktemp("small")
+    rows = [
+        chat(
+            f"What is {i} plus {i * 3}?",
+            f"It is {4 * i}." + " Indeed." * (i % 5),
+            f"It is {4 * i + 1}." + " Hmm." * (i % 3),
+        )
+        for i in range(24)
+    ]
+    result = build([str(write_jsonl(tmp / "pairs.jsonl", rows))], str(smollm2_dir), tmp / "data", BuildOptions())
+    assert result.manifest["totals"]["pairs"] == 24
+    return tmp / "data"

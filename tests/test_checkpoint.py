@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import chat, write_jsonl
-
 MODEL = {
     "model_type": "llama",
     "vocab_size": 49152,
@@ -27,25 +25,6 @@ MODEL = {
     "num_key_value_heads": 2,
 }
 TIMING = ("pairs/s", "tokens/s")
-
-
-@pytest.fixture(scope="module")
-def small_dataset(smollm2_dir, tmp_path_factory):
-    """24 pairs: 6 steps of 4 pairs per epoch, so runs cross epoch boundaries quickly."""
-    from dpo_data.prepare.build import BuildOptions, build
-
-    tmp = tmp_path_factory.mktemp("small")
-    rows = [
-        chat(
-            f"What is {i} plus {i * 3}?",
-            f"It is {4 * i}." + " Indeed." * (i % 5),
-            f"It is {4 * i + 1}." + " Hmm." * (i % 3),
-        )
-        for i in range(24)
-    ]
-    result = build([str(write_jsonl(tmp / "pairs.jsonl", rows))], str(smollm2_dir), tmp / "data", BuildOptions())
-    assert result.manifest["totals"]["pairs"] == 24
-    return tmp / "data"
 
 
 def config(tmp_path, dataset, tokenizer, name, **over) -> tuple:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_checkpoint import MODEL, config, metrics, small_dataset, state_cli, train  # noqa: F401 - fixture
+from tests.test_checkpoint import config, metrics, state_cli, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -25,7 +25,7 @@ def lora_config(tmp_path, dataset, tokenizer, name, lora=LORA, **over):
 
 
 @pytest.fixture(scope="module")
-def single(small_dataset, smollm2_dir, tmp_path_factory):  # noqa: F811 - the imported fixture
+def single(small_dataset, smollm2_dir, tmp_path_factory):
     """One LoRA run in one process: 8 steps, a checkpoint per step, adapter and merged model exported."""
     tmp = tmp_path_factory.mktemp("lora")
     path, out = lora_config(tmp, small_dataset, smollm2_dir, "single", train__export="both")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.test_checkpoint import config, metrics, small_dataset, state_cli, train  # noqa: F401 - small_dataset is a fixture
+from tests.test_checkpoint import config, metrics, state_cli, train
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
     "model_type": "llama",
