@@ -111,9 +111,10 @@ def gather_chunks(chunk: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherChunks.apply(chunk, group)
 
 
-# torch 2.13 renamed the single-tensor forms (the old names warn); torch >= 2.6 has the old ones.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _newest(*names: str):
+    """torch 2.13 renamed the single-tensor collectives (the old names warn); torch >= 2.6 has the old
+    ones. Looked up at each call, so that wrappers (tests, benchmarks) see every call."""
+    return next(getattr(dist, name) for name in names if hasattr(dist, name))
 
 
 class _SumSameLoss(torch.autograd.Function):
@@ -152,12 +153,12 @@ class _GatherChunks(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = chunk.new_empty((size * chunk.shape[0], *chunk.shape[1:]))
-        _ALL_GATHER(out, chunk.contiguous(), group=group)
+        _newest("all_gather_single", "all_gather_into_tensor")(out, chunk.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         size = dist.get_world_size(ctx.group)
         mine = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        _REDUCE_SCATTER(mine, grad.contiguous(), group=ctx.group)
+        _newest("reduce_scatter_single", "reduce_scatter_tensor")(mine, grad.contiguous(), group=ctx.group)
         return mine, None

@@ -18,7 +18,7 @@ identically. See docs/objective.md, "Sequence parallelism".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -126,6 +126,15 @@ class SequenceShard:
     start: int
     stop: int
     mask: torch.Tensor
+    _additive: dict = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as 0 / -inf in `dtype`, made once per row and shared by every layer: given a boolean
+        mask, sdpa makes (and keeps for backward) such a copy in every layer."""
+        if dtype not in self._additive:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = torch.where(self.mask, zero, torch.finfo(dtype).min)
+        return self._additive[dtype]
 
 
 def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
@@ -218,9 +227,8 @@ def sequence_parallel_attention(
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a block of heads
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=sequence_shard.mask, dropout_p=dropout, scale=scaling
-    )
+    mask = sequence_shard.additive_mask(query.dtype)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     if mesh.ulysses > 1:
         out = _sequence_to_heads(out, mesh)
     return out.transpose(1, 2).contiguous(), None
