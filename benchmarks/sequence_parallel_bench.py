@@ -170,7 +170,10 @@ def main() -> None:
             rows.append({"ulysses": ulysses, "context": context, "ranks": ranks})
     base = rows[0]["ranks"][0]
     print(f"one pair, prompt {args.prompt}, completions {args.completion}: row of {2 * sum(lengths[:2])} tokens")
-    print("| U x C | saved for backward, busiest rank (MiB) | x single | least busy rank | peak RSS above model, busiest rank (MiB) | x single |")
+    print(
+        "| U x C | saved for backward, busiest rank (MiB) | x single | least busy rank "
+        "| peak RSS above model, busiest rank (MiB) | x single |"
+    )
     print("|---|---|---|---|---|---|")
     for row in rows:
         saved = max(r["saved_mib"] for r in row["ranks"])
