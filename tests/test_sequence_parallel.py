@@ -310,3 +310,29 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
     failed = train(path, nproc=2, check=2)  # the failed rank's code, as in one process
     assert "attention heads (4) and key/value heads (1)" in failed.stderr
     assert "Traceback (most recent call last)" not in failed.stderr
+
+
+@pytest.mark.slow
+def test_precompute_and_eval_under_ulysses_and_context_equal_one_process(small_dataset, smollm2_dir, tmp_path):
+    """The precomputed reference sidecar and the held-out evaluation (before and after one step) under
+    U2 x C1 and U1 x C2 on 2 processes equal one process's: each pair scored once, by its group."""
+    from safetensors.numpy import load_file
+
+    def run(name: str, nproc: int, sp: dict | None):
+        sidecar = tmp_path / f"{name}-sidecar"
+        over = {"reference__path": str(sidecar), "eval__path": str(small_dataset), "train__max_steps": 1}
+        path, out = config(tmp_path, small_dataset, smollm2_dir, name, distributed__sequence_parallel=sp, **over)
+        train(path, "--precompute-reference", nproc=nproc)
+        train(path, nproc=nproc)  # a live reference: the sidecar is only compared
+        records = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+        return load_file(str(sidecar / "logps.safetensors")), records
+
+    base_table, base_eval = run("one", 1, None)
+    for name, sp in (("ulysses", {"ulysses": 2}), ("context", {"context": 2})):
+        table, records = run(name, 2, sp)
+        assert table.keys() == base_table.keys()
+        for key in base_table:
+            np.testing.assert_allclose(table[key], base_table[key], rtol=1e-5, atol=1e-4, err_msg=f"{name} {key}")
+        assert [r["step"] for r in records] == [0, 1] and [r["pairs"] for r in records] == [24, 24]
+        for a, b in zip(base_eval, records, strict=True):
+            assert b["accuracy"] == a["accuracy"] and b["margin"] == pytest.approx(a["margin"], abs=1e-5), name
