@@ -43,7 +43,7 @@ def test_all_reduce_moves_to_the_backend_device_and_back(monkeypatch):
     """Under nccl a CPU tensor must travel to the GPU and back: simulated with the meta device."""
     received = []
 
-    def fake_all_reduce(tensor, op):
+    def fake_all_reduce(tensor, op, group=None):
         received.append((tensor.device, op))
 
     monkeypatch.setattr(collectives, "active", lambda: True)

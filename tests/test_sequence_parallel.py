@@ -294,6 +294,12 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
     with pytest.raises(ConfigError, match=r"attention heads \(9\) and key/value heads \(3\)"):
         check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 2)
     check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 3)
+    from dpo_train.config import load_config
+
+    for bad, named in (({"ulyses": 2}, "ulyses"), ({"ulysses": 0}, "ulysses")):
+        with pytest.raises(ConfigError, match=named):
+            load_config({"distributed": {"sequence_parallel": bad}})
+    assert load_config({"distributed": {"sequence_parallel": {"context": 2}}}).distributed.sequence_sizes == (1, 2)
     mesh = SimpleNamespace(active=True)
     with pytest.raises(ConfigError, match="eager cannot run under distributed.sequence_parallel"):
         attention_for("eager", placement("cpu", "fp32"), mesh)
