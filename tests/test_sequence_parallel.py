@@ -92,6 +92,7 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train import collectives
     from dpo_train.device import attention_for, placement
+    from dpo_train.logps import row_inputs
     from dpo_train.sequence_parallel import check_same_row, sequence_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -118,6 +119,11 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
             out[name] = ""
         except DataError as e:
             out[name] = str(e)
+    empty = pack_microbatch([], pad_to_multiple_of=8)  # a data-parallel rank without a pair, as the trainer runs it
+    for (u, c), mesh in meshes.items():
+        model.zero_grad(set_to_none=True)
+        model(**row_inputs(empty, mesh)[0]).logits.sum().mul(0).backward()
+        out[f"empty U{u}C{c}"] = max(float(p.grad.abs().max()) for p in model.parameters())
     if rank == 0:
         torch.save(out, result)
     dist.barrier()
@@ -149,7 +155,8 @@ def _worst(a: dict, b: dict) -> float:
 
 def test_split_rows_give_the_single_process_logps_and_gradients(single_process, tmp_path):
     """Every cut and every mesh: per-pair sums, token counts and gradients equal one process; a reduction
-    that counts a pair once per group rank (a plain differentiable all-reduce) is caught."""
+    that counts a pair once per group rank (a plain differentiable all-reduce) is caught; a padding-only
+    row runs through every mesh and adds nothing; ranks holding different rows are named."""
     result = tmp_path / "split.pt"
     _spawn(_split_worker, 4, str(result))
     got = torch.load(result, weights_only=True)
@@ -160,6 +167,7 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
             assert _worst(expected, actual) < TOL, (name, u, c, _worst(expected, actual))
     for u, c in MESHES:  # the gradient counted U x C times
         assert _worst(single_process["on the boundary"], got[f"mutant U{u}C{c}"]) > 0.5
+    assert all(got[f"empty U{u}C{c}"] == 0.0 for u, c in MESHES)  # it joined every collective, added nothing
     assert got["same rows"] == ""
     assert "ranks of sequence-parallel group 0 hold different rows" in got["different rows"]
 
