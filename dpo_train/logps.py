@@ -1,4 +1,4 @@
-"""Per-pair completion log-probabilities from one packed micro-batch."""
+"""Per-pair completion log-probabilities from one packed micro-batch (separate or shared-prompt layout)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from dpo_data.loading.microbatch import IGNORE_INDEX, pair_sums
+from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
 from dpo_train import collectives
-from dpo_train.sequence_parallel import complete_sums, split_row
+from dpo_train.row_mask import segment_mask
+from dpo_train.sequence_parallel import split_row
 
 
 @dataclass
@@ -22,51 +23,82 @@ class PairLogps:
     rejected_tokens: torch.Tensor
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t] | logits[t]) per position, 0 where labels[t] is the ignore index.
+@dataclass
+class Targets:
+    """Every completion token a row must predict: the position whose logits predict it, the token, and
+    the segment it counts for, in position order within each kind."""
 
-    Labels are pre-shifted by the loader (position t predicts labels[t]), so no shift happens here.
-    `logits` is [T, V] for every position, or [M, V] for the M supervised positions only.
-    """
-    mask = labels != IGNORE_INDEX
-    selected = (logits[mask] if logits.shape[0] == labels.shape[0] else logits).float()
-    picked = selected.gather(-1, labels[mask, None])[:, 0] - torch.logsumexp(selected, dim=-1)
-    out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    return out.masked_scatter(mask, picked)
+    position: torch.Tensor
+    label: torch.Tensor
+    segment: torch.Tensor
 
 
-def row_inputs(batch: dict[str, Any], mesh: Any = None) -> tuple[dict[str, Any], torch.Tensor, Any]:
+def targets(batch: dict[str, Any]) -> Targets:
+    """The row's targets. Labels are pre-shifted by the loader: position t predicts `labels[t]`, a token
+    of t's own segment. In the shared-prompt layout the first token of each completion is predicted by
+    the last position of its prompt segment (`segment_first_label`), which both completions share, so
+    that position carries two targets."""
+    labels = batch["labels"][0]
+    lengths = batch["segment_length"].long().to(labels.device)
+    segment_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths)
+    position = torch.nonzero(labels != IGNORE_INDEX)[:, 0]
+    label, segment = labels[position], segment_of_token[position]
+    if "segment_first_label" in batch:
+        first = batch["segment_first_label"].long().to(labels.device)
+        opened = torch.nonzero(first != IGNORE_INDEX)[:, 0]  # completion segments
+        context = batch["segment_context"].long().to(labels.device)[opened]
+        prompt_last = batch["cu_seqlens"].long().to(labels.device)[context + 1] - 1
+        position = torch.cat([position, prompt_last])
+        label, segment = torch.cat([label, first[opened]]), torch.cat([segment, opened])
+    return Targets(position, label, segment)
+
+
+def row_inputs(batch: dict[str, Any], mesh: Any = None) -> tuple[dict[str, Any], Any]:
     """The model's keyword inputs for this rank's part of the row (all of it without sequence
-    parallelism), its labels, and its sequence shard (None without sequence parallelism)."""
-    if mesh is None or not mesh.active:
-        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-        return inputs, batch["labels"][0].to(batch["input_ids"].device), None
-    part, shard = split_row(batch, mesh)
-    inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}
-    return {**inputs, "sequence_shard": shard}, part["labels"], shard
+    parallelism), and its sequence shard (None without sequence parallelism).
+
+    Without sequence parallelism, the separate layout passes no attention mask: with sdpa/eager on CPU,
+    transformers keeps packed segments apart when it gets `position_ids` restarting at 0, no mask and
+    `use_cache=False` (it detects the packed documents from the position restarts). The shared-prompt
+    layout needs a completion to see its prompt segment, so it passes the row's own mask.
+    """
+    if mesh is not None and mesh.active:
+        part, shard = split_row(batch, mesh)
+        inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}
+        return {**inputs, "sequence_shard": shard}, shard
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if "segment_context" in batch:
+        inputs["attention_mask"] = segment_mask(batch)[None, None]
+    return inputs, None
 
 
 def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
-    On CPU with sdpa/eager attention, transformers keeps packed segments apart when it gets
-    `position_ids` restarting at 0, no attention mask and `use_cache=False` (it then detects the packed
-    documents from the position restarts; with a mask, segments would attend across each other).
-    The vocabulary projection runs only at supervised positions (`logits_to_keep` with a boolean
-    mask): prompt positions never need logits, and on a 135M model the projection is a fifth of the
-    forward.
-
-    With a sequence-parallel `mesh` (dpo_train.sequence_parallel), this rank forwards its positions only
-    and the per-pair sums are completed over its group: every rank of the group returns the whole sums.
+    The vocabulary projection runs only at the positions that predict a target (`logits_to_keep` with a
+    boolean mask): prompt positions never need logits, and on a 135M model the projection is a fifth of
+    the forward. With a sequence-parallel `mesh` (dpo_train.sequence_parallel) this rank forwards its
+    positions only and scores the targets they predict; the per-pair sums are completed over its group,
+    so every rank of the group returns the whole sums.
     """
-    inputs, labels, shard = row_inputs(batch, mesh)
-    mask = labels != IGNORE_INDEX
-    logits = model(**inputs, logits_to_keep=mask[None]).logits
+    inputs, shard = row_inputs(batch, mesh)
+    device = batch["input_ids"].device
+    every = targets(batch)
+    start, stop = (shard.start, shard.stop) if shard is not None else (0, batch["input_ids"].shape[1])
+    mine = (every.position >= start) & (every.position < stop)
+    position, label, segment = every.position[mine] - start, every.label[mine], every.segment[mine]
+    keep = torch.zeros(stop - start, dtype=torch.bool, device=device)
+    keep[position] = True
+    logits = model(**inputs, logits_to_keep=keep[None]).logits
     logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
-    tokens = token_logps(logits, labels)
-    if shard is None:
-        sums = pair_sums(tokens, batch)
-    else:
-        sums = collectives.sum_same_loss(pair_sums(complete_sums(tokens, shard), batch), mesh.group)
-    counts = pair_sums((batch["labels"][0] != IGNORE_INDEX).float().to(sums.device), batch)
+    rows = torch.cumsum(keep, 0)[position] - 1 if logits.shape[0] != keep.shape[0] else position
+    logits = logits.float()
+    picked = logits[rows, label] - torch.logsumexp(logits, dim=-1)[rows]
+    segments = len(batch["segment_length"])
+    per_segment = torch.zeros(segments, dtype=picked.dtype, device=picked.device).index_add(0, segment, picked)
+    sums = segments_to_pairs(per_segment, batch)
+    if shard is not None:
+        sums = collectives.sum_same_loss(sums, mesh.group)
+    ones = torch.ones_like(every.segment, dtype=torch.float32)
+    counts = segments_to_pairs(torch.zeros(segments, device=device).index_add(0, every.segment, ones), batch)
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])

@@ -11,9 +11,9 @@ Inside attention (the function registered as ATTENTION):
 - context: keys and values of the whole row are all-gathered within the context group, and a mask
   keeps each query to earlier keys of its own segment (segments apart, causal across the cut).
 Everything else in the model is position-wise, so it runs on the local positions only. Labels are
-pre-shifted, so each position's log-prob is local too; per-pair sums are completed with one sum over the
-group (`collectives.sum_same_loss`) before the objective, which every rank of the group then computes
-identically. See docs/objective.md, "Sequence parallelism".
+pre-shifted, so each target's log-prob needs one position's logits, on whichever rank holds it; per-pair
+sums are completed with one sum over the group (`collectives.sum_same_loss`) before the objective,
+which every rank of the group then computes identically. See docs/objective.md, "Sequence parallelism".
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dpo_data.errors import DataError
-from dpo_data.loading.microbatch import IGNORE_INDEX
 from dpo_train import collectives
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.row_mask import segment_mask
 
 ATTENTION = "dpo_sequence_parallel"
 """The attention implementation name a sequence-parallel model runs with (registered with transformers)."""
@@ -138,40 +138,25 @@ class SequenceShard:
 
 
 def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
-    """This rank's model inputs (input_ids, position_ids, labels for its positions) and its shard.
+    """This rank's model inputs (input_ids and position_ids of its positions) and its shard.
 
-    The row is padded to a multiple of U x C with tokens of their own segment (id 0, labels ignored,
-    never a pair's); every existing segment, a one-token one included, keeps its identity and positions.
+    The row is padded to a multiple of U x C with tokens of their own segment (id 0, never a pair's);
+    every existing segment, a one-token one included, keeps its identity and positions.
     """
-    ids, positions, labels = batch["input_ids"][0], batch["position_ids"][0], batch["labels"][0]
+    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
     length = int(ids.shape[0])
     extra = -length % mesh.size
-    lengths = batch["segment_length"].long().to(ids.device)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
     if extra:
         ids = torch.cat([ids, ids.new_zeros(extra)])
         positions = torch.cat([positions, torch.arange(extra, dtype=positions.dtype, device=positions.device)])
-        labels = torch.cat([labels, labels.new_full((extra,), IGNORE_INDEX)])
-        segment = torch.cat([segment, segment.new_full((extra,), len(lengths))])
     padded = length + extra
     s = padded // mesh.size
     start = mesh.rank * s
     chunk = padded // mesh.context
     queries = torch.arange(mesh.context_rank * chunk, (mesh.context_rank + 1) * chunk, device=ids.device)
-    keys = torch.arange(padded, device=ids.device)
-    mask = (segment[queries, None] == segment[None, :]) & (keys[None, :] <= queries[:, None])
-    inputs = {
-        "input_ids": ids[None, start : start + s],
-        "position_ids": positions[None, start : start + s],
-        "labels": labels[start : start + s],
-    }
+    mask = segment_mask(batch, queries, extra)
+    inputs = {"input_ids": ids[None, start : start + s], "position_ids": positions[None, start : start + s]}
     return inputs, SequenceShard(mesh, length, padded, start, start + s, mask[None, None])
-
-
-def complete_sums(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
-    """This rank's per-token values [s] placed at its positions of the row: [length], zero elsewhere.
-    Differentiable; `pair_sums` of it is this rank's part of every pair's sums."""
-    return F.pad(local, (shard.start, shard.padded - shard.stop))[: shard.length]
 
 
 def check_same_row(batch: dict, mesh: SequenceMesh, step: int) -> None:

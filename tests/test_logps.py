@@ -63,3 +63,33 @@ def test_pair_sums_ignore_padding_and_route_by_role():
     ones = torch.ones(batch["input_ids"].shape[1])
     sums = pair_sums(ones, batch)  # tokens per segment, padding excluded
     assert sums.tolist() == [[2.0, 4.0], [11.0, 8.0]]
+
+
+def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
+    """[prompt][chosen][rejected] with the row's own mask (rejected sees the prompt, never chosen;
+    positions continue the prompt) scores every pair as the separate layout does, one-token prompt and
+    completions included; a mask that lets rejected see chosen is caught."""
+    import dpo_train.logps as logps_module
+    from dpo_data.loading.microbatch import pack_shared_prompt
+
+    pairs = random_pairs(4)
+    with torch.no_grad():
+        separate = pair_logps(model, pack_microbatch(pairs, pad_to_multiple_of=16))
+        shared_batch = pack_shared_prompt(pairs, pad_to_multiple_of=16)
+        shared = pair_logps(model, shared_batch)
+    for name in ("chosen", "rejected"):
+        torch.testing.assert_close(getattr(shared, name), getattr(separate, name), rtol=1e-5, atol=1e-5)
+    assert shared.chosen_tokens.tolist() == separate.chosen_tokens.tolist()
+    assert shared.rejected_tokens.tolist() == separate.rejected_tokens.tolist()
+    assert shared_batch["input_ids"].shape[1] < pack_microbatch(pairs)["input_ids"].shape[1]
+
+    def leaky(batch, queries=None, extra=0):  # a pair's segments all see each other causally
+        pair = torch.cat([batch["segment_pair"].long(), torch.tensor([-2])])
+        segment = torch.repeat_interleave(torch.arange(len(batch["segment_length"])), batch["segment_length"].long())
+        keys = torch.arange(len(segment))
+        return (pair[segment][:, None] == pair[segment][None, :]) & (keys[None, :] <= keys[:, None])
+
+    monkeypatch.setattr(logps_module, "segment_mask", leaky)
+    with torch.no_grad():
+        wrong = pair_logps(model, shared_batch)
+    assert (wrong.rejected - separate.rejected).abs().max() > 1e-3

@@ -145,7 +145,14 @@ def pair_sums(token_values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor
     segment_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     per_segment = torch.zeros(len(lengths), dtype=token_values.dtype, device=token_values.device)
     per_segment = per_segment.index_add(0, segment_of_token.to(token_values.device), token_values)
-    role = batch["segment_role"].long()
+    return segments_to_pairs(per_segment, batch)
+
+
+def segments_to_pairs(per_segment: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """Route one value per segment [S] to its pair: [num_pairs, 2] as (chosen, rejected); padding and
+    prompt segments are dropped. Differentiable in `per_segment`."""
+    role = batch["segment_role"].long().to(per_segment.device)
     keep = (role == CHOSEN) | (role == REJECTED)
-    out = torch.zeros(batch["num_pairs"], 2, dtype=token_values.dtype, device=token_values.device)
-    return out.index_put((batch["segment_pair"][keep].long(), role[keep]), per_segment[keep])
+    out = torch.zeros(batch["num_pairs"], 2, dtype=per_segment.dtype, device=per_segment.device)
+    pair = batch["segment_pair"].to(per_segment.device)
+    return out.index_put((pair[keep].long(), role[keep]), per_segment[keep])
