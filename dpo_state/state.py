@@ -26,13 +26,14 @@ ELASTIC_KEYS = (
     "strategy",
     "max_tokens_per_microbatch",
     "num_workers",
+    "layout",
     "sequence_parallel.ulysses",
     "sequence_parallel.context",
 )
 """What may change on resume in `pairs` batching, at a step boundary: the pairs of a step do not
 depend on these, so the loader re-deals the same steps (a sequence-parallel group shares its rows, so
-its sizes only change how a row is split). The loader's geometry and the run's layout identity both use
-this one list."""
+its sizes only change how a row is split; the layout only changes how a pair is packed). The loader's
+geometry and the run's layout identity both use this one list."""
 
 
 RANK_SCHEMA = "checkpoint-rank"

@@ -50,6 +50,7 @@ LOADER_KEYS = (
     "num_workers",
     "seed",
     "weights",
+    "layout",
 )
 """The `data` keys that configure the loader: their types, defaults and docs are `LoaderConfig`'s own."""
 

@@ -77,10 +77,11 @@ def init_distributed(place: Placement) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def attention_for(requested: str, place: Placement, mesh: Any = None) -> str:
-    """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed), else sdpa, which
-    keeps packed segments apart through position_ids (see `dpo_train.logps.pair_logps`). Under sequence
-    parallelism (an active `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
+def attention_for(requested: str, place: Placement, mesh: Any = None, layout: str = "separate") -> str:
+    """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
+    else sdpa, which keeps packed segments apart through position_ids (see `dpo_train.logps.row_inputs`)
+    or, in the shared-prompt layout, through the row's mask. Under sequence parallelism (an active
+    `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
     if mesh is not None and mesh.active:
         from dpo_train import sequence_parallel
 
@@ -91,6 +92,11 @@ def attention_for(requested: str, place: Placement, mesh: Any = None) -> str:
             )
         sequence_parallel.register()
         return sequence_parallel.ATTENTION
+    if layout == "shared_prompt" and requested == "flash_attention_2":
+        raise ConfigError(
+            "model.attention flash_attention_2 cannot express data.layout shared_prompt (a completion "
+            "attends to its prompt segment, never to the other completion); use auto, sdpa or eager"
+        )
     if requested != "auto":
         if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
             raise ConfigError(
@@ -99,4 +105,4 @@ def attention_for(requested: str, place: Placement, mesh: Any = None) -> str:
             )
         return requested
     usable = place.device.type == "cuda" and place.precision == "bf16" and importlib.util.find_spec("flash_attn")
-    return "flash_attention_2" if usable else "sdpa"
+    return "flash_attention_2" if usable and layout == "separate" else "sdpa"

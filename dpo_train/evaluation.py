@@ -33,12 +33,15 @@ class Evaluator:
         self.trainer, self.out, self.rank = trainer, out, rank
         self.budget = max(
             config.data.max_tokens_per_microbatch,
-            int(self.store.segment_tokens(np.arange(self.store.num_pairs)).max(initial=0)),
+            int(self.store.segment_tokens(np.arange(self.store.num_pairs), config.data.layout).max(initial=0)),
         )
         self.reference = self._score(trainer.initial)
 
     def _score(self, model) -> Scores:
-        return score_pairs(model, self.store, self.budget, self.trainer.place.autocast, self.trainer.mesh)
+        trainer = self.trainer
+        return score_pairs(
+            model, self.store, self.budget, trainer.place.autocast, trainer.mesh, trainer.config.data.layout
+        )
 
     def run(self, step: int) -> dict:
         policy = self.reference if step == 0 else self._score(self.trainer.model)

@@ -61,6 +61,7 @@ def run_identity(
                 "strategy": config.distributed.strategy,
                 "sequence_parallel": dict(zip(("ulysses", "context"), config.distributed.sequence_sizes)),
                 "batching": geometry.batching,
+                "layout": geometry.layout,  # separate | shared_prompt: how a pair is packed and attended
                 "pairs_per_step": geometry.pairs_per_step,
                 "max_tokens_per_microbatch": geometry.max_tokens_per_microbatch,
                 "microbatches_per_step": geometry.microbatches_per_step,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dpo_data.loading.microbatch import pair_sums
-
 METRICS_FORMAT_VERSION = 1
 """Every metrics.jsonl record carries it; schema `metrics-record`."""
 
@@ -34,7 +32,10 @@ def new_sums(sources: int) -> torch.Tensor:
 def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> None:
     """Add one micro-batch's pairs to the step sums."""
     margin = terms.chosen_rewards - terms.rejected_rewards
-    input_tokens = pair_sums(torch.ones(batch["input_ids"].shape[1], device=margin.device), batch).sum(1)
+    # tokens each pair put through the model: both segments, or prompt once plus both completions
+    owner = batch["segment_pair"].long().to(margin.device)
+    lengths = batch["segment_length"].to(margin.device, margin.dtype)
+    input_tokens = torch.zeros_like(margin).index_add(0, owner[owner >= 0], lengths[owner >= 0])
     per_pair = (
         torch.stack(
             [

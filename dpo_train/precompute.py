@@ -29,15 +29,16 @@ def precompute_reference(config: TrainConfig) -> Path:
     check_data({"data.path": store}, config.data.verify, rank, world)
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     mesh = run_mesh(config, rank, world)
-    model = load_policy(config.model, attention_for(config.model.attention, place, mesh))
+    model = load_policy(config.model, attention_for(config.model.attention, place, mesh, config.data.layout))
     check_heads(model.config, mesh.ulysses)
     check_vocabulary(model, {"data.path": store})
     prepare_for_training(model)  # same dropout settings as the trainer's reference
     weights = weights_fingerprint(model)
     model.to(place.device)
-    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, mesh)
+    layout = config.data.layout
+    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, mesh, layout)
     path = Path(config.reference.path)
     if rank == 0:
-        write_sidecar(path, scores, store, weights, place.precision, config.model.path or "init")
+        write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")
     collectives.barrier()
     return path

@@ -51,7 +51,9 @@ class ReferenceTable:
         return self.chosen[index].to(device, torch.float32), self.rejected[index].to(device, torch.float32)
 
 
-def write_sidecar(path: str | Path, scores, store, weights: str, precision: str, model_source: str) -> Path:
+def write_sidecar(
+    path: str | Path, scores, store, weights: str, precision: str, layout: str, model_source: str
+) -> Path:
     """Write the table, then `reference.json` (by rename, last): a sidecar without it is not one."""
     from safetensors.numpy import save_file
 
@@ -77,7 +79,12 @@ def write_sidecar(path: str | Path, scores, store, weights: str, precision: str,
             "datasets": store.dataset_fingerprints,
             "num_pairs": store.num_pairs,
         },
-        "reference": {"weights_fingerprint": weights, "source": model_source, "precision": precision},
+        "reference": {
+            "weights_fingerprint": weights,
+            "source": model_source,
+            "precision": precision,
+            "layout": layout,  # log-probs of two layouts agree to about 1e-6, not bitwise: bound like precision
+        },
         "table": {"path": SIDECAR_TABLE, "bytes": table.stat().st_size, "sha256": file_digest(table)},
         "producer": {"name": "dpo-toolkit", "version": __version__},
     }
@@ -85,14 +92,14 @@ def write_sidecar(path: str | Path, scores, store, weights: str, precision: str,
     return path
 
 
-def load_sidecar(path: str | Path, store, weights: str, precision: str) -> ReferenceTable:
-    """Verify a sidecar against this run (dataset, weights, precision, hashes) and load its table.
+def load_sidecar(path: str | Path, store, weights: str, precision: str, layout: str) -> ReferenceTable:
+    """Verify a sidecar against this run (dataset, weights, precision, layout, hashes) and load its table.
 
     Every mismatch is listed in one error with the command that recomputes the sidecar.
     """
     path = Path(path)
     document = _read_document(path)
-    problems = _binding_problems(document, store, weights, precision)
+    problems = _binding_problems(document, store, weights, precision, layout)
     table = path / SIDECAR_TABLE
     if not problems:
         spec = document["table"]
@@ -124,7 +131,7 @@ def _read_document(path: Path) -> Any:
         raise SidecarError(_message(path, [str(e)])) from None
 
 
-def _binding_problems(document: dict, store, weights: str, precision: str) -> list[str]:
+def _binding_problems(document: dict, store, weights: str, precision: str, layout: str) -> list[str]:
     problems = []
     data, ref = document["dataset"], document["reference"]
     if data["fingerprint"] != store.fingerprint:
@@ -140,6 +147,10 @@ def _binding_problems(document: dict, store, weights: str, precision: str) -> li
         )
     if ref["precision"] != precision:
         problems.append(f"precision: the sidecar was computed in {ref['precision']}, this run uses {precision}")
+    if ref.get("layout", "separate") != layout:  # sidecars before the layout was recorded packed separately
+        problems.append(
+            f"layout: the sidecar was computed in the {ref.get('layout', 'separate')} layout, data.layout is {layout}"
+        )
     return problems
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
-from dpo_data.loading.microbatch import pack_microbatch
+from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train import collectives
 from dpo_train.logps import pair_logps, row_inputs
 
@@ -28,14 +28,17 @@ class Scores:
     rejected_tokens: np.ndarray
 
 
-def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None, mesh: Any = None) -> Scores:
-    """Forward every pair of `store` once, packed into micro-batches of at most `max_tokens`.
+def score_pairs(
+    model: Any, store: PairStore, max_tokens: int, autocast=None, mesh: Any = None, layout: str = "separate"
+) -> Scores:
+    """Forward every pair of `store` once, packed in `layout` into micro-batches of at most `max_tokens`.
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
     that counts pairs), so every rank returns the whole table.
     """
-    sizes = store.segment_tokens(np.arange(store.num_pairs))
+    sizes = store.segment_tokens(np.arange(store.num_pairs), layout)
+    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     too_long = np.flatnonzero(sizes > max_tokens)
     if len(too_long):
         raise DataError(
@@ -57,7 +60,7 @@ def score_pairs(model: Any, store: PairStore, max_tokens: int, autocast=None, me
         for k in range(rounds):
             j = k * world + rank
             members = bins[j] if j < len(bins) else []
-            batch = pack_microbatch([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
+            batch = pack([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with (autocast or contextlib.nullcontext)():
                 if not members:

@@ -78,7 +78,7 @@ class Trainer:
         self.mesh = mesh or run_mesh(config, rank, world)
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
-        policy = load_policy(config.model, attention_for(config.model.attention, place, self.mesh))
+        policy = load_policy(config.model, attention_for(config.model.attention, place, self.mesh, config.data.layout))
         check_heads(policy.config, self.mesh.ulysses)
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
@@ -94,7 +94,7 @@ class Trainer:
             self.initial = frozen_reference(policy, config.distributed.strategy, world)
         self.table = None
         if config.loss.needs_reference and config.reference.mode == "precomputed":
-            self.table = load_sidecar(config.reference.path, store, self.weights, place.precision)
+            self.table = load_sidecar(config.reference.path, store, self.weights, place.precision, config.data.layout)
         self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
