@@ -34,10 +34,11 @@ MODEL = {
 }
 
 
-def _config(dataset: str, budget: int = 4096, strategy: str = "ddp") -> dict:
+def _config(dataset: str, budget: int = 4096, strategy: str = "ddp", layout: str = "separate") -> dict:
+    data = {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": budget}
     return {
         "model": {"init": {"config": MODEL, "seed": 0}},
-        "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": budget},
+        "data": {**data, "layout": layout},
         "optim": {"name": "sgd", "lr": 1.0},
         "train": {"output_dir": "unused", "max_steps": 2},
         "distributed": {"strategy": strategy, "device": "cpu"},
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
 
     import dpo_train.trainer as trainer_module
     from dpo_data.dataset.store import PairStore
-    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.config import load_config
     from dpo_train.device import placement
 
@@ -88,8 +89,9 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
             step_pairs, chosen = len(pairs), sum(len(p.chosen) for p in pairs)
             mine = step[rank]
             _mean_of_means.microbatches = len(mine)
+            pack = pack_shared_prompt if cfg.data.layout == "shared_prompt" else pack_microbatch
             for k, members in enumerate(mine):
-                batch = pack_microbatch([store.pair(i) for i in members], pad_to_multiple_of=8)
+                batch = pack([store.pair(i) for i in members], pad_to_multiple_of=8)
                 batch.update(
                     microbatch=k, microbatches_in_step=len(mine), step_pairs=step_pairs, step_chosen_tokens=chosen
                 )
@@ -186,8 +188,9 @@ def _layouts(s: list[list[int]]) -> dict:
 
 
 @pytest.mark.slow
-def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(sample_dataset, step_pairs, tmp_path):
-    config = _config(str(sample_dataset))
+@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
+def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(layout, sample_dataset, step_pairs, tmp_path):
+    config = _config(str(sample_dataset), layout=layout)
     layouts = _layouts(step_pairs)
     baseline = _train(tmp_path, "baseline", config, layouts.pop("packing: [4] (baseline)")[1])
     worst = {}
@@ -203,7 +206,11 @@ def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(sample_datas
             worst[f"{name} ({strategy})"] = _worst(baseline, params)
     for budget, world in ((4096, 1), (160, 1), (160, 2)):  # the real loader: one micro-batch vs many, 1 and 2 ranks
         params = _train(
-            tmp_path, f"loader-{budget}-{world}", _config(str(sample_dataset), budget), world=world, use_loader=True
+            tmp_path,
+            f"loader-{budget}-{world}",
+            _config(str(sample_dataset), budget, layout=layout),
+            world=world,
+            use_loader=True,
         )
         worst[f"loader, budget {budget}, world {world}"] = _worst(baseline, params)
     print("worst relative differences:", worst)

@@ -51,6 +51,9 @@ ROWS = {
 }
 
 
+SHARED = ("a pair across three ranks", "one-token final completion next to divisibility padding")
+
+
 def _model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,7 +92,7 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed.nn.functional as dnf
 
     from dpo_data.errors import DataError
-    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train import collectives
     from dpo_train.device import attention_for, placement
     from dpo_train.logps import row_inputs
@@ -105,6 +108,9 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
         batch = pack_microbatch(pairs)  # no loader padding: the split pads to U x C itself
         for (u, c), mesh in meshes.items():
             out[f"{name} U{u}C{c}"] = _logps_and_gradients(model, batch, mesh)
+    for name in SHARED:  # [prompt][chosen][rejected]: completions see their prompt across the cuts
+        for (u, c), mesh in meshes.items():
+            out[f"shared {name} U{u}C{c}"] = _logps_and_gradients(model, pack_shared_prompt(ROWS[name]), mesh)
     exact = collectives.sum_same_loss
     # the mutant: a plain differentiable all-reduce, whose backward sums the gradient once per group rank
     collectives.sum_same_loss = lambda partial, group: dnf.all_reduce(partial, group=group)
@@ -155,7 +161,8 @@ def _worst(a: dict, b: dict) -> float:
 
 def test_split_rows_give_the_single_process_logps_and_gradients(single_process, tmp_path):
     """Every cut and every mesh: per-pair sums, token counts and gradients equal one process; a reduction
-    that counts a pair once per group rank (a plain differentiable all-reduce) is caught; a padding-only
+    that counts a pair once per group rank (a plain differentiable all-reduce) is caught; the shared-prompt
+    layout split the same way scores pairs as the separate layout does in one process; a padding-only
     row runs through every mesh and adds nothing; ranks holding different rows are named."""
     result = tmp_path / "split.pt"
     _spawn(_split_worker, 4, str(result))
@@ -165,6 +172,11 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
             actual = got[f"{name} U{u}C{c}"]
             assert torch.equal(actual["tokens"], expected["tokens"]), (name, u, c)
             assert _worst(expected, actual) < TOL, (name, u, c, _worst(expected, actual))
+    for name in SHARED:  # the shared-prompt layout under every mesh scores pairs as one separate process
+        for u, c in MESHES:
+            actual = got[f"shared {name} U{u}C{c}"]
+            assert torch.equal(actual["tokens"], single_process[name]["tokens"]), (name, u, c)
+            assert _worst(single_process[name], actual) < TOL, (name, u, c, _worst(single_process[name], actual))
     for u, c in MESHES:  # the gradient counted U x C times
         assert _worst(single_process["on the boundary"], got[f"mutant U{u}C{c}"]) > 0.5
     assert all(got[f"empty U{u}C{c}"] == 0.0 for u, c in MESHES)  # it joined every collective, added nothing
