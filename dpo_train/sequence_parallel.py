@@ -116,13 +116,10 @@ def check_heads(model_config: Any, ulysses: int) -> None:
 
 @dataclass
 class SequenceShard:
-    """One row's split: this rank keeps positions [start, stop) of the padded row of `padded` tokens
-    (`length` of them real); `mask` [1, 1, S / C, S] says which keys each query of this rank's context
-    chunk may attend to."""
+    """One row's split: this rank keeps positions [start, stop) of the row padded to a multiple of U x C;
+    `mask` [1, 1, S / C, S] says which keys each query of this rank's context chunk may attend to."""
 
     mesh: SequenceMesh
-    length: int
-    padded: int
     start: int
     stop: int
     mask: torch.Tensor
@@ -156,7 +153,7 @@ def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
     queries = torch.arange(mesh.context_rank * chunk, (mesh.context_rank + 1) * chunk, device=ids.device)
     mask = segment_mask(batch, queries, extra)
     inputs = {"input_ids": ids[None, start : start + s], "position_ids": positions[None, start : start + s]}
-    return inputs, SequenceShard(mesh, length, padded, start, start + s, mask[None, None])
+    return inputs, SequenceShard(mesh, start, start + s, mask[None, None])
 
 
 def check_same_row(batch: dict, mesh: SequenceMesh, step: int) -> None:
