@@ -119,5 +119,29 @@ def verify(path) -> None:
     click.echo(f"ok: {path}")
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option(
+    "--out", type=click.Path(), default=None, help="Where the charts and report.html go [default: RUN_DIR/report]."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the summary and every series as one JSON object; draw nothing."
+)
+def report(run_dir, out, as_json) -> None:
+    """Charts of a run (docs/report.md): loss, reward accuracy, margins, rewards, log-probs, gradient norm and
+    learning rate, pairs/s and tokens/s, per-source loss, accuracy and pairs, held-out accuracy and margin,
+    micro-batch fill; checkpoints marked. Writes PNGs and one self-contained report.html (images inlined,
+    nothing fetched) and prints its path. Reads RUN_DIR's logs, config and checkpoint JSON only; works on a
+    running, resumed or stopped run."""
+    if as_json:
+        from dpo_state.run_report import run_report
+
+        click.echo(json.dumps(_guard(run_report, run_dir), indent=2))
+        return
+    from dpo_state.report_charts import write_report
+
+    click.echo(_guard(write_report, run_dir, out))
+
+
 if __name__ == "__main__":
     main()

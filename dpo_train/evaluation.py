@@ -8,6 +8,7 @@ import numpy as np
 import orjson
 
 from dpo_data.dataset.store import PairStore
+from dpo_state.run_logs import EVAL_LOG
 from dpo_train.errors import ConfigError
 from dpo_train.scoring import Scores, score_pairs
 
@@ -57,6 +58,6 @@ class Evaluator:
             "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n),
         }
         if self.rank == 0:
-            with open(self.out / "eval.jsonl", "ab") as f:
+            with open(self.out / EVAL_LOG, "ab") as f:
                 f.write(orjson.dumps(record) + b"\n")
         return record

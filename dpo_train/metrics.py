@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-METRICS_FORMAT_VERSION = 1
-"""Every metrics.jsonl record carries it; schema `metrics-record`."""
+METRICS_FORMAT_VERSION = 2
+"""Every metrics.jsonl record carries it; schema `metrics-record` (2: time, microbatches, fill_histogram)."""
+
+FILL_BINS = 10
+"""The micro-batch fill histogram: input tokens / max_tokens_per_microbatch in tenths, the last bin closed."""
 
 # Row 0 holds all pairs of the step, row 1 + s the pairs of source s: a pair counts once.
-SUMS = (
+PAIR_SUMS = (
     "loss",
     "chosen_reward",
     "rejected_reward",
@@ -21,8 +26,10 @@ SUMS = (
     "pairs",
     "input_tokens",
     "supervised_tokens",
-    "capacity",
 )
+# Per micro-batch holding pairs, row 0 only: its token capacity, and its fill in the histogram.
+MICROBATCH_SUMS = ("capacity", "microbatches", *(f"fill_{b}" for b in range(FILL_BINS)))
+SUMS = PAIR_SUMS + MICROBATCH_SUMS
 
 
 def new_sums(sources: int) -> torch.Tensor:
@@ -51,22 +58,26 @@ def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> 
                 torch.ones_like(margin),
                 input_tokens,
                 policy.chosen_tokens + policy.rejected_tokens,
-                torch.zeros_like(margin),
             ],
             dim=1,
         )
         .double()
         .cpu()
     )
-    sums[0] += per_pair.sum(0)
-    sums[0, -1] += capacity  # the token capacity of a micro-batch holding pairs
-    sums.index_add_(0, 1 + batch["pair_source"].cpu().long(), per_pair)
+    pair_sums = sums[:, : len(PAIR_SUMS)]
+    pair_sums[0] += per_pair.sum(0)
+    pair_sums.index_add_(0, 1 + batch["pair_source"].cpu().long(), per_pair)
+    sums[0, SUMS.index("capacity")] += capacity
+    sums[0, SUMS.index("microbatches")] += 1
+    fill = float(input_tokens.sum()) / capacity
+    sums[0, SUMS.index("fill_0") + min(int(fill * FILL_BINS), FILL_BINS - 1)] += 1
 
 
 def step_record(
     sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float, world_size: int = 1
 ) -> dict:
-    """The metrics.jsonl object of one optimizer step, from sums over all ranks."""
+    """The metrics.jsonl object of one optimizer step, from sums over all ranks; `time` is when it ended
+    (Unix seconds), for a report's wall-clock axis."""
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
     return {
@@ -87,6 +98,9 @@ def step_record(
         "input_tokens": int(s["input_tokens"]),
         "supervised_tokens": int(s["supervised_tokens"]),
         "packing_efficiency": s["input_tokens"] / s["capacity"] if s["capacity"] else 0.0,
+        "microbatches": int(s["microbatches"]),
+        "fill_histogram": [int(s[f"fill_{b}"]) for b in range(FILL_BINS)],
+        "time": time.time(),
         "pairs/s": s["pairs"] / seconds,
         "tokens/s": s["input_tokens"] / seconds,
         "sources": {

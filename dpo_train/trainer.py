@@ -18,8 +18,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
-from dpo_state.errors import DocumentError
-from dpo_state.schema import schema_problems
+from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
 from dpo_train import collectives
 from dpo_train.checkpointing import (
     Checkpointable,
@@ -53,6 +52,7 @@ from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
 from dpo_train.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
 from dpo_train.sharding import frozen_reference, shard
+from dpo_train.sinks import MetricSinks, check_report_to
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
 """Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
@@ -303,14 +303,15 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         check_data({"eval.path": evaluator.store}, config.data.verify, rank, world)
         check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
         check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
-    if evaluator and resume_from is None:
-        evaluator.run(step=0)
     fault = _fault(rank)
     saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
     with (
         _metrics_file(out, rank) as metrics,
+        MetricSinks(config.train.report_to, out, rank, trainer.state.step if resume_from else None) as sinks,
         Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
     ):
+        if evaluator and resume_from is None:
+            sinks.evaluation(evaluator.run(step=0))
         for batch in loader if trainer.state.step < config.train.max_steps else ():
             fault(trainer.state.step)
             trainer.microbatch(batch)
@@ -320,19 +321,20 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             if metrics is not None and record["step"] % config.train.log_every == 0:
                 metrics.write(orjson.dumps(record) + b"\n")
                 metrics.flush()
+                sinks.step(record)
             bar.update(record)
             if evaluator and config.eval.every and trainer.state.step % config.eval.every == 0:
-                evaluator.run(step=trainer.state.step)
+                sinks.evaluation(evaluator.run(step=trainer.state.step))
             done = trainer.state.step >= config.train.max_steps
             if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
                 lineage = {**lineage, "parent": save(parts, ctx, lineage).name}
                 saved_step = trainer.state.step
             if done:
                 break
-    if config.train.save_every and trainer.state.step != saved_step:
-        save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
-    if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
-        evaluator.run(step=trainer.state.step)
+        if config.train.save_every and trainer.state.step != saved_step:
+            save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
+        if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
+            sinks.evaluation(evaluator.run(step=trainer.state.step))
     export(trainer.policy, config, tokenizer, out, rank)
     return out
 
@@ -348,34 +350,19 @@ def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
 
 def _truncate_logs(out: Path, step: int) -> int:
     """On resume, drop log lines of steps after the checkpoint: they are trained again (on a fresh
-    start, all of them). Returns how many lines were dropped."""
+    start, all of them); a torn last line (a crash mid-write) goes too. Returns how many lines were dropped."""
     dropped = 0
-    for name, schema, keep in (
-        ("metrics.jsonl", "metrics-record", lambda r: r["step"] < step),
-        ("eval.jsonl", "eval-record", lambda r: r["step"] <= step and step > 0),
+    for name, keep in (
+        (METRICS_LOG, lambda r: r["step"] < step),
+        (EVAL_LOG, lambda r: r["step"] <= step and step > 0),
     ):
         path = out / name
         if path.is_file():
-            lines = [x for x in path.read_bytes().splitlines() if x.strip()]
-            kept = [x for n, x in enumerate(lines, 1) if keep(_log_record(path, n, x, schema, last=n == len(lines)))]
+            log = read_log(path)
+            kept = [line for record, line in zip(log.records, log.raw) if keep(record)]
             path.write_bytes(b"".join(x + b"\n" for x in kept))
-            dropped += len(lines) - len(kept)
+            dropped += len(log.records) + log.torn - len(kept)
     return dropped
-
-
-def _log_record(path: Path, number: int, line: bytes, schema: str, last: bool) -> dict:
-    """One parsed log line; a torn last line (a crash mid-write) reads as a step to drop, anything else
-    malformed is a named error."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        if last:
-            return {"step": float("inf")}
-        raise DocumentError(f"{path} line {number} is not JSON; the log was edited or damaged") from None
-    problems = schema_problems(schema, record)
-    if problems:
-        raise DocumentError(f"{path} line {number} does not match schemas/{schema}.schema.json: {problems[0]}")
-    return record
 
 
 def _keeps_initial(config: TrainConfig) -> bool:
@@ -387,6 +374,7 @@ def _check_settings(config: TrainConfig) -> None:
     """Settings that cannot work together fail before anything starts."""
     check_resume_config(config)
     check_export(config)
+    check_report_to(config.train.report_to)
     if config.reference.mode == "precomputed" and not config.reference.path:
         raise ConfigError(
             "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
@@ -416,7 +404,7 @@ def _fault(rank: int) -> Callable[[int], None]:
 
 
 def _metrics_file(out: Path, rank: int):
-    return open(out / "metrics.jsonl", "ab") if rank == 0 else contextlib.nullcontext()
+    return open(out / METRICS_LOG, "ab") if rank == 0 else contextlib.nullcontext()
 
 
 def _wrap(policy, strategy: str, world: int, place: Placement):

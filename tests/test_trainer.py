@@ -92,6 +92,10 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
     ):
         assert key in rows[0]
     assert all(0.0 <= r["rewards/accuracies"] <= 1.0 for r in rows)
+    for r in rows:  # the fill histogram counts the step's micro-batches holding pairs, each in its tenth
+        assert len(r["fill_histogram"]) == 10 and sum(r["fill_histogram"]) == r["microbatches"] > 0
+        low = sum(b / 10 * n for b, n in enumerate(r["fill_histogram"])) / r["microbatches"]
+        assert low <= r["packing_efficiency"] <= low + 0.1
     for r in rows:  # per source, a pair counts once: the sources add up to the step
         assert sum(v["pairs"] for v in r["sources"].values()) == r["pairs"]
         assert sum(v["input_tokens"] for v in r["sources"].values()) == r["input_tokens"]

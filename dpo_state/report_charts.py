@@ -1,0 +1,218 @@
+"""`dpo-state report`'s output: PNG charts (matplotlib, no display) and one self-contained report.html."""
+
+from __future__ import annotations
+
+import base64
+import html
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dpo_state.errors import ToolkitError
+from dpo_state.run_report import run_report
+
+REPORT_DIR = "report"
+PNG_META = {"Software": None}  # no version string: a regenerated chart differs only when the run does
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's charts into `out` (default RUN_DIR/report) and write report.html there; return its path."""
+    plt = _pyplot()
+    report = run_report(run_dir)
+    out = Path(out) if out is not None else Path(run_dir) / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    charts = {}
+    for name, draw in (("training", _training), ("throughput", _throughput), ("sources", _sources), ("eval", _eval)):
+        figure = draw(plt, report)
+        if figure is None:
+            continue
+        figure.tight_layout()
+        figure.savefig(out / f"{name}.png", dpi=90, metadata=PNG_META)
+        plt.close(figure)
+        charts[name] = out / f"{name}.png"
+    page = out / "report.html"
+    page.write_text(_html(report, charts))
+    return page
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ToolkitError(
+            "dpo-state report draws with matplotlib, which is not installed; install it with "
+            "`pip install 'dpo-toolkit[report]'`, or use `dpo-state report --json`"
+        ) from None
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _values(values: list) -> list[float]:
+    """None (not finite, or absent) becomes NaN: a gap in the line."""
+    return [math.nan if v is None else v for v in values]
+
+
+def _steps_done(report: dict) -> list[int]:
+    """Metrics record step k is the (k+1)-th optimizer step: the x axis counts steps done, as eval
+    records and checkpoint directories do."""
+    return [s + 1 for s in report["series"]["step"]]
+
+
+def _panel(ax, report: dict, title: str, lines: dict[str, list], x: list | None = None) -> None:
+    x = _steps_done(report) if x is None else x
+    for label, values in lines.items():
+        ax.plot(x, _values(values), marker="." if len(x) < 40 else None, label=label)
+    for step in report["summary"]["checkpoints"]:
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("optimizer steps done (dotted: checkpoints)", fontsize=8)
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=7)
+
+
+def _training(plt, report: dict):
+    s = report["series"]
+    figure, axes = plt.subplots(4, 2, figsize=(11, 12))
+    panels = [
+        ("loss", {"loss": s["loss"]}),
+        ("reward accuracy (chosen reward > rejected)", {"accuracy": s["rewards/accuracies"]}),
+        ("reward margin (chosen - rejected)", {"margin": s["rewards/margins"]}),
+        ("rewards", {"chosen": s["rewards/chosen"], "rejected": s["rewards/rejected"]}),
+        ("policy log-probs per pair", {"chosen": s["logps/chosen"], "rejected": s["logps/rejected"]}),
+        ("NLL of chosen tokens", {"nll": s["nll"]}),
+        ("gradient norm (before clipping)", {"grad_norm": s["grad_norm"]}),
+        ("learning rate", {"lr": s["lr"]}),
+    ]
+    for ax, (title, lines) in zip(axes.flat, panels):
+        _panel(ax, report, title, lines)
+    return figure
+
+
+def _throughput(plt, report: dict):
+    s, mb = report["series"], report["microbatches"]
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    _panel(axes[0, 0], report, "pairs / s", {"pairs/s": s["pairs/s"]})
+    _panel(axes[0, 1], report, "input tokens / s", {"tokens/s": s["tokens/s"]})
+    ax = axes[1, 0]
+    if mb["step"]:
+        _panel(
+            ax,
+            report,
+            "input tokens per micro-batch (mean of the step)",
+            {"tokens": mb["tokens_per_microbatch"]},
+            x=[k + 1 for k in mb["step"]],
+        )
+    else:
+        _panel(ax, report, "packing efficiency (input tokens / capacity)", {"fill": s["packing_efficiency"]})
+    ax = axes[1, 1]
+    if mb["fill_counts"]:
+        edges = mb["fill_edges"]
+        ax.bar(edges[:-1], mb["fill_counts"], width=edges[1] - edges[0], align="edge", edgecolor="black")
+        ax.set_xlabel("fill: input tokens / max_tokens_per_microbatch", fontsize=8)
+        ax.set_ylabel("micro-batches", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "not recorded\n(metrics written before format 2)", ha="center", va="center")
+    ax.set_title("micro-batch fill, whole run", fontsize=10)
+    return figure
+
+
+def _sources(plt, report: dict):
+    """Per source, pair-weighted over a trailing window of steps (a source has a few pairs per step, so
+    a single step's value is mostly noise), and its pairs so far."""
+    s = report["series"]
+    names = sorted({k.split("/")[1] for k in s if k.startswith("sources/")})
+    window = min(50, max(1, round(len(s["step"]) / 5)))
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key in zip(axes[:2], ("loss", "accuracy")):
+        lines = {n: _windowed(s[f"sources/{n}/{key}"], s[f"sources/{n}/pairs"], window) for n in names}
+        _panel(ax, report, f"per source: {key}, pair-weighted over the last {window} step(s)", lines)
+    cumulative = {n: list(itertools.accumulate(p or 0 for p in s[f"sources/{n}/pairs"])) for n in names}
+    _panel(axes[2], report, "per source: pairs trained so far", cumulative)
+    return figure
+
+
+def _windowed(values: list, pairs: list, window: int) -> list:
+    """sum(value x pairs) / sum(pairs) over the last `window` steps; None where the source had no pair."""
+    weighted = [(v * p, p) if v is not None and p else (0.0, 0) for v, p in zip(values, pairs)]
+    out = []
+    for k in range(len(weighted)):
+        num, den = map(sum, zip(*weighted[max(0, k - window + 1) : k + 1]))
+        out.append(num / den if den else None)
+    return out
+
+
+def _eval(plt, report: dict):
+    e = report["eval"]
+    if not e["step"]:
+        return None
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    lines = {"margin > 0 (vs reference)": e["accuracy"], "chosen logp > rejected (policy)": e["logp_accuracy"]}
+    _panel(axes[0], report, "held-out accuracy", lines, x=e["step"])
+    _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"])
+    return figure
+
+
+def _html(report: dict, charts: dict[str, Path]) -> str:
+    """One page: summary and identity tables, then the charts inlined as data: URLs (nothing fetched)."""
+    summary = report["summary"]
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _summary_rows(summary))
+    ident = summary["identity"]
+    identity = (
+        "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _flat(ident))
+        if ident
+        else f"<tr><td>{html.escape(summary['identity_error'] or 'no committed checkpoint')}</td></tr>"
+    )
+    images = "".join(
+        f"<h2>{name}</h2><img alt='{name}' src='data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}'>"
+        for name, path in charts.items()
+    )
+    if "eval" not in charts:
+        images += "<h2>eval</h2><p>No held-out evaluation in this run (eval.path unset).</p>"
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>dpo-train run {html.escape(summary['run'])}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "th,td{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}img{max-width:100%}</style>"
+        f"</head><body><h1>Run {html.escape(summary['run'])}</h1><table>{rows}</table>"
+        f"<h2>identity (latest committed checkpoint)</h2><table>{identity}</table>{images}</body></html>\n"
+    )
+
+
+def _summary_rows(s: dict) -> list[tuple[str, str]]:
+    def held_out(record):
+        return (
+            f"{record['accuracy']:.1%} at step {record['step']}" if record and record["accuracy"] is not None else "-"
+        )
+
+    dataset = s["dataset"]
+    return [
+        ("model", f"{s['model']}" + (f" + LoRA {json.dumps(s['lora'])}" if s["lora"] else "")),
+        ("dataset", f"{dataset['fingerprint'] or dataset.get('path')} ({dataset['pairs'] or '?'} pairs)"),
+        (
+            "steps",
+            f"{s['steps']} logged, last step {s['last_step'] + 1} of {s['max_steps'] or '?'}"
+            + ("" if s["finished"] else " (no final/ yet: running or stopped)"),
+        ),
+        ("pairs trained", str(s["pairs"])),
+        ("wall time", f"{s['wall_seconds']:.1f} s ({s['train_seconds']:.1f} s in steps)"),
+        (
+            "held-out accuracy",
+            f"{held_out(s['eval_before'])} before; final {held_out(s['eval_final'])}; best {held_out(s['eval_best'])}",
+        ),
+        ("checkpoints", ", ".join(map(str, s["checkpoints"])) or "none"),
+        ("incomplete last line", ", ".join(s["torn_last_lines"]) or "none"),
+    ]
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested identity as dotted rows; long lists (optimizer parameters) are counted, not listed."""
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _flat(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(value, list) and len(value) > 8:
+        return [(prefix, f"{len(value)} entries")]
+    return [(prefix, value if isinstance(value, str) else json.dumps(value))]

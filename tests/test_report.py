@@ -1,0 +1,171 @@
+"""`dpo-state report` and the TensorBoard sink on a real run of the tiny model: several sources, held-out eval,
+a crash and a resume; then the report on a running run, a run without eval, and broken logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+
+from tests.test_checkpoint import config, state_cli, train
+
+
+@pytest.fixture(scope="module")
+def run(sample_dataset, small_dataset, smollm2_dir, tmp_path_factory):
+    """6 steps over the sample's 6 sources, eval every 2 steps, checkpoints every 2; the first attempt fails
+    reading step 3 and the second resumes from step 2. TensorBoard on."""
+    tmp = tmp_path_factory.mktemp("report")
+    path, out = config(
+        tmp,
+        sample_dataset,
+        smollm2_dir,
+        "run",
+        train__max_steps=6,
+        train__save_every=2,
+        train__keep_last=3,
+        train__report_to=["tensorboard"],
+        eval__path=str(small_dataset),
+        eval__every=2,
+    )
+    failed = train(path, env={"DPO_TRAIN_FAULT": "0:3"}, check=None)
+    assert failed.returncode != 0 and "injected fault" in failed.stderr
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    train(path)
+    return out
+
+
+def _records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _report_json(run_dir):
+    proc = state_cli("report", run_dir, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _not_blank(png):
+    from matplotlib.image import imread
+
+    image = imread(png)  # decodes, or raises
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200
+    ink = (image[..., :3] < 0.85).any(axis=-1).mean()  # share of pixels that are not white-ish
+    assert 0.01 < ink < 0.9, f"{png.name}: {ink:.3f} of the pixels drawn"
+
+
+@pytest.mark.slow
+def test_the_report_of_a_resumed_run_has_every_chart_and_each_step_once(run, tmp_path):
+    records = _records(run)
+    assert [r["step"] for r in records] == list(range(6))
+    proc = state_cli("report", run, "--out", tmp_path / "r")
+    assert proc.returncode == 0, proc.stderr
+    page = tmp_path / "r" / "report.html"
+    assert proc.stdout.strip() == str(page)
+    pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
+    assert pngs == ["eval.png", "sources.png", "throughput.png", "training.png"]
+    for png in (tmp_path / "r").glob("*.png"):
+        _not_blank(png)
+    text = page.read_text()
+    assert not re.search(r"(src|href)\s*=\s*['\"](?!data:)", text), "the page must fetch nothing"
+    assert "http://" not in text and "https://" not in text
+    assert text.count("data:image/png;base64,") == 4
+    assert records[0]["sources"] and len({s for r in records for s in r["sources"]}) > 1
+
+    report = _report_json(run)
+    series, summary = report["series"], report["summary"]
+    assert series["step"] == [r["step"] for r in records]  # each step once, in order
+    for i, record in enumerate(records):  # every series equals metrics.jsonl
+        for key in ("loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "pairs/s", "time"):
+            assert series[key][i] == record[key]
+        for source, values in record["sources"].items():
+            for key, value in values.items():
+                assert series[f"sources/{source}/{key}"][i] == value
+    assert summary["steps"] == 6 and summary["checkpoints"] == [2, 4, 6] and summary["finished"]
+    assert summary["pairs"] == 24 and summary["identity"]["dataset"]["num_pairs"] == summary["dataset"]["pairs"]
+    assert report["eval"]["step"] == [0, 2, 4, 6]  # the crashed attempt's step-2 eval was dropped on resume
+    assert summary["eval_final"]["step"] == 6
+    mb = report["microbatches"]
+    assert sum(mb["fill_counts"]) == sum(r["microbatches"] for r in records) > 0
+
+
+@pytest.mark.slow
+def test_tensorboard_events_equal_metrics_jsonl_after_the_resume(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dpo_state.run_logs import step_scalars
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    records = _records(run)
+    expected = {}
+    for record in records:
+        for name, value in step_scalars(record).items():
+            if value is not None:
+                expected.setdefault(name, []).append((record["step"] + 1, value))  # axis: steps done
+    assert any(name.startswith("sources/") for name in expected)
+    tags = set(events.Tags()["scalars"])
+    assert set(expected) <= tags
+    for name, points in expected.items():
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        assert [s for s, _ in logged] == [s for s, _ in points], name  # the crashed session's step 2 is purged
+        for (_, got), (_, want) in zip(logged, points):
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-30), name  # events hold float32
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 4, 6]
+
+
+@pytest.mark.slow
+def test_a_running_run_a_run_without_eval_and_bad_logs(run, tmp_path):
+    copy = tmp_path / "running"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "final", "tensorboard", "report"))
+    with open(copy / "metrics.jsonl", "a") as f:
+        f.write('{"format_version": 2, "step": 6, "lo')  # the trainer mid-write
+    (copy / "eval.jsonl").unlink()
+    report = _report_json(copy)
+    assert report["series"]["step"] == list(range(6)) and report["summary"]["torn_last_lines"] == ["metrics.jsonl"]
+    assert report["eval"]["step"] == [] and report["summary"]["eval_final"] is None
+    assert report["summary"]["checkpoints"] == [] and not report["summary"]["finished"]
+    proc = state_cli("report", copy)
+    assert proc.returncode == 0, proc.stderr
+    assert not (copy / "report" / "eval.png").exists()
+    assert "No held-out evaluation" in (copy / "report" / "report.html").read_text()
+
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("\n".join([lines[0], "{not json", *lines[1:]]))
+    proc = state_cli("report", copy, "--json")
+    assert proc.returncode == 2 and "metrics.jsonl line 2 is not JSON" in proc.stderr and "Traceback" not in proc.stderr
+    (copy / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    proc = state_cli("report", copy)
+    assert proc.returncode == 2 and "schemas/metrics-record.schema.json" in proc.stderr
+    (copy / "metrics.jsonl").write_text("")
+    proc = state_cli("report", copy)
+    assert proc.returncode == 2 and "holds no finished step" in proc.stderr
+    proc = state_cli("report", tmp_path / "nowhere")
+    assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr
+
+
+def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
+    """A log carried across a crash by a trainer that did not truncate it: the continued run's line wins."""
+    from dpo_state.run_report import run_report
+
+    def record(step, loss):
+        return {
+            "format_version": 1,
+            "step": step,
+            "world_size": 1,
+            **{k: loss for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies")},
+            **{k: 0.0 for k in ("rewards/margins", "logps/chosen", "logps/rejected", "nll", "grad_norm", "lr")},
+            **{"packing_efficiency": 0.5, "pairs/s": 2.0, "tokens/s": 20.0},
+            **{"pairs": 4, "input_tokens": 40, "supervised_tokens": 20, "skipped_steps": 0, "sources": {}},
+        }
+
+    lines = [record(0, 0.7), record(1, 0.6), record(2, 9.0), record(1, 0.5), record(2, 0.4), record(3, 0.3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report = run_report(tmp_path)
+    assert report["series"]["step"] == [0, 1, 2, 3]
+    assert report["series"]["loss"] == [0.7, 0.5, 0.4, 0.3]
+    assert report["summary"]["wall_seconds"] == pytest.approx(8.0)  # format 1: no time, the sum of 2 s steps
+    assert report["microbatches"]["fill_counts"] == []  # format 1 records carry no histogram
+    assert math.isclose(report["summary"]["train_seconds"], 8.0)
