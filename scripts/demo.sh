@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo on embedded defaults: install, materialize SmolLM2-135M-Instruct, build the bundled sample
 # (train and held-out splits) into attested datasets, inspect and verify them, preview the loader's
-# plan, and train the real model for a few steps. Output: runs/demo/.
+# plan, train the real model for a few steps, and draw the run's report. Output: runs/demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
@@ -45,4 +45,7 @@ m = [json.loads(line) for line in open("runs/demo/train/metrics.jsonl")]
 print(f"training: {len(m)} steps, loss {m[0]['loss']:.4f} -> {m[-1]['loss']:.4f}, "
       f"{sum(r['pairs'] for r in m)} pairs, {sum(r['pairs'] for r in m) / sum(r['pairs'] / r['pairs/s'] for r in m):.2f} pairs/s")
 PY
-echo; echo "demo done: datasets in $out/, run in runs/demo/train/ (metrics.jsonl, eval.jsonl, checkpoints/, final/)"
+echo; echo "== dpo-state report (charts of the run: docs/report.md)"
+report=$(dpo-state report runs/demo/train)
+echo "report: $report"
+echo; echo "demo done: datasets in $out/, run in runs/demo/train/ (metrics.jsonl, eval.jsonl, checkpoints/, final/, report/)"

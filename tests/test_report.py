@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -42,9 +43,13 @@ def _records(out):
 
 
 def _report_json(run_dir):
+    from dpo_state.schema import schema_problems
+
     proc = state_cli("report", run_dir, "--json")
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    report = json.loads(proc.stdout)
+    assert schema_problems("run-report", report) == []
+    return report
 
 
 def _not_blank(png):
@@ -149,6 +154,7 @@ def test_a_running_run_a_run_without_eval_and_bad_logs(run, tmp_path):
 def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
     """A log carried across a crash by a trainer that did not truncate it: the continued run's line wins."""
     from dpo_state.run_report import run_report
+    from dpo_state.schema import schema_problems
 
     def record(step, loss):
         return {
@@ -164,8 +170,29 @@ def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
     lines = [record(0, 0.7), record(1, 0.6), record(2, 9.0), record(1, 0.5), record(2, 0.4), record(3, 0.3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     report = run_report(tmp_path)
+    assert schema_problems("run-report", report) == []
     assert report["series"]["step"] == [0, 1, 2, 3]
     assert report["series"]["loss"] == [0.7, 0.5, 0.4, 0.3]
     assert report["summary"]["wall_seconds"] == pytest.approx(8.0)  # format 1: no time, the sum of 2 s steps
     assert report["microbatches"]["fill_counts"] == []  # format 1 records carry no histogram
     assert math.isclose(report["summary"]["train_seconds"], 8.0)
+
+
+def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):
+    """An unknown sink is a config error; a missing optional package names the extra to install."""
+    from dpo_state.errors import ToolkitError
+    from dpo_state.report_charts import write_report
+    from dpo_train.config import load_config
+    from dpo_train.errors import ConfigError
+    from dpo_train.sinks import check_report_to
+
+    with pytest.raises(ConfigError, match="report_to"):
+        load_config({"train": {"report_to": ["wandb"]}})
+    assert load_config({"train": {"report_to": ["tensorboard"]}}).train.report_to == ["tensorboard"]
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"dpo-toolkit\[report\]"):
+        check_report_to(["tensorboard"])
+    check_report_to([])  # nothing asked, nothing needed
+    with pytest.raises(ToolkitError, match=r"dpo-toolkit\[report\].*--json"):
+        write_report(tmp_path)
