@@ -26,8 +26,9 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
     attention: str = "auto"
-    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, else sdpa) | sdpa | eager |
-    flash_attention_2."""
+    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed and the layout is separate, else
+    segments) | segments (sdpa once per packed segment, no row-by-row mask) | sdpa (one sdpa over the
+    row with a mask) | eager | flash_attention_2."""
     lora: dict | None = None
     """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
     (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the

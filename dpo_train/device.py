@@ -79,9 +79,10 @@ def init_distributed(place: Placement) -> tuple[int, int]:
 
 def attention_for(requested: str, place: Placement, mesh: Any = None, layout: str = "separate") -> str:
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
-    else sdpa, which keeps packed segments apart through position_ids (see `dpo_train.logps.row_inputs`)
-    or, in the shared-prompt layout, through the row's mask. Under sequence parallelism (an active
-    `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
+    else the segment attention (`dpo_train.segment_attention`: sdpa per segment, no row-by-row mask).
+    sdpa is the fallback: it keeps packed segments apart through position_ids (see
+    `dpo_train.logps.row_inputs`) or, in the shared-prompt layout, through the row's mask. Under sequence
+    parallelism (an active `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
     if mesh is not None and mesh.active:
         from dpo_train import sequence_parallel
 
@@ -97,6 +98,11 @@ def attention_for(requested: str, place: Placement, mesh: Any = None, layout: st
             "model.attention flash_attention_2 cannot express data.layout shared_prompt (a completion "
             "attends to its prompt segment, never to the other completion); use auto, sdpa or eager"
         )
+    if requested == "segments" or requested == "auto" and not _flash_usable(place, layout):
+        from dpo_train import segment_attention
+
+        segment_attention.register()
+        return segment_attention.ATTENTION
     if requested != "auto":
         if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
             raise ConfigError(
@@ -104,5 +110,9 @@ def attention_for(requested: str, place: Placement, mesh: Any = None, layout: st
                 "bf16; use auto or sdpa"
             )
         return requested
-    usable = place.device.type == "cuda" and place.precision == "bf16" and importlib.util.find_spec("flash_attn")
-    return "flash_attention_2" if usable and layout == "separate" else "sdpa"
+    return "flash_attention_2"
+
+
+def _flash_usable(place: Placement, layout: str) -> bool:
+    cuda_bf16 = place.device.type == "cuda" and place.precision == "bf16"
+    return bool(cuda_bf16 and layout == "separate" and importlib.util.find_spec("flash_attn"))

@@ -29,6 +29,7 @@ from dpo_data.errors import DataError
 from dpo_train import collectives
 from dpo_train.errors import ConfigError, ModelError
 from dpo_train.row_mask import segment_mask
+from dpo_train.segment_attention import expand_kv
 
 ATTENTION = "dpo_sequence_parallel"
 """The attention implementation name a sequence-parallel model runs with (registered with transformers)."""
@@ -206,9 +207,7 @@ def sequence_parallel_attention(
         query, key, value = (_heads_to_sequence(x, mesh) for x in (query, key, value))
     if mesh.context > 1:
         key, value = (_gather_sequence(x, mesh) for x in (key, value))
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a block of heads
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    key, value = expand_kv(query, key, value)
     mask = sequence_shard.additive_mask(query.dtype)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     if mesh.ulysses > 1:

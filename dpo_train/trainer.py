@@ -42,7 +42,7 @@ from dpo_train.evaluation import Evaluator
 from dpo_train.export import check_export, export
 from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
-from dpo_train.logps import pair_logps, row_inputs
+from dpo_train.logps import attention_of, pair_logps, row_inputs
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
@@ -175,7 +175,7 @@ class Trainer:
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                inputs = row_inputs(batch, self.mesh)[0]
+                inputs = row_inputs(batch, self.mesh, attention_of(self.model))[0]
                 if self.live_reference is not None and self.world > 1:
                     with torch.no_grad():
                         self.live_reference(**inputs)

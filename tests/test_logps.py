@@ -93,3 +93,40 @@ def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
     with torch.no_grad():
         wrong = pair_logps(model, shared_batch)
     assert (wrong.rejected - separate.rejected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
+def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layout, monkeypatch):
+    """sdpa once per segment (no row-by-row mask) equals one sdpa over the row with its mask: per-pair
+    log-probs and the gradient, one-token prompt and completions and a padding tail included. Aligning a
+    completion's causal mask to its start instead of its end (it would not see its own prompt's last
+    tokens) is caught."""
+    import dpo_train.segment_attention as seg
+    from dpo_data.loading.microbatch import pack_shared_prompt
+    from dpo_train.device import attention_for, placement
+
+    pairs = random_pairs(4)
+    pack = pack_microbatch if layout == "separate" else pack_shared_prompt
+    batch = pack(pairs, pad_to_multiple_of=16)
+    assert batch["segment_pair"][-1] < 0  # a padding tail, a segment of its own
+
+    def run():
+        model.zero_grad()
+        out = pair_logps(model, batch)
+        (out.chosen.sum() - 2 * out.rejected.sum()).backward()
+        return out, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    sdpa, sdpa_grad = run()
+    assert attention_for("auto", placement("cpu", "fp32"), layout=layout) == seg.ATTENTION
+    monkeypatch.setattr(model.config, "_attn_implementation", seg.ATTENTION)
+    segments, segments_grad = run()
+    for name in ("chosen", "rejected"):
+        torch.testing.assert_close(getattr(segments, name), getattr(sdpa, name), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(segments_grad, sdpa_grad, rtol=1e-4, atol=1e-6)
+    if layout == "shared_prompt":
+        real = torch.Tensor.tril
+        monkeypatch.setattr(torch.Tensor, "tril", lambda x, diagonal=0: real(x, 0))  # top-left alignment
+        wrong, _ = run()
+        assert (wrong.rejected - sdpa.rejected).abs().max() > 1e-3
+    with pytest.raises(Exception, match="without the row's segments"):
+        model(input_ids=batch["input_ids"], use_cache=False)

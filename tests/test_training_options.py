@@ -82,11 +82,13 @@ def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
         assert placement("auto", "auto").device.type in ("cpu", "npu")
 
 
-def test_attention_is_sdpa_on_cpu_and_flash_attention_needs_cuda_bf16():
+def test_attention_is_per_segment_on_cpu_and_flash_attention_needs_cuda_bf16():
     from dpo_train.device import attention_for, placement
     from dpo_train.errors import ConfigError
+    from dpo_train.segment_attention import ATTENTION
 
     cpu = placement("cpu", "fp32")
-    assert attention_for("auto", cpu) == "sdpa" and attention_for("eager", cpu) == "eager"
+    assert attention_for("auto", cpu) == ATTENTION == attention_for("segments", cpu)
+    assert attention_for("sdpa", cpu) == "sdpa" and attention_for("eager", cpu) == "eager"
     with pytest.raises(ConfigError, match="flash_attention_2 needs distributed.device cuda"):
         attention_for("flash_attention_2", cpu)
