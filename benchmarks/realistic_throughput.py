@@ -10,7 +10,8 @@ same hyperparameters (sigmoid, beta 0.1, AdamW lr 1e-5 constant, clipping 1.0, f
 Each method runs in a fresh process; the first step is not timed. The same run measures this machine's
 fp32 matmul rate (square matmuls, all cores, best of several) and reports model FLOPs utilization
 against it, useful (the same FLOPs for every trainer, from the pairs' real lengths in the separate
-layout) and hardware (what each trainer computed: padding, the shared prompt, dense masked attention).
+layout) and hardware (what each trainer computed: padding, the shared prompt, attention per segment for ours,
+over the whole padded row for TRL).
 
     .venv/bin/python benchmarks/realistic_throughput.py [--steps 1] [--warmup 0] [--pairs 400] [--repeats 1]
         [--methods ours-separate-live ours-shared-live trl-b8-live trl-b1-live ...] [--work DIR] [--json PATH]
@@ -297,19 +298,29 @@ def ours_geometry(data: str, layout: str, steps: int, budget: int) -> list[dict]
                 "pairs": batch["pair_index"].tolist(),
                 "row": int(batch["input_ids"].shape[1]),
                 "segments": batch["segment_length"].tolist(),
+                "context": batch["segment_context"].tolist() if "segment_context" in batch else None,
             }
         )
     return out
 
 
-def hardware_from_rows(rows: list[tuple[int, int]], supervised: int) -> dict:
-    """rows: (row length, rows of that length). sdpa on CPU with a mask (ours: the packed or shared-prompt
-    row mask; TRL: the padding mask) scores every (query, key) pair of the row: T^2."""
+def hardware_from_rows(rows: list[tuple[int, int]], supervised: int, score_pairs: int | None = None) -> dict:
+    """rows: (row length, rows of that length). sdpa on CPU with a mask (TRL: the padding mask; ours under
+    `model.attention: sdpa`: the packed or shared-prompt row mask) scores every (query, key) pair of the
+    row: T^2, unless `score_pairs` says otherwise (ours' segment attention, `segment_score_pairs`)."""
     return {
         "tokens": sum(t * n for t, n in rows),
         "supervised": supervised,
-        "score_pairs": sum(t * t * n for t, n in rows),
+        "score_pairs": sum(t * t * n for t, n in rows) if score_pairs is None else score_pairs,
     }
+
+
+def segment_score_pairs(micro: dict) -> int:
+    """The (query, key) pairs ours' segment attention scores in one row (dpo_train/segment_attention.py):
+    causal within a segment without a mask, s (s + 1) / 2 (the CPU kernel skips blocks above the diagonal);
+    a shared-prompt completion of c tokens under its mask scores all its keys, c (prompt + c)."""
+    lengths, context = micro["segments"], micro["context"] or [-1] * len(micro["segments"])
+    return sum(s * (s + 1) // 2 if c < 0 else s * (lengths[c] + s) for s, c in zip(lengths, context))
 
 
 # ---------------------------------------------------------------- the trainers (child processes)
@@ -459,10 +470,13 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
 
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
+    from dpo_train.device import attention_for, placement
     from dpo_train.logps import pair_logps
 
+    attention = attention_for("auto", placement("cpu", "fp32"), layout=layout)  # what dpo-train picks
+
     def load():
-        m = AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32, attn_implementation="sdpa")
+        m = AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32, attn_implementation=attention)
         m.config.use_cache = False
         return m
 
@@ -593,14 +607,16 @@ def summarize(info: dict, results: dict, peak: float, steps: int, warmup: int) -
             continue
         live = method.endswith("-live")
         passes = 4 if live else 3  # policy forward + backward (3 forwards' worth), + reference forward when live
+        score_pairs = None
         if method.startswith("ours"):
-            geo = shared if "-shared-" in method else sep
-            rows = [(g["row"], 1) for g in geo if g["step"] >= warmup]
+            geo = [g for g in (shared if "-shared-" in method else sep) if g["step"] >= warmup]
+            rows = [(g["row"], 1) for g in geo]
+            score_pairs = sum(segment_score_pairs(g) for g in geo)
         else:
             micro = int(method.split("-")[1][1:])
             per_step = PAIRS_PER_STEP // micro
             rows = [tuple(x) for x in r["padded"][per_step * warmup :]]  # micro-batches of the timed steps
-        hardware = hardware_from_rows(rows, useful["supervised"])
+        hardware = hardware_from_rows(rows, useful["supervised"], score_pairs)
         useful_fwd = forward_flops(shape, useful["tokens"], useful["supervised"], useful["score_pairs"])
         hard_fwd = forward_flops(shape, hardware["tokens"], hardware["supervised"], hardware["score_pairs"])
         seconds = n / r["pairs_per_s"]
