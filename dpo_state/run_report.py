@@ -34,11 +34,12 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         raise DocumentError(f"{metrics_log} holds no finished step yet; run the report again after the first step")
     evals = read_log(run / EVAL_LOG) if (run / EVAL_LOG).is_file() else None
     torn = [name for name, log in ((METRICS_LOG, metrics), (EVAL_LOG, evals)) if log and log.torn]
+    eval_steps = by_step(evals.records) if evals else []
     return {
         "format_version": REPORT_FORMAT_VERSION,
-        "summary": _summary(run, steps, by_step(evals.records) if evals else [], torn),
+        "summary": _summary(run, steps, eval_steps, torn),
         "series": _series(steps),
-        "eval": _eval_series(by_step(evals.records) if evals else []),
+        "eval": _eval_series(eval_steps),
         "microbatches": _microbatches(steps),
     }
 

@@ -69,7 +69,7 @@ def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> 
     pair_sums.index_add_(0, 1 + batch["pair_source"].cpu().long(), per_pair)
     sums[0, SUMS.index("capacity")] += capacity
     sums[0, SUMS.index("microbatches")] += 1
-    fill = float(input_tokens.sum()) / capacity
+    fill = float(per_pair[:, PAIR_SUMS.index("input_tokens")].sum()) / capacity  # on CPU already: no device sync
     sums[0, SUMS.index("fill_0") + min(int(fill * FILL_BINS), FILL_BINS - 1)] += 1
 
 
