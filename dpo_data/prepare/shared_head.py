@@ -14,9 +14,10 @@ difference. tests/test_tokenize.py compares it with whole-text encoding on every
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
+
+import orjson
 
 _PROBES = [
     "plain text with no special token at all",
@@ -43,9 +44,10 @@ def _mentions_first(*parts: Any) -> bool:
 class SpecialSplit:
     """`boundary(text)`: the end of the last provable split point in `text`, or 0 when there is none."""
 
-    def __init__(self, tokenizer: Any, backend: Any):
+    def __init__(self, tokenizer: Any, backend: Any, spec_json: str | None = None):
+        """`spec_json`: `backend.to_str()` when the caller has it already (it is large to serialize)."""
         self.enabled = False
-        spec = json.loads(backend.to_str())
+        spec = orjson.loads(spec_json if spec_json is not None else backend.to_str())
         if _mentions_first(spec.get("normalizer"), spec.get("pre_tokenizer")):
             return  # Metaspace(prepend_scheme="first") treats a text's first piece apart
         added = list(tokenizer.added_tokens_decoder.values())

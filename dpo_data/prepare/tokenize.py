@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dpo_data.prepare.shared_head import SpecialSplit
 from dpo_data.prepare.template import ChatRenderer
 
 OVERLENGTH_MODES = ("reject", "truncate-prompt")
+_TAILS_KEPT = 64  # distinct prompt tails (text after the prompt's last special token) kept encoded
 _SENTINEL = "\ue000DPO{}\ue001"  # private-use code points: never in a real template's own text
 
 
@@ -52,12 +54,13 @@ class PairEncoder:
         self.options = options
         self._renderer = ChatRenderer(tokenizer)
         backend = tokenizer.backend_tokenizer
-        # Two copies of the Rust tokenizer: one matches special tokens (for template text), one never
-        # does (for user content). Copies, because encode_special_tokens is state on the object.
-        self._template = type(backend).from_str(backend.to_str())
-        self._content = type(backend).from_str(backend.to_str())
-        self._content.encode_special_tokens = True
-        self._split = SpecialSplit(tokenizer, self._template)
+        # Copies of the Rust tokenizer, because encode_special_tokens is state on the object: this one
+        # matches special tokens (template text), `_content` never does (user content). Serializing the
+        # backend is a large part of start-up, so it is done once.
+        self._spec = backend.to_str()
+        self._template = type(backend).from_str(self._spec)
+        self._split = SpecialSplit(tokenizer, self._template, self._spec)
+        self._tails: dict[str, list[int]] = {}
         specials = sorted(
             {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
         )
@@ -68,6 +71,14 @@ class PairEncoder:
                 "--tokenizer: the tokenizer has no eos_token, and plain-text completions end with EOS; "
                 "pass --no-eos or use a tokenizer with an eos_token"
             )
+
+    @functools.cached_property
+    def _content(self) -> Any:
+        """The copy that encodes special-token text as plain text; only plain-text pairs and content holding
+        special-token text need it, so it is made on first use."""
+        content = type(self._template).from_str(self._spec)
+        content.encode_special_tokens = True
+        return content
 
     def encode_many(self, pairs: Sequence[Pair]) -> list[EncodedPair | RowReject]:
         """Encode pairs in order; each result is an `EncodedPair` or the `RowReject` that stopped it."""
@@ -86,27 +97,30 @@ class PairEncoder:
         if fast:
             for (i, _), encoded in zip(fast, self._encode_rendered([rendered for _, rendered in fast])):
                 try:
-                    results[i] = self._finish(*self._split_prefix(*encoded))
+                    results[i] = self._finish(*self._split_tails(*encoded))
                 except RowReject as reject:
                     results[i] = reject
         return results
 
-    def _encode_rendered(self, rendered: list[tuple[str, str, str]]) -> list[tuple[list[int], list[int], list[int]]]:
-        """Ids of (prompt, prompt + chosen, prompt + rejected) renderings, batch-encoded.
+    def _encode_rendered(self, rendered: list[tuple[str, str, str]]) -> list[tuple[list[int], ...]]:
+        """Ids of (prompt, prompt + chosen, prompt + rejected) renderings, batch-encoded, as (head, prompt
+        tail, chosen tail, rejected tail): the prompt is head + prompt tail, each full rendering head + its tail.
 
-        The three share the prompt's text up to its last special token (checked as text by
-        `_render`); that head is encoded once (see special_split.py for why this is exact).
+        The three share the prompt's text up to its last special token (checked as text by `_render`);
+        that head is encoded once (see shared_head.py for why this is exact). What follows it in the prompt
+        is the generation prompt, the same text in nearly every row, so each distinct tail is encoded once.
         """
         cuts = [self._split.boundary(p) for p, _, _ in rendered]
         texts = []
         for (p, c, r), b in zip(rendered, cuts):
-            texts += (p[:b], p[b:], c[b:], r[b:])
-        ids = [e.ids for e in self._template.encode_batch_fast(texts, add_special_tokens=False)]
-        out = []
-        for k in range(len(rendered)):
-            head, p, c, r = ids[4 * k : 4 * k + 4]
-            out.append((head + p, head + c, head + r))
-        return out
+            texts += (p[:b], c[b:], r[b:])
+        new_tails = list({p[b:] for (p, _, _), b in zip(rendered, cuts)} - self._tails.keys())
+        ids = [e.ids for e in self._template.encode_batch_fast(texts + new_tails, add_special_tokens=False)]
+        tails = dict(zip(new_tails, ids[len(texts) :]))
+        if len(self._tails) < _TAILS_KEPT:  # kept across chunks; a tokenizer without a split point has a
+            self._tails.update(tails)  # tail per prompt (the whole prompt), which is not worth keeping
+        tails.update(self._tails)
+        return [(*ids[3 * k : 3 * k + 3], tails[p[b:]]) for k, ((p, _, _), b) in enumerate(zip(rendered, cuts))]
 
     # -- conversations -------------------------------------------------------------------------
 
@@ -130,17 +144,29 @@ class PairEncoder:
         except TemplateError as e:  # a template's raise_exception() or a jinja error: the row's fault
             raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
 
+    def _split_tails(self, head: list[int], chosen: list[int], rejected: list[int], tail: list[int]):
+        """`_split_prefix` for renderings encoded as a shared head and tails: only the tails are compared."""
+        n = len(tail)
+        for field, full in (("chosen", chosen), ("rejected", rejected)):
+            if full[:n] != tail:
+                self._not_a_prefix(field, head + tail, head + full)
+        return head + tail, chosen[n:], rejected[n:]
+
     def _split_prefix(self, prompt: list[int], chosen: list[int], rejected: list[int]):
         n = len(prompt)
         for field, full in (("chosen", chosen), ("rejected", rejected)):
             if full[:n] != prompt:
-                at = next((j for j, (a, b) in enumerate(zip(prompt, full)) if a != b), min(n, len(full)))
-                raise RowReject(
-                    "template_not_prefix_stable",
-                    f"the prompt's {n} tokens are not a prefix of the tokenized prompt + {field}: they differ at "
-                    f"token {at} (tokens merge across the prompt/completion boundary)",
-                )
+                self._not_a_prefix(field, prompt, full)
         return prompt, chosen[n:], rejected[n:]
+
+    @staticmethod
+    def _not_a_prefix(field: str, prompt: list[int], full: list[int]) -> None:
+        at = next((j for j, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        raise RowReject(
+            "template_not_prefix_stable",
+            f"the prompt's {len(prompt)} tokens are not a prefix of the tokenized prompt + {field}: they differ at "
+            f"token {at} (tokens merge across the prompt/completion boundary)",
+        )
 
     def _has_control_text(self, pair: Pair) -> bool:
         if self._special_re is None:
