@@ -559,18 +559,19 @@ def main(argv: list[str] | None = None) -> int:
         if f"ours/trl@{n}" in ratios:
             targets[f"ours>=2x_trl@{n}"] = ratios[f"ours/trl@{n}"] >= 2.0
         if f"ours/floor@{n}" in ratios:
-            targets[f"ours>=0.6x_floor@{n}"] = ratios[f"ours/floor@{n}"] >= 0.6
+            targets[f"ours>=0.9x_floor@{n}"] = ratios[f"ours/floor@{n}"] >= 0.9
     tokens = {k: v["tokens"] for k, v in summary.items()}
 
     print()
     print(
         f"{args.pairs} pairs, {os.cpu_count()} CPUs, tokenizer threads {args.tokenizer_threads}, "
         f"median of {args.repeat} (wall time from the JSONL file, "
-        "tokenizer load included; cpu s = CPU seconds incl. workers; other load = cores busy with other jobs)"
+        "tokenizer load included; cpu s = CPU seconds incl. workers; cores = cpu s / seconds; "
+        "other load = cores busy with other jobs)"
     )
     header = (
         f"{'method':6s} {'procs':>5s} {'seconds':>8s} {'min-max':>13s} {'pairs/s':>9s} {'tokens/s':>10s} "
-        f"{'cpu s':>6s} {'other load':>10s}"
+        f"{'cpu s':>6s} {'cores':>5s} {'other load':>10s}"
     )
     print(header)
     print("-" * len(header))
@@ -580,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             spread = f"{s['min_seconds']:.2f}-{s['max_seconds']:.2f}"
             print(
                 f"{m:6s} {n:5d} {s['median_seconds']:8.2f} {spread:>13s} {s['pairs_per_s']:9.0f} "
-                f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f} {_median_or_nan(s['other_load']):10.2f}"
+                f"{s['tokens_per_s']:10.0f} {s['cpu_seconds_median']:6.1f} "
+                f"{s['cpu_seconds_median'] / s['median_seconds']:5.2f} {_median_or_nan(s['other_load']):10.2f}"
             )
     print()
     for k, v in ratios.items():
@@ -619,8 +621,8 @@ def _versions() -> dict:
 
     src = Path(dpo_data.__file__).parent
     digest = hashlib.sha256()
-    for f in sorted(src.glob("*.py")):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(src.rglob("*.py")):
+        digest.update(str(f.relative_to(src)).encode() + b"\0" + f.read_bytes())
     out = {"python": sys.version.split()[0], "dpo_data_path": str(src), "dpo_data_sha256": digest.hexdigest()[:16]}
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
