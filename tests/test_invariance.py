@@ -50,21 +50,34 @@ def _mean_of_means(pair_losses, step_pairs, *_, **__):
     return pair_losses.mean() / _mean_of_means.microbatches
 
 
-def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: bool, reduction: str, result: str):
-    """One rank: train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader."""
+def _worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """One rank of one process group that runs every job of its world size in turn (one spawn per world
+    size: starting processes costs more than the tiny model's two steps)."""
     import torch.distributed as dist
-
-    import dpo_train.trainer as trainer_module
-    from dpo_data.dataset.store import PairStore
-    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.config import load_config
-    from dpo_train.device import placement
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    for job in jobs:
+        _job(rank, world, *job)
+        if world > 1:
+            dist.barrier()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction: str, result: str) -> None:
+    """Train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader; rank 0 saves
+    the parameters and both step gradients to `result`."""
+    import dpo_train.trainer as trainer_module
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.config import load_config
+    from dpo_train.device import placement
+
+    exact = trainer_module.microbatch_loss
     if reduction == "mean_of_means":
         trainer_module.microbatch_loss = _mean_of_means
     cfg = load_config(config)
@@ -101,6 +114,7 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    trainer_module.microbatch_loss = exact
     if rank == 0:
         torch.save(
             {
@@ -109,9 +123,6 @@ def _worker(rank: int, world: int, port: int, config: dict, steps, use_loader: b
             },
             result,
         )
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _step_gradient(policy) -> dict:
@@ -130,18 +141,25 @@ def _free_port() -> int:
 
 
 def _train(tmp_path, name, config, steps=None, world=1, use_loader=False, reduction="exact") -> dict:
-    result = str(tmp_path / f"{name}-{reduction}.pt")
-    args = (world, _free_port(), config, steps, use_loader, reduction, result)
-    if world == 1:  # in this process: keep the rank variables the worker sets out of later tests' subprocesses
-        saved = dict(os.environ)
-        try:
-            _worker(0, *args)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-    else:
-        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
-    return torch.load(result, weights_only=True)
+    return _train_all(tmp_path, {name: (world, config, steps, use_loader, reduction)})[name]
+
+
+def _train_all(tmp_path, runs: dict) -> dict:
+    """name -> (world, config, steps, use_loader, reduction) to name -> the saved tensors; one spawn per world
+    size, world 1 in this process (keeping the rank variables the worker sets out of later tests' subprocesses)."""
+    results = {name: str(tmp_path / f"{name}-{run[4]}.pt") for name, run in runs.items()}
+    for world in sorted({run[0] for run in runs.values()}):
+        jobs = [(*run[1:], results[name]) for name, run in runs.items() if run[0] == world]
+        if world == 1:
+            saved = dict(os.environ)
+            try:
+                _worker(0, 1, _free_port(), jobs)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+        else:
+            mp.start_processes(_worker, args=(world, _free_port(), jobs), nprocs=world, start_method="spawn")
+    return {name: torch.load(path, weights_only=True) for name, path in results.items()}
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -193,26 +211,15 @@ def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(layout, samp
     config = _config(str(sample_dataset), layout=layout)
     layouts = _layouts(step_pairs)
     baseline = _train(tmp_path, "baseline", config, layouts.pop("packing: [4] (baseline)")[1])
-    worst = {}
+    runs = {}
     for name, (world, steps) in layouts.items():
-        for strategy in (("ddp", "fsdp") if world == 2 else ("ddp",)) if world > 1 else ("ddp",):
-            params = _train(
-                tmp_path,
-                f"{len(worst)}",
-                {**config, "distributed": {"strategy": strategy, "device": "cpu"}},
-                steps,
-                world,
-            )
-            worst[f"{name} ({strategy})"] = _worst(baseline, params)
+        for strategy in ("ddp", "fsdp") if world == 2 else ("ddp",):
+            strategic = {**config, "distributed": {"strategy": strategy, "device": "cpu"}}
+            runs[f"{name} ({strategy})"] = (world, strategic, steps, False, "exact")
     for budget, world in ((4096, 1), (160, 1), (160, 2)):  # the real loader: one micro-batch vs many, 1 and 2 ranks
-        params = _train(
-            tmp_path,
-            f"loader-{budget}-{world}",
-            _config(str(sample_dataset), budget, layout=layout),
-            world=world,
-            use_loader=True,
-        )
-        worst[f"loader, budget {budget}, world {world}"] = _worst(baseline, params)
+        loader_config = _config(str(sample_dataset), budget, layout=layout)
+        runs[f"loader, budget {budget}, world {world}"] = (world, loader_config, None, True, "exact")
+    worst = {name: _worst(baseline, params) for name, params in _train_all(tmp_path, runs).items()}
     print("worst relative differences:", worst)
     assert max(worst.values()) <= RTOL, worst
 

@@ -207,9 +207,23 @@ def _train_config(dataset: str, ulysses: int = 1, context: int = 1, strategy: st
     }
 
 
-def _train_worker(rank: int, world: int, port: int, config: dict, result: str, mutant: bool) -> None:
-    """Two SGD steps of the real Trainer fed by the real loader (asked for data-parallel ranks)."""
+def _train_worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """One rank running each (config, result, mutant) job in turn in one process group: two SGD steps of the
+    real Trainer fed by the real loader (asked for data-parallel ranks). One spawn per world size, since
+    starting processes costs more than the tiny model's steps."""
     import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for job in jobs:
+        _train_job(rank, world, *job)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from dpo_train import collectives
@@ -218,10 +232,7 @@ def _train_worker(rank: int, world: int, port: int, config: dict, result: str, m
     from dpo_train.sequence_parallel import run_mesh
     from dpo_train.trainer import DPOLoader, Trainer
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    exact = collectives.sum_same_loss
     if mutant:  # each rank's partial sums counted as if they were the group's: a pair once per group rank
         import torch.distributed.nn.functional as dnf
 
@@ -237,18 +248,20 @@ def _train_worker(rank: int, world: int, port: int, config: dict, result: str, m
             records.append(trainer.step())
             if len(records) == 2:
                 break
+    collectives.sum_same_loss = exact
     state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"params": dict(state), "records": json.dumps(records)}, result)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def _trained(tmp_path, name: str, config: dict, world: int, mutant: bool = False) -> tuple[dict, list]:
-    result = tmp_path / f"{name}.pt"
-    _spawn(_train_worker, world, config, str(result), mutant)
-    got = torch.load(result, weights_only=True)
-    return got["params"], json.loads(got["records"])
+def _trained_all(tmp_path, runs: dict) -> dict:
+    """name -> (world, config, mutant) to name -> (parameters, step records); one spawn per world size."""
+    results = {name: tmp_path / f"{name}.pt" for name in runs}
+    for world in sorted({run[0] for run in runs.values()}):
+        jobs = [(config, str(results[name]), mutant) for name, (w, config, mutant) in runs.items() if w == world]
+        _spawn(_train_worker, world, jobs)
+    loaded = {name: torch.load(path, weights_only=True) for name, path in results.items()}
+    return {name: (got["params"], json.loads(got["records"])) for name, got in loaded.items()}
 
 
 @pytest.mark.slow
@@ -256,21 +269,29 @@ def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
     """dp1xU2, dp1xC2, dp2xU2 and U2xC2 train the same weights as one process after 2 steps (live
     reference, FSDP2 and DDP), with the same pair counts and losses; counting a pair once per group rank
     fails."""
-    base_params, base_records = _trained(tmp_path, "base", _train_config(str(sample_dataset)), 1)
+    dataset = str(sample_dataset)
+    runs = {"base": (1, _train_config(dataset), False)}
+    runs |= {
+        name: (world, _train_config(dataset, u, c, strategy), False)
+        for name, (world, u, c, strategy) in LAYOUTS.items()
+    }
+    runs["mutant"] = (2, _train_config(dataset, 2, 1, "fsdp"), True)
+    trained = _trained_all(tmp_path, runs)
+    base_params, base_records = trained.pop("base")
 
     def worst(params: dict) -> float:
         return max(
             float((base_params[k] - params[k]).double().norm() / base_params[k].double().norm()) for k in base_params
         )
 
-    for name, (world, u, c, strategy) in LAYOUTS.items():
-        params, records = _trained(tmp_path, name, _train_config(str(sample_dataset), u, c, strategy), world)
+    mutant, _ = trained.pop("mutant")
+    for name, (params, records) in trained.items():
+        world = LAYOUTS[name][0]
         assert worst(params) < RTOL, (name, worst(params))
         for a, b in zip(base_records, records, strict=True):
             assert (b["pairs"], b["input_tokens"], b["world_size"]) == (a["pairs"], a["input_tokens"], world), name
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), name
-    params, _ = _trained(tmp_path, "mutant", _train_config(str(sample_dataset), 2, 1, "fsdp"), 2, mutant=True)
-    assert worst(params) > 100 * RTOL
+    assert worst(mutant) > 100 * RTOL
 
 
 @pytest.mark.slow
