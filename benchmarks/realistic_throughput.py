@@ -41,11 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PAIRS_PER_STEP = 8
+from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer  # noqa: E402 - benchmarks/, next to this script
+
 CAP = 4096  # the generator keeps every pair's separate row (2 prompts + both completions) within this
 MEMORY_LIMIT = 17 << 30  # address space of each child: a trainer that needs more fails cleanly instead of
 # pushing a shared machine into the OOM killer
-HYPER = {"beta": 0.1, "lr": 1.0e-5}
 # (median, p95) in tokens as the chat template renders them
 PROMPT_PROFILE, COMPLETION_PROFILE, MULTI_TURN = (150, 600), (250, 800), 0.30
 METHODS = (
@@ -377,59 +377,18 @@ def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, preco
 
 
 def run_trl(info: dict, work: Path, steps: int, warmup: int, micro: int, precomputed: bool) -> dict:
-    import datasets
-    import torch
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from transformers import TrainerCallback
 
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([info["data"]])
     geometry = ours_geometry(info["data"], "separate", steps, info["budget"])
     order = [i for s in range(steps) for i in sorted(p for g in geometry if g["step"] == s for p in g["pairs"])]
-    rows = [
-        {"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
-        for p in (store.pair(i) for i in order)
-    ]
-    ids = datasets.Dataset.from_list(rows)
-    args = DPOConfig(
-        output_dir=str(work / "trl"),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=PAIRS_PER_STEP // micro,
-        learning_rate=HYPER["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=HYPER["beta"],
-        loss_type=["sigmoid"],
-        max_length=None,  # TRL's default 1024 would truncate the long pairs: different work
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(info["model"])
-    policy = AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32)
-    trainer = DPOTrainer(
-        model=policy,
-        args=args,
-        processing_class=tokenizer,
-        train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
-    )
-    trainer._get_train_sampler = lambda *a, **k: SequentialSampler(trainer.train_dataset)
-    if precomputed:  # TRL's own precompute pass over the same rows, not timed
-        trainer.precompute_ref_logps = True
-        ids = trainer._precompute_ref_logps(ids, "train", micro)
-    trainer.train_dataset = ids
+    pairs = [store.pair(i) for i in order]
+    trainer = trl_trainer(info["model"], pairs, work, micro, steps, precomputed)
+    ids = trainer.train_dataset
     padded = []  # what TRL's collator feeds the model: (row length, rows) per micro-batch
-    for start in range(0, len(rows), micro):
+    for start in range(0, len(pairs), micro):
         batch = trainer.data_collator([ids[i] for i in range(start, start + micro)])
         padded.append([int(batch["input_ids"].shape[1]), int(batch["input_ids"].shape[0])])
     begins: list[float] = []

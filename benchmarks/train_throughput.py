@@ -25,9 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer  # noqa: E402 - benchmarks/, next to this script
+
 METHODS = ("ours-precomputed", "ours-live", "trl-precomputed", "trl")
-PAIRS_PER_STEP, MICRO = 8, 4
-HYPER = {"beta": 0.1, "lr": 1.0e-5}
+MICRO = 4
 
 
 def _model_and_data(work: Path) -> tuple[str, str]:
@@ -97,56 +98,15 @@ def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -
 
 
 def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
-    import datasets
-    import torch
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from transformers import TrainerCallback
 
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([data])
     order = [i for step in _step_pairs(data, steps) for i in step]
-    rows = [
-        {"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
-        for p in (store.pair(i) for i in order)
-    ]
-    ids = datasets.Dataset.from_list(rows)
-    args = DPOConfig(
-        output_dir=str(work / "trl"),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=PAIRS_PER_STEP // MICRO,
-        learning_rate=HYPER["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=HYPER["beta"],
-        loss_type=["sigmoid"],
-        max_length=None,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    trainer = DPOTrainer(
-        model=policy,
-        args=args,
-        processing_class=tokenizer,
-        train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
-    )
-    trainer._get_train_sampler = lambda *a, **k: SequentialSampler(trainer.train_dataset)
-    if precomputed:  # TRL's own precompute pass over the same rows, not timed
-        trainer.precompute_ref_logps = True
-        ids = trainer._precompute_ref_logps(ids, "train", MICRO)
-    trainer.train_dataset = ids
+    pairs = [store.pair(i) for i in order]
+    trainer = trl_trainer(model, pairs, work, MICRO, steps, precomputed)
+    ids = trainer.train_dataset
     first = _trl_first_microbatch_logps(trainer, ids)
     stamps: list[float] = []
 

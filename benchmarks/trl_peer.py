@@ -1,0 +1,62 @@
+"""TRL 1.16 `DPOTrainer` set up as the peer of `dpo-train` in the training benchmarks: same pairs, order and ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PAIRS_PER_STEP = 8
+HYPER = {"beta": 0.1, "lr": 1.0e-5}  # both trainers: sigmoid loss, AdamW at a constant lr, clipping at 1.0
+
+
+def trl_trainer(model: str, pairs: list, work: Path, micro: int, steps: int, precomputed: bool):
+    """A `DPOTrainer` on `pairs` (records with `prompt`, `chosen`, `rejected` id arrays) in this order, through
+    a sequential sampler: `micro` pairs per micro-batch, PAIRS_PER_STEP per optimizer step, fp32 on CPU, no
+    warm-up, weight decay or truncation (`max_length=None`: TRL's default 1024 would cut long pairs, other
+    work). With `precomputed`, TRL's own reference pass runs here, so callers do not time it."""
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    rows = [
+        {"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
+        for p in pairs
+    ]
+    ids = datasets.Dataset.from_list(rows)
+    args = DPOConfig(
+        output_dir=str(work / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=PAIRS_PER_STEP // micro,
+        learning_rate=HYPER["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=HYPER["beta"],
+        loss_type=["sigmoid"],
+        max_length=None,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    trainer = DPOTrainer(
+        model=policy,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
+    )
+    trainer._get_train_sampler = lambda *a, **k: SequentialSampler(trainer.train_dataset)
+    if precomputed:
+        trainer.precompute_ref_logps = True
+        ids = trainer._precompute_ref_logps(ids, "train", micro)
+    trainer.train_dataset = ids
+    return trainer
