@@ -130,46 +130,60 @@ def test_sigkill_after_step_k_then_resume_is_bitwise_identical(
 
 @pytest.mark.slow
 def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(small_dataset, smollm2_dir, tmp_path, uninterrupted):
-    """Kills at each phase of a save, and at random moments: the latest committed checkpoint always
-    verifies, the partial one is reported and ignored, and the resumed run still ends identical."""
+    """One run killed again and again: at each phase of a save, then at random moments, each attempt resuming
+    from the last. After every kill the latest committed checkpoint verifies and the next attempt reports the
+    partial one and ignores it; the run still ends identical to an uninterrupted one."""
     full = uninterrupted(1, 0, "pairs")
     rng = random.Random(0)
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "crash")
     kills = [f"in-save:{s}:{phase}" for s, phase in ((2, "after-dcp"), (3, "after-rank-files"), (4, "after-state"))]
     kills += ["random"] * 3
-    for trial, kill in enumerate(kills):
-        path, out = config(tmp_path, small_dataset, smollm2_dir, f"crash{trial}")
-        if kill == "random":
-            _kill_at_random(path, rng)
+    partial: list[Path] = []
+    reported = 0
+    for trial, kill in enumerate([*kills, None]):
+        if kill is None:
+            stderr = train(path).stderr  # the last attempt runs to the end
+        elif kill == "random":
+            stderr = _kill_at_random(path, rng, tmp_path / f"attempt-{trial}.err")
         else:
-            assert train(path, env={"DPO_TRAIN_KILL": kill}, check=None).returncode != 0
+            attempt = train(path, env={"DPO_TRAIN_KILL": kill}, check=None)
+            assert attempt.returncode != 0, f"trial {trial} ({kill})"
+            stderr = attempt.stderr
+        for c in partial:  # the previous attempt's unfinished save, newer than its latest commit
+            assert f"ignoring incomplete checkpoint {c}" in stderr, f"trial {trial} ({kill})"
+            reported += 1
         checkpoints = sorted((out / "checkpoints").glob("step-*"))
         committed = [c for c in checkpoints if (c / "commit.json").is_file()]
+        latest = int(committed[-1].name[5:]) if committed else -1
+        partial = [c for c in checkpoints if c not in committed and int(c.name[5:]) > latest]
         if committed:
             assert state_cli("verify", out).returncode == 0, f"trial {trial} ({kill})"
-        resumed = train(path)
-        partial = [c for c in checkpoints if c not in committed]
-        for c in partial:
-            if int(c.name[5:]) > (int(committed[-1].name[5:]) if committed else -1):
-                assert f"ignoring incomplete checkpoint {c}" in resumed.stderr
-        assert metrics(out) == metrics(full), f"trial {trial} ({kill})"
+    assert partial == [] and reported >= 3  # each kill inside a save left a partial checkpoint behind
+    assert metrics(out) == metrics(full)
 
 
-def _kill_at_random(path, rng) -> None:
-    """Start a run, wait for its first commit, then SIGKILL its process group a random moment later."""
-    out = yaml.safe_load(path.read_text())["train"]["output_dir"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpo_cli.train", str(path), "--quiet"],
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while not list((Path(out) / "checkpoints").glob("*/commit.json")):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.01)
-    time.sleep(rng.uniform(0, 0.25))
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _kill_at_random(path, rng, stderr_path) -> str:
+    """Start an attempt, wait for it to commit a checkpoint newer than those it started with, then SIGKILL its
+    process group a random moment later (unless it finished first); return its stderr."""
+    checkpoints = Path(yaml.safe_load(path.read_text())["train"]["output_dir"]) / "checkpoints"
+    committed = lambda: {c.parent.name for c in checkpoints.glob("*/commit.json")}  # noqa: E731
+    before = committed()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dpo_cli.train", str(path), "--quiet"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        deadline = time.monotonic() + 120
+        while not committed() - before:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.25))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return stderr_path.read_text()
 
 
 @pytest.mark.slow
