@@ -103,8 +103,8 @@ class PairEncoder:
         return results
 
     def _encode_rendered(self, rendered: list[tuple[str, str, str]]) -> list[tuple[list[int], ...]]:
-        """Ids of (prompt, prompt + chosen, prompt + rejected) renderings, batch-encoded, as (head, prompt
-        tail, chosen tail, rejected tail): the prompt is head + prompt tail, each full rendering head + its tail.
+        """Ids of (prompt, prompt + chosen, prompt + rejected) renderings, batch-encoded, as (head, chosen
+        tail, rejected tail, prompt tail): the prompt is head + prompt tail, each full rendering head + its tail.
 
         The three share the prompt's text up to its last special token (checked as text by `_render`);
         that head is encoded once (see shared_head.py for why this is exact). What follows it in the prompt
