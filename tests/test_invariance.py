@@ -55,13 +55,19 @@ def _worker(rank: int, world: int, port: int, jobs: list) -> None:
     size: starting processes costs more than the tiny model's two steps)."""
     import torch.distributed as dist
 
+    import dpo_train.trainer as trainer_module
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    exact = trainer_module.microbatch_loss
     for job in jobs:
-        _job(rank, world, *job)
+        try:
+            _job(rank, world, *job)
+        finally:  # a mean-of-means job patches the module; world 1 runs in pytest's own process
+            trainer_module.microbatch_loss = exact
         if world > 1:
             dist.barrier()
     if world > 1:
@@ -77,7 +83,6 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     from dpo_train.config import load_config
     from dpo_train.device import placement
 
-    exact = trainer_module.microbatch_loss
     if reduction == "mean_of_means":
         trainer_module.microbatch_loss = _mean_of_means
     cfg = load_config(config)
@@ -114,7 +119,6 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    trainer_module.microbatch_loss = exact
     if rank == 0:
         torch.save(
             {
