@@ -429,7 +429,8 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
 
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
 
     attention = attention_for("auto", placement("cpu", "fp32"), layout=layout)  # what dpo-train picks

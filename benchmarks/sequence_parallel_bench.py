@@ -73,9 +73,10 @@ def _worker(rank: int, world: int, port: int, ulysses: int, context: int, length
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.sequence_parallel import sequence_mesh
+    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
-    from dpo_train.sequence_parallel import sequence_mesh
 
     torch.set_num_threads(1)  # ranks share the cores; one process gets the same one thread
     mesh = None

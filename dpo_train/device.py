@@ -6,7 +6,6 @@ import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,44 +74,3 @@ def init_distributed(place: Placement) -> tuple[int, int]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(place.backend)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def attention_for(requested: str, place: Placement, mesh: Any = None, layout: str = "separate") -> str:
-    """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
-    else the segment attention (`dpo_train.segment_attention`: sdpa per segment, no row-by-row mask).
-    sdpa is the fallback: it keeps packed segments apart through position_ids (see
-    `dpo_train.logps.row_inputs`) or, in the shared-prompt layout, through the row's mask. Under sequence
-    parallelism (an active `mesh`) the model runs `dpo_train.sequence_parallel`'s attention."""
-    if mesh is not None and mesh.active:
-        from dpo_train import sequence_parallel
-
-        if requested not in ("auto", "sdpa"):
-            raise ConfigError(
-                f"model.attention {requested} cannot run under distributed.sequence_parallel, which brings "
-                "its own attention (sdpa over the gathered row with a segment mask); use auto or sdpa"
-            )
-        sequence_parallel.register()
-        return sequence_parallel.ATTENTION
-    if layout == "shared_prompt" and requested == "flash_attention_2":
-        raise ConfigError(
-            "model.attention flash_attention_2 cannot express data.layout shared_prompt (a completion "
-            "attends to its prompt segment, never to the other completion); use auto, sdpa or eager"
-        )
-    if requested == "segments" or requested == "auto" and not _flash_usable(place, layout):
-        from dpo_train import segment_attention
-
-        segment_attention.register()
-        return segment_attention.ATTENTION
-    if requested != "auto":
-        if requested == "flash_attention_2" and (place.device.type != "cuda" or place.precision != "bf16"):
-            raise ConfigError(
-                "model.attention flash_attention_2 needs distributed.device cuda and train.precision "
-                "bf16; use auto or sdpa"
-            )
-        return requested
-    return "flash_attention_2"
-
-
-def _flash_usable(place: Placement, layout: str) -> bool:
-    cuda_bf16 = place.device.type == "cuda" and place.precision == "bf16"
-    return bool(cuda_bf16 and layout == "separate" and importlib.util.find_spec("flash_attn"))

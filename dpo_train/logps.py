@@ -9,10 +9,7 @@ import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
 from dpo_train import collectives
-from dpo_train.row_mask import segment_mask
-from dpo_train.segment_attention import ATTENTION as SEGMENT_ATTENTION
-from dpo_train.segment_attention import row_segments
-from dpo_train.sequence_parallel import split_row
+from dpo_train.attention.inputs import row_inputs
 
 
 @dataclass
@@ -55,38 +52,6 @@ def targets(batch: dict[str, Any]) -> Targets:
     return Targets(position, label, segment)
 
 
-def attention_of(model: Any) -> str | None:
-    """The attention implementation a Hugging Face model runs, through DDP (`.module`) and the LoRA
-    reference (`.model`) wrappers."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "model", None)):
-        config = getattr(candidate, "config", None)
-        if config is not None:
-            return getattr(config, "_attn_implementation", None)
-    return None
-
-
-def row_inputs(batch: dict[str, Any], mesh: Any = None, attention: str | None = None) -> tuple[dict[str, Any], Any]:
-    """The model's keyword inputs for this rank's part of the row (all of it without sequence
-    parallelism), and its sequence shard (None without sequence parallelism).
-
-    With the segment attention (`attention` = dpo_train.segment_attention.ATTENTION) the row's segments
-    go along and no mask exists. Otherwise the separate layout passes no attention mask: with sdpa/eager,
-    transformers keeps packed segments apart when it gets `position_ids` restarting at 0, no mask and
-    `use_cache=False` (it builds a row-by-row mask from the position restarts); the shared-prompt layout
-    needs a completion to see its prompt segment, so it passes the row's own mask.
-    """
-    if mesh is not None and mesh.active:
-        part, shard = split_row(batch, mesh)
-        inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}
-        return {**inputs, "sequence_shard": shard}, shard
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    if attention == SEGMENT_ATTENTION:
-        inputs["row_segments"] = row_segments(batch)
-    elif "segment_context" in batch:
-        inputs["attention_mask"] = segment_mask(batch)[None, None]
-    return inputs, None
-
-
 def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
@@ -96,7 +61,7 @@ def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps
     positions only and scores the targets they predict; the per-pair sums are completed over its group,
     so every rank of the group returns the whole sums.
     """
-    inputs, shard = row_inputs(batch, mesh, attention_of(model))
+    inputs, shard = row_inputs(batch, mesh, model)
     device = batch["input_ids"].device
     every = targets(batch)
     start, stop = (shard.start, shard.stop) if shard is not None else (0, batch["input_ids"].shape[1])

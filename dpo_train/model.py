@@ -14,7 +14,7 @@ from dpo_train.errors import ConfigError
 
 def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
     """The policy in fp32 (master weights) with `attention`, an implementation name as
-    `dpo_train.device.attention_for` chose it (registered with transformers before this call)."""
+    `dpo_train.attention.choice.attention_for` chose it (registered with transformers before this call)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

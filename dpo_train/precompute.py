@@ -6,14 +6,15 @@ from pathlib import Path
 
 from dpo_data.dataset.store import PairStore
 from dpo_train import collectives
+from dpo_train.attention.choice import load_model
+from dpo_train.attention.sequence_parallel import check_heads, run_mesh
 from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
-from dpo_train.device import attention_for, init_distributed, placement
+from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
-from dpo_train.model import load_policy, prepare_for_training
+from dpo_train.model import prepare_for_training
 from dpo_train.reference import weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
-from dpo_train.sequence_parallel import check_heads, run_mesh
 
 
 def precompute_reference(config: TrainConfig) -> Path:
@@ -29,7 +30,7 @@ def precompute_reference(config: TrainConfig) -> Path:
     check_data({"data.path": store}, config.data.verify, rank, world)
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     mesh = run_mesh(config, rank, world)
-    model = load_policy(config.model, attention_for(config.model.attention, place, mesh, config.data.layout))
+    model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
     check_heads(model.config, mesh.ulysses)
     check_vocabulary(model, {"data.path": store})
     prepare_for_training(model)  # same dropout settings as the trainer's reference

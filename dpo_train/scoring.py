@@ -15,7 +15,8 @@ from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train import collectives
-from dpo_train.logps import pair_logps, row_inputs
+from dpo_train.attention.inputs import row_inputs
+from dpo_train.logps import pair_logps
 
 
 @dataclass
@@ -64,7 +65,7 @@ def score_pairs(
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with (autocast or contextlib.nullcontext)():
                 if not members:
-                    model(**row_inputs(batch, mesh)[0])
+                    model(**row_inputs(batch, mesh, model)[0])
                     continue
                 out = pair_logps(model, batch, mesh)
             if not writes:

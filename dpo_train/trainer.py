@@ -20,6 +20,9 @@ from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
 from dpo_train import collectives
+from dpo_train.attention.choice import load_model
+from dpo_train.attention.inputs import row_inputs
+from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
 from dpo_train.checkpointing import (
     Checkpointable,
     ModelAndOptimizer,
@@ -36,21 +39,20 @@ from dpo_train.checkpointing import (
 )
 from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
-from dpo_train.device import Placement, attention_for, init_distributed, placement
+from dpo_train.device import Placement, init_distributed, placement
 from dpo_train.errors import ConfigError, NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import check_export, export
 from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
-from dpo_train.logps import attention_of, pair_logps, row_inputs
+from dpo_train.logps import pair_logps
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import load_policy, prepare_for_training
+from dpo_train.model import prepare_for_training
 from dpo_train.objective import microbatch_loss
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
-from dpo_train.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
 from dpo_train.sharding import frozen_reference, shard
 from dpo_train.sinks import MetricSinks, check_report_to
 
@@ -78,7 +80,7 @@ class Trainer:
         self.mesh = mesh or run_mesh(config, rank, world)
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
-        policy = load_policy(config.model, attention_for(config.model.attention, place, self.mesh, config.data.layout))
+        policy = load_model(config.model, config.model.attention, place, self.mesh, config.data.layout)
         check_heads(policy.config, self.mesh.ulysses)
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
@@ -175,7 +177,7 @@ class Trainer:
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                inputs = row_inputs(batch, self.mesh, attention_of(self.model))[0]
+                inputs = row_inputs(batch, self.mesh, self.model)[0]
                 if self.live_reference is not None and self.world > 1:
                     with torch.no_grad():
                         self.live_reference(**inputs)

@@ -65,8 +65,9 @@ def check_collectives(device: str) -> dict:
 def check_logps(model_dir: str, data: str, device: str) -> dict:
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.attention.choice import attention_for
     from dpo_train.config import ModelConfig
-    from dpo_train.device import attention_for, placement
+    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
     from dpo_train.model import load_policy, prepare_for_training
 

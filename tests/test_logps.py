@@ -101,9 +101,10 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
     log-probs and the gradient, one-token prompt and completions and a padding tail included. Aligning a
     completion's causal mask to its start instead of its end (it would not see its own prompt's last
     tokens) is caught."""
-    import dpo_train.segment_attention as seg
+    import dpo_train.attention.segments as seg
     from dpo_data.loading.microbatch import pack_shared_prompt
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.device import placement
 
     pairs = random_pairs(4)
     pack = pack_microbatch if layout == "separate" else pack_shared_prompt

@@ -57,7 +57,7 @@ SHARED = ("a pair across three ranks", "one-token final completion next to divis
 def _model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dpo_train import sequence_parallel
+    from dpo_train.attention import sequence_parallel
 
     sequence_parallel.register()
     spec = dict(MODEL)
@@ -94,9 +94,10 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train import collectives
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.sequence_parallel import check_same_row, sequence_mesh
+    from dpo_train.device import placement
     from dpo_train.logps import row_inputs
-    from dpo_train.sequence_parallel import check_same_row, sequence_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -227,9 +228,9 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from dpo_train import collectives
+    from dpo_train.attention.sequence_parallel import run_mesh
     from dpo_train.config import load_config
     from dpo_train.device import placement
-    from dpo_train.sequence_parallel import run_mesh
     from dpo_train.trainer import DPOLoader, Trainer
 
     exact = collectives.sum_same_loss
@@ -326,9 +327,10 @@ def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elas
 def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_dir, tmp_path):
     """A mesh that does not divide the world, Ulysses that does not divide the heads, and an attention
     that cannot run split are config errors before training (exit 2, named, no traceback)."""
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.sequence_parallel import check_heads, sequence_mesh
+    from dpo_train.device import placement
     from dpo_train.errors import ConfigError
-    from dpo_train.sequence_parallel import check_heads, sequence_mesh
 
     with pytest.raises(ConfigError, match=r"ulysses 2 x context 2 = 4 must divide the world size 6"):
         sequence_mesh(0, 6, 2, 2)

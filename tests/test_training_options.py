@@ -83,9 +83,10 @@ def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
 
 
 def test_attention_is_per_segment_on_cpu_and_flash_attention_needs_cuda_bf16():
-    from dpo_train.device import attention_for, placement
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.segments import ATTENTION
+    from dpo_train.device import placement
     from dpo_train.errors import ConfigError
-    from dpo_train.segment_attention import ATTENTION
 
     cpu = placement("cpu", "fp32")
     assert attention_for("auto", cpu) == ATTENTION == attention_for("segments", cpu)

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dpo_data.errors import DataError
 from dpo_train import collectives
+from dpo_train.attention.features import LayerAttention, call_attention
+from dpo_train.attention.kernel import attend, expand_kv
+from dpo_train.attention.masks import segment_mask
 from dpo_train.errors import ConfigError, ModelError
-from dpo_train.row_mask import segment_mask
-from dpo_train.segment_attention import expand_kv
 
 ATTENTION = "dpo_sequence_parallel"
 """The attention implementation name a sequence-parallel model runs with (registered with transformers)."""
@@ -117,22 +117,27 @@ def check_heads(model_config: Any, ulysses: int) -> None:
 
 @dataclass
 class SequenceShard:
-    """One row's split: this rank keeps positions [start, stop) of the row padded to a multiple of U x C;
-    `mask` [1, 1, S / C, S] says which keys each query of this rank's context chunk may attend to."""
+    """One row's split: this rank keeps positions [start, stop) of the row padded to a multiple of U x C.
+    `mask(layer, dtype)` [1, 1, S / C, S] says which keys each query of this rank's context chunk may
+    attend to under that layer's window and chunk."""
 
     mesh: SequenceMesh
     start: int
     stop: int
-    mask: torch.Tensor
-    _additive: dict = field(default_factory=dict)
+    batch: dict
+    queries: torch.Tensor
+    extra: int
+    _masks: dict = field(default_factory=dict)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as 0 / -inf in `dtype`, made once per row and shared by every layer: given a boolean
-        mask, sdpa makes (and keeps for backward) such a copy in every layer."""
-        if dtype not in self._additive:
-            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            self._additive[dtype] = torch.where(self.mask, zero, torch.finfo(dtype).min)
-        return self._additive[dtype]
+    def mask(self, layer: LayerAttention, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's mask as 0 / -inf in `dtype`, made once per row and layer kind and shared by every
+        layer of that kind: given a boolean mask, sdpa makes (and keeps for backward) such a copy in every layer."""
+        key = (layer.window, layer.chunk, dtype)
+        if key not in self._masks:
+            visible = segment_mask(self.batch, self.queries, self.extra, layer)[None, None]
+            zero = torch.zeros((), dtype=dtype, device=visible.device)
+            self._masks[key] = torch.where(visible, zero, torch.finfo(dtype).min)
+        return self._masks[key]
 
 
 def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
@@ -152,9 +157,8 @@ def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
     start = mesh.rank * s
     chunk = padded // mesh.context
     queries = torch.arange(mesh.context_rank * chunk, (mesh.context_rank + 1) * chunk, device=ids.device)
-    mask = segment_mask(batch, queries, extra)
     inputs = {"input_ids": ids[None, start : start + s], "position_ids": positions[None, start : start + s]}
-    return inputs, SequenceShard(mesh, start, start + s, mask[None, None])
+    return inputs, SequenceShard(mesh, start, start + s, batch, queries, extra)
 
 
 def check_same_row(batch: dict, mesh: SequenceMesh, step: int) -> None:
@@ -194,22 +198,27 @@ def sequence_parallel_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sequence_shard: SequenceShard | None = None,
-    **_: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the whole row for this rank's positions; [B, H, s, D] in, [B, s, H, D] out."""
+    """Attention over the whole row for this rank's positions, with the layer's window, chunk, softcap
+    and sinks (a rank holding H / U heads under Ulysses takes those heads' sinks); [B, H, s, D] in,
+    [B, s, H, D] out."""
     if sequence_shard is None:
         raise ModelError(
             "this model runs with sequence-parallel attention and was called without a sequence shard; "
             "call it through dpo_train.logps.pair_logps with the run's SequenceMesh"
         )
+    layer, sinks = call_attention(module, "sequence parallel", kwargs)
     mesh = sequence_shard.mesh
     if mesh.ulysses > 1:
         query, key, value = (_heads_to_sequence(x, mesh) for x in (query, key, value))
+        if sinks is not None:
+            sinks = sinks.chunk(mesh.ulysses)[mesh.ulysses_rank]
     if mesh.context > 1:
         key, value = (_gather_sequence(x, mesh) for x in (key, value))
     key, value = expand_kv(query, key, value)
-    mask = sequence_shard.additive_mask(query.dtype)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    mask = sequence_shard.mask(layer, query.dtype)
+    out = attend(query, key, value, mask, layer, scaling, sinks, dropout)
     if mesh.ulysses > 1:
         out = _sequence_to_heads(out, mesh)
     return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,10 @@
+"""The attention room: which attention path a model runs, its per-layer features, masks, and the start-up probe.
+
+- `features`: what each layer's attention applies (window, chunk, softcap, sinks) and what a call passed;
+- `kernel`: one attention computation that honours every feature (sdpa when it can, eager math when not);
+- `masks`: which keys a position of a packed row may see, per layer kind;
+- `segments`, `sequence_parallel`: the two attention implementations of our own;
+- `inputs`: the model's keyword inputs for a packed row, per path;
+- `choice`: the path a run takes, and the refusals of paths that cannot express a model;
+- `probe`: packed vs unpacked log-probs on a synthetic row before step 1.
+"""

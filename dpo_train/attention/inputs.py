@@ -1,0 +1,42 @@
+"""The model's keyword inputs for one packed row, per attention path (segments, sequence shard, or per-kind masks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpo_train.attention.features import model_config, text_config
+from dpo_train.attention.masks import model_masks
+from dpo_train.attention.segments import ATTENTION as SEGMENT_ATTENTION
+from dpo_train.attention.segments import row_segments
+from dpo_train.attention.sequence_parallel import split_row
+
+
+def attention_of(model: Any) -> str | None:
+    """The attention implementation a Hugging Face model runs (through its wrappers)."""
+    return getattr(model_config(model), "_attn_implementation", None)
+
+
+def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tuple[dict[str, Any], Any]:
+    """The model's keyword inputs for this rank's part of the row (all of it without sequence
+    parallelism), and its sequence shard (None without sequence parallelism).
+
+    - segment attention: the row's segments go along and no mask exists;
+    - flash_attention_2 (separate layout only): no mask; transformers derives the segments' cu_seqlens
+      from `position_ids` restarting at 0, and passes each layer's window and softcap to the kernel;
+    - transformers' sdpa and eager: the row's own masks, one per layer kind (window or chunk measured in
+      positions), boolean for sdpa and additive for eager. Never transformers' own packed-sequence
+      detection: a 4D mask given once would carry no window into any layer, and some models (GPT-OSS)
+      build their masks without `position_ids`, so their packed segments would see each other.
+    """
+    if mesh is not None and mesh.active:
+        part, shard = split_row(batch, mesh)
+        inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}
+        return {**inputs, "sequence_shard": shard}, shard
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    attention = attention_of(model)
+    if attention == SEGMENT_ATTENTION:
+        inputs["row_segments"] = row_segments(batch)
+    elif attention in ("sdpa", "eager"):
+        dtype = next(model.parameters()).dtype if attention == "eager" else None
+        inputs["attention_mask"] = model_masks(batch, text_config(model), dtype)
+    return inputs, None

@@ -1,0 +1,112 @@
+"""Attention segment by segment in a packed row: no row-by-row mask, no work across segments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dpo_train.attention.features import LayerAttention, call_attention
+from dpo_train.attention.kernel import attend, expand_kv, positions_visible
+from dpo_train.errors import ModelError
+
+ATTENTION = "dpo_segments"
+"""The transformers attention implementation name (`model.attention: segments`, and auto on CPU)."""
+
+
+@dataclass(frozen=True)
+class RowSegments:
+    """Where each segment of a row lies, `(start, stop)`, the position of its first token (positions
+    then run on by one), and the segment it also sees (its context: the pair's prompt in the
+    shared-prompt layout), -1 for none. Row padding past the last segment is one more segment of its
+    own. The masks a windowed or chunked layer needs are made once per row and kept."""
+
+    bounds: tuple[tuple[int, int], ...]
+    context: tuple[int, ...]
+    first_position: tuple[int, ...]
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def visible(self, index: int, layer: LayerAttention, device: torch.device) -> torch.Tensor | None:
+        """Segment `index`'s [own, context + own] key mask for `layer`, or None when it is plain causal."""
+        (start, stop), context = self.bounds[index], self.context[index]
+        first = self.first_position[index]
+        if context < 0 and not _restricted(first, stop - start, layer):
+            return None  # plain causal: sdpa's maskless kernels
+        cache_key = (index, layer.window, layer.chunk, device)
+        if cache_key not in self._masks:
+            own = first + torch.arange(stop - start, device=device)
+            keys = own
+            if context >= 0:
+                prompt_start, prompt_stop = self.bounds[context]
+                prompt = self.first_position[context] + torch.arange(prompt_stop - prompt_start, device=device)
+                keys = torch.cat([prompt, own])
+            self._masks[cache_key] = positions_visible(own, keys, layer)
+        return self._masks[cache_key]
+
+
+def _restricted(first: int, length: int, layer: LayerAttention) -> bool:
+    """Whether the window or chunk hides a key of a segment's own causal past."""
+    last = first + length - 1
+    return (layer.window is not None and length > layer.window) or (
+        layer.chunk is not None and first // layer.chunk != last // layer.chunk
+    )
+
+
+def row_segments(batch: dict[str, Any]) -> RowSegments:
+    lengths = batch["segment_length"].tolist()
+    context = batch["segment_context"].tolist() if "segment_context" in batch else [-1] * len(lengths)
+    bounds, start = [], 0
+    for length in lengths:
+        bounds.append((start, start + length))
+        start += length
+    total = batch["input_ids"].shape[1]
+    if start < total:
+        bounds.append((start, total))
+        context.append(-1)
+    starts = torch.tensor([first for first, _ in bounds], dtype=torch.long)
+    first_position = batch["position_ids"][0].cpu()[starts].tolist() if bounds else []
+    return RowSegments(tuple(bounds), tuple(context), tuple(first_position))
+
+
+def segment_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    row_segments: RowSegments | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention once per segment: causal over the segment itself, or, for a completion in the
+    shared-prompt layout, over its prompt's keys and then its own; each layer's window, chunk, softcap
+    and sinks applied on the unpacked sequence's positions (`dpo_train.attention.kernel.attend`). The
+    work is the sum of the segments' squares, not the row's square, and nothing of the size of the
+    row's square exists. [B, H, S, D] in, [B, S, H, D] out."""
+    if row_segments is None:
+        raise ModelError(
+            "this model runs the segment attention and was called without the row's segments; call it "
+            "through dpo_train.logps.pair_logps, or load it with model.attention sdpa"
+        )
+    layer, sinks = call_attention(module, "segments", kwargs)
+    key, value = expand_kv(query, key, value)
+    outputs = []
+    for index, ((start, stop), context) in enumerate(zip(row_segments.bounds, row_segments.context)):
+        q, k, v = query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]
+        if context >= 0:
+            first, last = row_segments.bounds[context]
+            k = torch.cat([key[:, :, first:last], k], dim=2)
+            v = torch.cat([value[:, :, first:last], v], dim=2)
+        visible = row_segments.visible(index, layer, query.device)
+        outputs.append(attend(q, k, v, visible, layer, scaling, sinks, dropout))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ATTENTION a transformers attention implementation (idempotent). It has no mask function, so
+    transformers builds no mask for it: the row's segments come as a keyword argument."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, segment_attention)

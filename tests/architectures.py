@@ -1,0 +1,120 @@
+"""The architecture zoo: tiny random configs of transformers' model classes, packed rows, the eager unpacked truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dpo_data.dataset.store import PairIds
+
+WINDOW = 8  # smaller than the segments below, so every window and chunk hides keys
+BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+ZOO = {
+    "llama": {},
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen2": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+    "qwen3": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(sliding_window=WINDOW, **MOE),
+    "gemma": {},
+    "gemma2": dict(
+        sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0
+    ),
+    "gemma3_text": dict(sliding_window=WINDOW, query_pre_attn_scalar=24, sliding_window_pattern=2),
+    "gpt_oss": dict(sliding_window=WINDOW, **MOE),
+    "phi3": dict(sliding_window=WINDOW),
+    "olmo2": {},
+    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(attention_multiplier=0.3, logits_scaling=2.0),
+    "llama4_text": dict(
+        attention_chunk_size=WINDOW, no_rope_layers=[1, 0], num_local_experts=2, intermediate_size_mlp=128
+    ),
+    "deepseek_v3": dict(
+        head_dim=8,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+    ),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "qwen3_next": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+}
+"""model_type -> what makes it itself: windows, chunks, softcaps, sinks (GPT-OSS has them by design),
+scalings, experts, MLA, convolutions, linear attention."""
+
+# model_type -> the reason every path refuses it (packing would leak state across segments)
+REFUSED = {"lfm2": "'conv' layer", "qwen3_next": "'linear_attention' layer"}
+# (model_type, path) -> the reason that path alone refuses it
+PATH_REFUSED = {("gemma2", "sdpa"): "transformers refuses it", ("gpt_oss", "sdpa"): "transformers refuses it"}
+
+
+def model_spec(model_type: str) -> dict:
+    """`model.init.config` for dpo_train.config.ModelConfig."""
+    return {"model_type": model_type, **BASE, **ZOO[model_type]}
+
+
+def pairs() -> list[PairIds]:
+    """Three pairs whose prompts and completions are longer than WINDOW (and one short one), so
+    windows and chunks cut inside a segment, and across the prompt of a shared-prompt completion."""
+    rng = np.random.default_rng(0)
+    ids = lambda k: rng.integers(3, 97, size=k).astype(np.int32)
+    shapes = [(11, 13, 6), (3, 2, 1), (6, 10, 12)]
+    return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]
+
+
+def eager_truth(model, pair_list) -> torch.Tensor:
+    """[pairs, 2] completion log-prob sums of each (prompt + completion) run alone through the model's
+    own eager attention, no packing, no mask given: the ground truth."""
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        rows = []
+        for pair in pair_list:
+            sums = []
+            for completion in (pair.chosen, pair.rejected):
+                ids = torch.tensor(np.concatenate([pair.prompt, completion]), dtype=torch.long)[None]
+                with torch.no_grad():
+                    logits = model(input_ids=ids, use_cache=False).logits[0].double()
+                logprobs = torch.log_softmax(logits, -1)
+                n = len(pair.prompt)
+                sums.append(sum(float(logprobs[n - 1 + k, int(t)]) for k, t in enumerate(completion)))
+            rows.append(sums)
+        return torch.tensor(rows, dtype=torch.float64)
+    finally:
+        config._attn_implementation = saved
+
+
+def relative_error(out, truth: torch.Tensor) -> float:
+    """The worst pair's relative error (per pair: a mean would hide one wrong pair)."""
+    got = torch.stack([out.chosen, out.rejected], dim=1).double().detach()
+    return float(((got - truth).abs() / truth.abs().clamp(min=1e-6)).max())
