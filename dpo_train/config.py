@@ -26,9 +26,12 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
     attention: str = "auto"
-    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed and the layout is separate, else
-    segments) | segments (sdpa once per packed segment, no row-by-row mask) | sdpa (one sdpa over the
-    row with a mask) | eager | flash_attention_2."""
+    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, the layout is separate and the
+    model needs no chunked attention or sinks, else segments) | segments (attention once per packed
+    segment, no row-by-row mask; every window, chunk, softcap and sink applied) | sdpa (transformers'
+    sdpa over the row with a mask per layer kind; no softcap, no sinks) | eager (the model's own
+    attention with the same masks) | flash_attention_2. A path that cannot express the model's
+    attention is refused by name (docs/train-config.md, "Supported architectures")."""
     lora: dict | None = None
     """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
     (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the
@@ -122,6 +125,11 @@ class TrainSection:
     check_microbatches: bool = True
     """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
     feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""
+    probe_packing: bool = True
+    """Before step 1, score a packed row of synthetic pairs and the same sequences unpacked through the
+    model's eager attention; refuse the run (exit 2) if any pair differs by more than 1e-5 relative
+    (docs/train-config.md, "Supported architectures"). A few ms on a tiny model, about three forwards of
+    48 tokens on a large one, on CPU before the model moves to its device."""
     on_nonfinite: str = "stop"
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave

@@ -7,6 +7,7 @@ from pathlib import Path
 from dpo_data.dataset.store import PairStore
 from dpo_train import collectives
 from dpo_train.attention.choice import load_model
+from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import check_heads, run_mesh
 from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
@@ -34,6 +35,8 @@ def precompute_reference(config: TrainConfig) -> Path:
     check_heads(model.config, mesh.ulysses)
     check_vocabulary(model, {"data.path": store})
     prepare_for_training(model)  # same dropout settings as the trainer's reference
+    if config.train.probe_packing:
+        probe(model, config.data.layout)
     weights = weights_fingerprint(model)
     model.to(place.device)
     layout = config.data.layout

@@ -22,6 +22,7 @@ from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
 from dpo_train import collectives
 from dpo_train.attention.choice import load_model
 from dpo_train.attention.inputs import row_inputs
+from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
 from dpo_train.checkpointing import (
     Checkpointable,
@@ -85,6 +86,8 @@ class Trainer:
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)
+        if config.train.probe_packing:
+            probe(policy, config.data.layout)
         self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)

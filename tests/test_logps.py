@@ -69,7 +69,7 @@ def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
     """[prompt][chosen][rejected] with the row's own mask (rejected sees the prompt, never chosen;
     positions continue the prompt) scores every pair as the separate layout does, one-token prompt and
     completions included; a mask that lets rejected see chosen is caught."""
-    import dpo_train.logps as logps_module
+    import dpo_train.attention.masks as masks_module
     from dpo_data.loading.microbatch import pack_shared_prompt
 
     pairs = random_pairs(4)
@@ -83,13 +83,13 @@ def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
     assert shared.rejected_tokens.tolist() == separate.rejected_tokens.tolist()
     assert shared_batch["input_ids"].shape[1] < pack_microbatch(pairs)["input_ids"].shape[1]
 
-    def leaky(batch, queries=None, extra=0):  # a pair's segments all see each other causally
+    def leaky(batch, queries=None, extra=0, layer=None):  # a pair's segments all see each other causally
         pair = torch.cat([batch["segment_pair"].long(), torch.tensor([-2])])
         segment = torch.repeat_interleave(torch.arange(len(batch["segment_length"])), batch["segment_length"].long())
         keys = torch.arange(len(segment))
         return (pair[segment][:, None] == pair[segment][None, :]) & (keys[None, :] <= keys[:, None])
 
-    monkeypatch.setattr(logps_module, "segment_mask", leaky)
+    monkeypatch.setattr(masks_module, "segment_mask", leaky)
     with torch.no_grad():
         wrong = pair_logps(model, shared_batch)
     assert (wrong.rejected - separate.rejected).abs().max() > 1e-3
@@ -125,8 +125,8 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
         torch.testing.assert_close(getattr(segments, name), getattr(sdpa, name), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(segments_grad, sdpa_grad, rtol=1e-4, atol=1e-6)
     if layout == "shared_prompt":
-        real = torch.Tensor.tril
-        monkeypatch.setattr(torch.Tensor, "tril", lambda x, diagonal=0: real(x, 0))  # top-left alignment
+        top_left = lambda q, k, layer: torch.ones(len(q), len(k), dtype=torch.bool).tril()  # not end-aligned
+        monkeypatch.setattr(seg, "positions_visible", top_left)
         wrong, _ = run()
         assert (wrong.rejected - sdpa.rejected).abs().max() > 1e-3
     with pytest.raises(Exception, match="without the row's segments"):

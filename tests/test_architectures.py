@@ -1,0 +1,150 @@
+"""Every zoo architecture, on every attention path and layout, scores each pair as eager unpacked, or is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_train.config import ModelConfig
+from dpo_train.errors import ConfigError
+from tests.architectures import PATH_REFUSED, REFUSED, ZOO, eager_truth, model_spec, pairs, relative_error
+from tests.test_sequence_parallel import _spawn
+
+PATHS = ("auto", "segments", "sdpa", "eager")
+LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
+TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
+
+
+def _load(model_type: str, path: str, layout: str, mesh=None):
+    from dpo_train.attention.choice import load_model
+    from dpo_train.device import placement
+
+    spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
+    return load_model(spec, path, placement("cpu", "fp32"), mesh, layout)
+
+
+def path_results(model_type: str) -> dict[str, str | float]:
+    """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message."""
+    from dpo_train.logps import pair_logps
+
+    out, truth, batch_pairs = {}, None, pairs()
+    for path in PATHS:
+        for layout, pack in LAYOUTS.items():
+            try:
+                model = _load(model_type, path, layout)
+            except ConfigError as e:
+                out[f"{path} {layout}"] = str(e)
+                continue
+            truth = eager_truth(model, batch_pairs) if truth is None else truth
+            with torch.no_grad():
+                got = pair_logps(model, pack(batch_pairs, pad_to_multiple_of=16))
+            out[f"{path} {layout}"] = relative_error(got, truth)
+    return out
+
+
+def _expect(results: dict, model_type: str, refused_paths=()) -> None:
+    for key, value in results.items():
+        path = key.split()[0]
+        reason = REFUSED.get(model_type) or (PATH_REFUSED.get((model_type, path)) if path in refused_paths else None)
+        if reason:
+            assert isinstance(value, str) and reason in value, f"{model_type} {key}: expected a refusal, got {value}"
+        else:
+            assert not isinstance(value, str), f"{model_type} {key} refused: {value}"
+            assert value < TOLERANCE, f"{model_type} {key}: a pair's log-prob is off by {value:.2e} relative"
+
+
+@pytest.mark.parametrize("model_type", sorted(ZOO))
+def test_every_path_and_layout_equals_eager_unpacked_or_is_refused(model_type):
+    _expect(path_results(model_type), model_type, refused_paths=("sdpa",))
+
+
+def test_the_zoo_has_the_windows_and_features_it_claims():
+    """The check above proves something only if windows cut inside the segments and each feature is on."""
+    from dpo_train.attention.features import model_attention
+
+    shortest = min(min(len(p.prompt) + len(p.chosen), len(p.prompt) + len(p.rejected)) for p in pairs()[:1])
+    assert shortest > 2 * ZOO["mistral"]["sliding_window"]
+    needs = {name: model_attention(_load(name, "eager", "separate")).needs() for name in ZOO if name not in REFUSED}
+    assert "sliding window" in needs["gemma3_text"] and "sliding window" in needs["qwen2"]
+    assert "chunked attention" in needs["llama4_text"]
+    assert {"attention logit softcapping", "sliding window"} <= set(needs["gemma2"])
+    assert {"attention sinks", "sliding window"} <= set(needs["gpt_oss"])
+    assert needs["llama"] == {}
+
+
+def test_a_dropped_window_is_caught(monkeypatch):
+    """The broken variant: the segment attention ignoring each layer's window (as it did) fails the check."""
+    from dpo_train.attention import features
+
+    real = features.call_attention
+    monkeypatch.setattr(
+        "dpo_train.attention.segments.call_attention",
+        lambda module, path, kwargs: (features.LayerAttention(), real(module, path, kwargs)[1]),
+    )
+    results = path_results("mistral")
+    assert results["segments separate"] > 1e-3 and results["segments shared_prompt"] > 1e-3
+
+
+def test_a_path_that_cannot_express_a_feature_is_refused_by_name():
+    from dpo_train.attention.choice import fit_model
+    from dpo_train.attention.segments import ATTENTION
+
+    with pytest.raises(ConfigError, match=r"model.attention sdpa: transformers refuses it .*use model.attention auto"):
+        _load("gemma2", "sdpa", "separate")
+    for model_type, feature in (("llama4_text", "chunked attention"), ("gpt_oss", "attention sinks")):
+        model = _load(model_type, "eager", "separate")
+        model.config._attn_implementation = "flash_attention_2"  # as on CUDA; fit_model reads the config only
+        with pytest.raises(ConfigError, match=f"flash_attention_2 cannot express {feature} .*layer 0 of"):
+            fit_model(model, "flash_attention_2", "separate")
+        assert fit_model(model, "auto", "separate") == ATTENTION == model.config._attn_implementation
+
+
+def test_an_attention_keyword_a_path_does_not_know_is_an_error():
+    from dpo_train.attention.segments import row_segments, segment_attention
+    from dpo_train.errors import ModelError
+
+    batch = pack_microbatch(pairs())
+    q = torch.zeros(1, 4, batch["input_ids"].shape[1], 16)
+    with pytest.raises(ModelError, match="segments got keyword argument.s. dropout_rng"):
+        segment_attention(None, q, q, q, None, row_segments=row_segments(batch), dropout_rng=1)
+
+
+def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
+    import torch.distributed as dist
+
+    from dpo_train.attention.sequence_parallel import sequence_mesh
+    from dpo_train.logps import pair_logps
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
+    out = {}
+    for model_type in sorted(ZOO):
+        truth = None
+        for name, mesh in meshes.items():
+            for layout, pack in LAYOUTS.items():
+                try:
+                    model = _load(model_type, "auto", layout, mesh)
+                except ConfigError as e:
+                    out[f"{model_type} {name} {layout}"] = str(e)
+                    continue
+                truth = eager_truth(model, pairs()) if truth is None else truth
+                with torch.no_grad():
+                    got = pair_logps(model, pack(pairs()), mesh)
+                out[f"{model_type} {name} {layout}"] = relative_error(got, truth)
+    if rank == 0:
+        torch.save(out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path):
+    """Ulysses 2 and context 2 (two gloo processes, every architecture inside them)."""
+    _spawn(_sp_worker, 2, str(tmp_path / "out.pt"))
+    results = torch.load(tmp_path / "out.pt")
+    for model_type in ZOO:
+        _expect({k.split(" ", 1)[1]: v for k, v in results.items() if k.startswith(model_type + " ")}, model_type)
