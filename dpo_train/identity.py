@@ -16,6 +16,15 @@ from dpo_train.lora import lora_settings
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
 
+def _objective(config: TrainConfig, router_aux_coef: float) -> dict:
+    """The loss settings, with the router coefficient as resolved from the model (and only when it is
+    on, so that a dense model's identity is what it was before the coefficient existed)."""
+    settings = {k: v for k, v in vars(config.loss).items() if k not in ("type", "router_aux_coef")}
+    if router_aux_coef:
+        settings["router_aux_coef"] = router_aux_coef
+    return {"type": config.loss.type, **settings}
+
+
 def run_identity(
     config: TrainConfig,
     store: PairStore,
@@ -26,6 +35,7 @@ def run_identity(
     weights: str,
     sidecar_sha256: str | None,
     place: Placement,
+    router_aux_coef: float = 0.0,
 ) -> dict:
     """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
     objective, optimizer (its trainable parameters), model (LoRA settings), scheduler and layout
@@ -43,7 +53,7 @@ def run_identity(
                 "weights_fingerprint": weights,
                 "sidecar_table": sidecar_sha256,
             },
-            "objective": {"type": config.loss.type, **{k: v for k, v in vars(config.loss).items() if k != "type"}},
+            "objective": _objective(config, router_aux_coef),
             "optimizer": {
                 "class": type(optimizer).__name__,
                 "hyperparameters": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in optimizer.param_groups],

@@ -20,6 +20,7 @@ class PairLogps:
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    aux_loss: torch.Tensor | None = None  # the router load-balancing loss, when asked for
 
 
 @dataclass
@@ -52,14 +53,15 @@ def targets(batch: dict[str, Any]) -> Targets:
     return Targets(position, label, segment)
 
 
-def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps:
+def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None, router_aux: bool = False) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
     The vocabulary projection runs only at the positions that predict a target (`logits_to_keep` with a
     boolean mask): prompt positions never need logits, and on a 135M model the projection is a fifth of
     the forward. With a sequence-parallel `mesh` (dpo_train.sequence_parallel) this rank forwards its
     positions only and scores the targets they predict; the per-pair sums are completed over its group,
-    so every rank of the group returns the whole sums.
+    so every rank of the group returns the whole sums. `router_aux`: also return the model's router
+    load-balancing loss (a mixture-of-experts model's `aux_loss`).
     """
     inputs, shard = row_inputs(batch, mesh, model)
     device = batch["input_ids"].device
@@ -69,7 +71,10 @@ def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps
     position, label, segment = every.position[mine] - start, every.label[mine], every.segment[mine]
     keep = torch.zeros(stop - start, dtype=torch.bool, device=device)
     keep[position] = True
-    logits = model(**inputs, logits_to_keep=keep[None]).logits
+    if router_aux:
+        inputs["output_router_logits"] = True
+    output = model(**inputs, logits_to_keep=keep[None])
+    logits = output.logits
     logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
     rows = torch.cumsum(keep, 0)[position] - 1 if logits.shape[0] != keep.shape[0] else position
     logits = logits.float()
@@ -81,4 +86,5 @@ def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None) -> PairLogps
         sums = collectives.sum_same_loss(sums, mesh.group)
     ones = torch.ones_like(every.segment, dtype=torch.float32)
     counts = segments_to_pairs(torch.zeros(segments, device=device).index_add(0, every.segment, ones), batch)
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+    aux = getattr(output, "aux_loss", None) if router_aux else None
+    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1], aux)

@@ -36,6 +36,11 @@ class LossConfig:
     """Use per-token mean log-probs instead of sums (always on for ipo and simpo)."""
     target_margin: float = 0.5
     """simpo: the target reward margin gamma."""
+    router_aux_coef: float | None = None
+    """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
+    load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's
+    pairs (docs/objective.md, "MoE"). null: the model config's `router_aux_loss_coef` (0 without one),
+    as TRL does; 0 disables it."""
 
     def __post_init__(self):
         if self.type not in LOSS_TYPES:
@@ -49,6 +54,10 @@ class LossConfig:
             raise ConfigError(f"loss.label_smoothing is {self.label_smoothing}, but {self.type} has none; set it to 0")
         if self.nll_weight < 0:
             raise ConfigError(f"loss.nll_weight is {self.nll_weight}; it must be >= 0")
+        if self.router_aux_coef is not None and not self.router_aux_coef >= 0:
+            raise ConfigError(
+                f"loss.router_aux_coef is {self.router_aux_coef}; it must be >= 0, or null for the model's own"
+            )
 
     @property
     def needs_reference(self) -> bool:

@@ -28,7 +28,8 @@ PAIR_SUMS = (
     "supervised_tokens",
 )
 # Per micro-batch holding pairs, row 0 only: its token capacity, and its fill in the histogram.
-MICROBATCH_SUMS = ("capacity", "microbatches", *(f"fill_{b}" for b in range(FILL_BINS)))
+# aux_loss: the router load-balancing loss times the micro-batch's pairs (MoE with loss.router_aux_coef).
+MICROBATCH_SUMS = ("capacity", "microbatches", *(f"fill_{b}" for b in range(FILL_BINS)), "aux_loss")
 SUMS = PAIR_SUMS + MICROBATCH_SUMS
 
 
@@ -71,15 +72,26 @@ def add_pairs(sums: torch.Tensor, batch: dict, terms, policy, capacity: int) -> 
     sums[0, SUMS.index("microbatches")] += 1
     fill = float(per_pair[:, PAIR_SUMS.index("input_tokens")].sum()) / capacity  # on CPU already: no device sync
     sums[0, SUMS.index("fill_0") + min(int(fill * FILL_BINS), FILL_BINS - 1)] += 1
+    if policy.aux_loss is not None:
+        sums[0, SUMS.index("aux_loss")] += float(policy.aux_loss.detach()) * len(margin)
 
 
 def step_record(
-    sums: torch.Tensor, sources: list[str], grad_norm: float, lr: float, step: int, seconds: float, world_size: int = 1
+    sums: torch.Tensor,
+    sources: list[str],
+    grad_norm: float,
+    lr: float,
+    step: int,
+    seconds: float,
+    world_size: int = 1,
+    router_aux: bool = False,
 ) -> dict:
     """The metrics.jsonl object of one optimizer step, from sums over all ranks; `time` is when it ended
-    (Unix seconds), for a report's wall-clock axis."""
+    (Unix seconds), for a report's wall-clock axis. With `router_aux`, `aux_loss` is the pair-weighted
+    mean of the micro-batches' router load-balancing losses (unscaled by the coefficient)."""
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
+    aux = {"aux_loss": s["aux_loss"] / pairs} if router_aux else {}
     return {
         "format_version": METRICS_FORMAT_VERSION,
         "step": step,
@@ -92,6 +104,7 @@ def step_record(
         "logps/chosen": s["chosen_logp"] / pairs,
         "logps/rejected": s["rejected_logp"] / pairs,
         "nll": s["nll"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0,
+        **aux,
         "grad_norm": grad_norm,
         "lr": lr,
         "pairs": int(s["pairs"]),

@@ -51,7 +51,7 @@ from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
 from dpo_train.model import prepare_for_training
-from dpo_train.objective import microbatch_loss
+from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
 from dpo_train.sharding import frozen_reference, shard
@@ -83,6 +83,9 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         policy = load_model(config.model, config.model.attention, place, self.mesh, config.data.layout)
         check_heads(policy.config, self.mesh.ulysses)
+        self.router_aux_coef = router_aux_coef(
+            config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
+        )
         if config.train.weights_from:
             load_weights(policy, config.train.weights_from)
         prepare_for_training(policy, config.train.activation_checkpointing)
@@ -147,6 +150,7 @@ class Trainer:
             self.weights,
             self.table.sha256 if self.table is not None else None,
             self.place,
+            self.router_aux_coef,
         )
         return RunContext(
             out,
@@ -188,7 +192,7 @@ class Trainer:
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self._reference(batch)
-            policy = pair_logps(self.model, batch, self.mesh)
+            policy = pair_logps(self.model, batch, self.mesh, router_aux=bool(self.router_aux_coef))
             terms = pair_losses(
                 self.config.loss,
                 policy.chosen,
@@ -204,6 +208,8 @@ class Trainer:
                 -policy.chosen.sum(),
                 batch["step_chosen_tokens"],
                 self.config.loss.nll_weight,
+                policy.aux_loss,
+                self.router_aux_coef,
             ).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
@@ -254,6 +260,7 @@ class Trainer:
             self.state.step,
             time.perf_counter() - self._started,
             self.world,
+            router_aux=bool(self.router_aux_coef),
         )
         if bad_ranks:  # skip_step: logged and counted; optimizer and scheduler did not move
             self.skipped_steps += 1

@@ -36,6 +36,10 @@ ZOO = {
     "gemma3_text": dict(sliding_window=WINDOW, query_pre_attn_scalar=24, sliding_window_pattern=2),
     "gpt_oss": dict(sliding_window=WINDOW, **MOE),
     "phi3": dict(sliding_window=WINDOW),
+    "ministral": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "exaone4": dict(sliding_window=WINDOW, sliding_window_pattern=2),
     "olmo2": {},
     "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(attention_multiplier=0.3, logits_scaling=2.0),
@@ -118,3 +122,59 @@ def relative_error(out, truth: torch.Tensor) -> float:
     """The worst pair's relative error (per pair: a mean would hide one wrong pair)."""
     got = torch.stack([out.chosen, out.rejected], dim=1).double().detach()
     return float(((got - truth).abs() / truth.abs().clamp(min=1e-6)).max())
+
+
+COLUMNS = ("auto", "segments", "sdpa", "eager", "ulysses 2", "context 2")
+START, END = "<!-- architectures:start -->", "<!-- architectures:end -->"
+
+
+def features_of(model) -> str:
+    """The attention features a model's layers need, in words, for the table."""
+    from dpo_train.attention.features import model_attention, text_config
+
+    config = text_config(model)
+    found = list(model_attention(model).needs())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer = next((m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "is_causal")), None)
+    if layer is not None and abs(float(layer.scaling) - head_dim**-0.5) > 1e-9:
+        found.append("scaling")
+    if hasattr(config, "output_router_logits"):
+        found.append("experts")
+    found += [f"'{kind}' layers" for kind in dict.fromkeys(k for _, k in model_attention(model).mixers)]
+    return ", ".join(found) or "full causal"
+
+
+def cell(value) -> str:
+    """A path's outcome over both layouts: exact (within the test's tolerance), or why it was refused."""
+    if isinstance(value, str):
+        if "transformers refuses it" in value:
+            return "refused: transformers has no sdpa for it"
+        if "a sequence mixer" in value:
+            return "refused: state crosses segments"
+        return "refused: " + value.split(";")[0]
+    return "exact"
+
+
+def render_table(rows: dict) -> str:
+    """rows: model_type -> {"class", "features", column: [value per layout]}; a Markdown table."""
+    head = "| architecture | attention features | " + " | ".join(f"`{c}`" for c in COLUMNS) + " | flash_attention_2 |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    for model_type, row in sorted(rows.items()):
+        cells = []
+        for column in COLUMNS:
+            outcomes = {cell(v) for v in row[column]}
+            cells.append(" / ".join(sorted(outcomes)))
+        name = f"{row['class']} (`{model_type}`)"
+        lines.append(f"| {name} | {row['features']} | " + " | ".join(cells) + f" | {row['flash']} |")
+    return "\n".join(lines)
+
+
+def flash_cell(model, refused: bool) -> str:
+    """flash-attention-2 by capability (it needs CUDA: not run here)."""
+    from dpo_train.attention.choice import EXPRESSES
+    from dpo_train.attention.features import model_attention
+
+    if refused:
+        return "refused: state crosses segments"
+    missing = [f for f in model_attention(model).needs() if f not in EXPRESSES["flash_attention_2"]]
+    return f"refused (auto: segments): no {', '.join(missing)}" if missing else "expressible"

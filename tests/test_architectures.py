@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,12 +11,27 @@ import torch
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.config import ModelConfig
 from dpo_train.errors import ConfigError
-from tests.architectures import PATH_REFUSED, REFUSED, ZOO, eager_truth, model_spec, pairs, relative_error
+from tests.architectures import (
+    COLUMNS,
+    END,
+    PATH_REFUSED,
+    REFUSED,
+    START,
+    ZOO,
+    eager_truth,
+    features_of,
+    flash_cell,
+    model_spec,
+    pairs,
+    relative_error,
+    render_table,
+)
 from tests.test_sequence_parallel import _spawn
 
 PATHS = ("auto", "segments", "sdpa", "eager")
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
 
 
 def _load(model_type: str, path: str, layout: str, mesh=None):
@@ -56,9 +72,18 @@ def _expect(results: dict, model_type: str, refused_paths=()) -> None:
             assert value < TOLERANCE, f"{model_type} {key}: a pair's log-prob is off by {value:.2e} relative"
 
 
+RESULTS: dict[str, dict] = {}  # model_type -> path_results, kept for the docs table
+
+
+def results_of(model_type: str) -> dict:
+    if model_type not in RESULTS:
+        RESULTS[model_type] = path_results(model_type)
+    return RESULTS[model_type]
+
+
 @pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_every_path_and_layout_equals_eager_unpacked_or_is_refused(model_type):
-    _expect(path_results(model_type), model_type, refused_paths=("sdpa",))
+    _expect(results_of(model_type), model_type, refused_paths=("sdpa",))
 
 
 def test_the_zoo_has_the_windows_and_features_it_claims():
@@ -141,10 +166,52 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     dist.destroy_process_group()
 
 
+def table_rows(sequence_parallel: dict) -> dict:
+    """The docs table's rows from this module's results (run here when not yet run)."""
+    rows = {}
+    for model_type in ZOO:
+        model = _load(model_type, "eager", "separate") if model_type not in REFUSED else None
+        if model is None:
+            from dpo_train.model import load_policy
+
+            model = load_policy(ModelConfig(init={"config": model_spec(model_type), "seed": 0}), "eager")
+        results = results_of(model_type)
+        row = {"class": type(model).__name__, "features": features_of(model)}
+        row["flash"] = flash_cell(model, model_type in REFUSED)
+        for column in COLUMNS:
+            source = sequence_parallel if column in ("ulysses 2", "context 2") else results
+            prefix = f"{model_type} {column} " if source is sequence_parallel else f"{column} "
+            row[column] = [v for k, v in source.items() if k.startswith(prefix)]
+        rows[model_type] = row
+    return rows
+
+
+def docs_table() -> str:
+    text = DOCS.read_text()
+    return text[text.index(START) + len(START) : text.index(END)].strip()
+
+
+def write_docs_table(table: str) -> None:
+    text = DOCS.read_text()
+    DOCS.write_text(text[: text.index(START) + len(START)] + "\n" + table + "\n" + text[text.index(END) :])
+
+
 @pytest.mark.slow
 def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path):
-    """Ulysses 2 and context 2 (two gloo processes, every architecture inside them)."""
+    """Ulysses 2 and context 2 (two gloo processes, every architecture inside them); then the docs'
+    supported-architectures table must be what this module measured (regenerate it with
+    `python -m tests.test_architectures`)."""
     _spawn(_sp_worker, 2, str(tmp_path / "out.pt"))
     results = torch.load(tmp_path / "out.pt")
     for model_type in ZOO:
         _expect({k.split(" ", 1)[1]: v for k, v in results.items() if k.startswith(model_type + " ")}, model_type)
+    assert docs_table() == render_table(table_rows(results)), "regenerate: python -m tests.test_architectures"
+
+
+if __name__ == "__main__":  # regenerate the docs table from a fresh run of every check above
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(_sp_worker, 2, str(Path(tmp) / "out.pt"))
+        write_docs_table(render_table(table_rows(torch.load(Path(tmp) / "out.pt"))))
+    print(f"wrote the supported-architectures table into {DOCS}")

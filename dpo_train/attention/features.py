@@ -12,9 +12,11 @@ ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
 """The `config.layer_types` entries that are attention; any other entry ("conv", "linear_attention",
 "mamba", ...) is a sequence mixer that does not see packed segment boundaries."""
 
-# Keyword arguments transformers passes to an attention function that change nothing about the result:
-# the positions (rotary embeddings are applied before the call), cache and router flags.
-_INERT = frozenset({"position_ids", "use_cache", "output_router_logits", "cache_position", "past_key_values"})
+# Keyword arguments transformers (or PEFT) passes to an attention function that change nothing about the
+# result: the positions (rotary embeddings are applied before the call), cache, router and output flags.
+_INERT = frozenset(
+    {"position_ids", "use_cache", "output_router_logits", "cache_position", "past_key_values", "output_hidden_states"}
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ def kind_attention(config: Any, kind: str) -> LayerAttention:
 def call_attention(module: Any, path: str, kwargs: dict) -> tuple[LayerAttention, Any]:
     """The pattern and the sink logits (GPT-OSS `s_aux`, one per head, or None) one attention call asks
     for. Every keyword is accounted for: one this path does not know is an error, never dropped."""
-    unknown = sorted(set(kwargs) - _INERT - {"sliding_window", "softcap", "s_aux", "is_causal"})
+    if kwargs.get("output_attentions"):
+        raise ModelError(f"attention path {path} returns no attention weights; call the model without them")
+    unknown = sorted(set(kwargs) - _INERT - {"sliding_window", "softcap", "s_aux", "is_causal", "output_attentions"})
     if unknown:
         raise ModelError(
             f"attention path {path} got keyword argument(s) {', '.join(unknown)} from {type(module).__name__}, "
