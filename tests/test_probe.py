@@ -1,0 +1,106 @@
+"""The start-up packing probe refuses what packs wrongly (a leaking layer, a dropped window); dpo-train refuses by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from dpo_train.attention import segments
+from dpo_train.attention.probe import TOLERANCE, probe
+from dpo_train.config import ModelConfig
+from dpo_train.errors import ConfigError
+from dpo_train.model import load_policy
+from tests.architectures import model_spec
+
+
+def _raw(model_type: str, attention: str = segments.ATTENTION):
+    """Loaded without the path check, as a model the static checks do not know would be."""
+    segments.register()
+    return load_policy(ModelConfig(init={"config": model_spec(model_type), "seed": 0}), attention)
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
+def test_the_probe_passes_exact_models_and_leaves_them_as_they_were(layout):
+    for model_type in ("llama", "gemma2", "gpt_oss", "llama4_text"):
+        model = _raw(model_type).train()
+        assert probe(model, layout) <= TOLERANCE
+        assert model.training and model.config._attn_implementation == segments.ATTENTION
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next"])
+def test_the_probe_alone_catches_state_that_crosses_segments(model_type):
+    with pytest.raises(ConfigError, match=r"start-up probe's packed row gives pair \d's (chosen|rejected) log-prob"):
+        probe(_raw(model_type), "separate")
+
+
+def test_the_probe_catches_a_path_that_drops_the_window(monkeypatch):
+    """The broken variant of the segment attention (every layer full causal, as before) is refused."""
+    from dpo_train.attention import features
+
+    real = features.call_attention
+    monkeypatch.setattr(
+        "dpo_train.attention.segments.call_attention",
+        lambda module, path, kwargs: (features.LayerAttention(), real(module, path, kwargs)[1]),
+    )
+    with pytest.raises(ConfigError, match="relative error"):
+        probe(_raw("mistral"), "separate")
+
+
+def _config(tmp_path, dataset, tokenizer_dir, model_type, **model):
+    spec = {**model_spec(model_type), "vocab_size": 49152}
+    config = {
+        "model": {"init": {"config": spec, "seed": 0}, "tokenizer": str(tokenizer_dir), **model},
+        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
+        "distributed": {"strategy": "ddp"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _train(run_cli, path, *extra):
+    from dpo_cli.train import main
+
+    return run_cli(main, path, *extra)
+
+
+def test_dpo_train_refuses_an_attention_the_model_cannot_run_in_one_line(tmp_path, small_dataset, smollm2_dir, run_cli):
+    result = _train(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "gemma2", attention="sdpa"))
+    assert result.exit_code == 2
+    assert "model.attention sdpa: transformers refuses it for this model" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    result = _train(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "lfm2"))
+    assert result.exit_code == 2 and "layer 0 is a 'conv' layer" in result.output
+
+
+def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
+    tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
+):
+    calls = []
+    import dpo_train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "probe", lambda model, layout: calls.append(layout) or 0.0)
+    path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
+    assert _train(run_cli, path).exit_code == 0 and calls == ["separate"]
+    assert _train(run_cli, path, "--set", "train.probe_packing=false", "--set", "train.resume=never").exit_code == 0
+    assert calls == ["separate"]
+
+
+def test_an_attention_keyword_that_is_not_inert_reaches_an_error_not_a_silent_drop():
+    model = _raw("llama")
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.logps import pair_logps
+    from tests.architectures import pairs
+
+    with pytest.raises(Exception, match="returns no attention weights"):
+        with torch.no_grad():
+            model(**{**_inputs(pack_microbatch(pairs())), "output_attentions": True})
+    assert pair_logps(model, pack_microbatch(pairs())).chosen.shape == (3,)
+
+
+def _inputs(batch):
+    from dpo_train.attention.segments import row_segments
+
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "row_segments": row_segments(batch)}
