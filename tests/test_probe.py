@@ -1,4 +1,4 @@
-"""The start-up packing probe refuses what packs wrongly (a leaking layer, a dropped window); dpo-train refuses by name."""
+"""The start-up packing probe refuses what packs wrongly (a leaking layer, a dropped window); dpo-train says so."""
 
 from __future__ import annotations
 
