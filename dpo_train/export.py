@@ -63,7 +63,8 @@ def _merged(config: TrainConfig, state: dict) -> Any:
     from dpo_train.lora import merged_model
     from dpo_train.model import load_policy
 
-    return merged_model(load_policy(config.model), config.model.lora, state)
+    # eager: nothing runs a forward here, and every architecture loads with it (Gemma2 has no sdpa)
+    return merged_model(load_policy(config.model, "eager"), config.model.lora, state)
 
 
 def _cast(state: dict, dtype: torch.dtype) -> dict:

@@ -10,7 +10,9 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
 3. precompute the reference, train 4 steps in bf16 with a checkpoint every 2; a second run is SIGKILLed
    after step 2 and resumed; `dpo-state diff --values` compares the two bitwise;
 4. tokens/s from metrics.jsonl and model FLOPs utilization against this device's measured matmul peak in
-   the training precision (bf16 on the GPU, fp32 on the CPU).
+   the training precision (bf16 on the GPU, fp32 on the CPU);
+5. the architecture zoo (tests/architectures.py) on the device in fp32: every path and layout against
+   eager unpacked, per pair, as tests/test_architectures.py checks on CPU.
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
     diff = (torch.cat([low.chosen, low.rejected]) - torch.cat([exact.chosen, exact.rejected])).abs() / tokens
     worst = float(diff.max())
     return {"ok": worst < 0.05, "attention": attention, "max_abs_diff_per_token": worst}
+
+
+def check_architectures(device: str) -> dict:
+    """The zoo on this device's kernels (fp32): the worst pair's relative error per architecture, or its refusal."""
+    from tests.architectures import ZOO
+    from tests.test_architectures import TOLERANCE, path_results
+
+    results = {model_type: path_results(model_type, device) for model_type in sorted(ZOO)}
+    worst = max((v for r in results.values() for v in r.values() if not isinstance(v, str)), default=0.0)
+    return {"ok": worst < TOLERANCE, "worst_relative_error": worst, "results": results}
 
 
 def _train(config: Path, *extra: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -190,6 +202,7 @@ def main() -> None:
         summary["collectives"] = check_collectives(args.device)
         summary["logps_bf16_vs_fp32"] = check_logps(model_dir, data, args.device)
         summary["train_precompute_kill_resume"] = check_training(model_dir, data, work, args.device)
+        summary["architectures"] = check_architectures(args.device)
     peak = matmul_peak(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)  # as trained
     achieved = summary["train_precompute_kill_resume"]["tokens_per_s"] * model_flops_per_token(model_dir)
     summary["throughput"] = {

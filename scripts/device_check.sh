@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check on one CUDA GPU (a few minutes): collectives under NCCL, bf16 log-probs against fp32
 # with the attention the trainer picks, precompute, train, SIGKILL, resume and a bitwise comparison,
+# the architecture zoo on the device (every path and layout against eager unpacked),
 # tokens/s and model FLOPs utilization. Prints one JSON summary; exit 0 when every part passed.
 #
 #   bash scripts/device_check.sh            # on a GPU machine; PYTHON may name an interpreter with CUDA torch

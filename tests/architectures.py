@@ -107,6 +107,7 @@ def eager_truth(model, pair_list) -> torch.Tensor:
             sums = []
             for completion in (pair.chosen, pair.rejected):
                 ids = torch.tensor(np.concatenate([pair.prompt, completion]), dtype=torch.long)[None]
+                ids = ids.to(next(model.parameters()).device)
                 with torch.no_grad():
                     logits = model(input_ids=ids, use_cache=False).logits[0].double()
                 logprobs = torch.log_softmax(logits, -1)
@@ -120,7 +121,7 @@ def eager_truth(model, pair_list) -> torch.Tensor:
 
 def relative_error(out, truth: torch.Tensor) -> float:
     """The worst pair's relative error (per pair: a mean would hide one wrong pair)."""
-    got = torch.stack([out.chosen, out.rejected], dim=1).double().detach()
+    got = torch.stack([out.chosen, out.rejected], dim=1).double().detach().cpu()
     return float(((got - truth).abs() / truth.abs().clamp(min=1e-6)).max())
 
 

@@ -42,8 +42,9 @@ def _load(model_type: str, path: str, layout: str, mesh=None):
     return load_model(spec, path, placement("cpu", "fp32"), mesh, layout)
 
 
-def path_results(model_type: str) -> dict[str, str | float]:
-    """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message."""
+def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]:
+    """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message
+    (on `device`: scripts/device_check.py runs it on CUDA)."""
     from dpo_train.logps import pair_logps
 
     out, truth, batch_pairs = {}, None, pairs()
@@ -54,9 +55,11 @@ def path_results(model_type: str) -> dict[str, str | float]:
             except ConfigError as e:
                 out[f"{path} {layout}"] = str(e)
                 continue
+            model.to(device)
             truth = eager_truth(model, batch_pairs) if truth is None else truth
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(batch_pairs, 16).items()}
             with torch.no_grad():
-                got = pair_logps(model, pack(batch_pairs, pad_to_multiple_of=16))
+                got = pair_logps(model, batch)
             out[f"{path} {layout}"] = relative_error(got, truth)
     return out
 
