@@ -60,6 +60,25 @@ def test_dependencies_point_one_way(part):
     assert wrong == {}
 
 
+# The attention room (dpo_train/attention/) uses these flat trainer modules only: the trainer's steps,
+# checkpoints, metrics and reference never reach into how a row is attended.
+ROOM_USES = {"dpo_train.errors", "dpo_train.collectives", "dpo_train.model", "dpo_train.logps"}
+
+
+def test_the_attention_room_imports_nothing_of_the_trainer_beyond_its_few_needs():
+    used = set()
+    for path in sorted((ROOT / "dpo_train" / "attention").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                used |= {n for n in names if n.startswith("dpo_train.") and n.count(".") == 1}
+            elif isinstance(node, ast.Import):
+                used |= {a.name for a in node.names if a.name.startswith("dpo_train.") and a.name.count(".") == 1}
+    flat = {n for n in used if not n.startswith("dpo_train.attention")}
+    assert "dpo_train.errors" in flat, "the walk found no import: it would check nothing"
+    assert flat <= ROOM_USES, flat - ROOM_USES
+
+
 def test_the_walk_sees_subpackages():
     """pkgutil.iter_modules sees top-level modules only; the checks here must reach every subpackage."""
     modules = modules_under("dpo_data")
