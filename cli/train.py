@@ -56,6 +56,12 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
 
     distributed.sequence_parallel {ulysses: U, context: C} splits each packed row over U x C ranks
     (world = dp x C x U); pairs stay whole and are counted once (docs/objective.md).
+
+    Before step 1 the model's attention is checked against the path model.attention picks (windows,
+    chunks, softcaps, sinks; convolution and linear-attention layers are refused), and a packed row of
+    synthetic pairs must score as its sequences do unpacked through eager (train.probe_packing); a
+    mixture-of-experts model adds its router loss (loss.router_aux_coef). Supported architectures:
+    docs/train-config.md.
     """
     if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [

@@ -95,30 +95,6 @@ def pairs() -> list[PairIds]:
     return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]
 
 
-def eager_truth(model, pair_list) -> torch.Tensor:
-    """[pairs, 2] completion log-prob sums of each (prompt + completion) run alone through the model's
-    own eager attention, no packing, no mask given: the ground truth."""
-    config = model.config
-    saved = config._attn_implementation
-    config._attn_implementation = "eager"
-    try:
-        rows = []
-        for pair in pair_list:
-            sums = []
-            for completion in (pair.chosen, pair.rejected):
-                ids = torch.tensor(np.concatenate([pair.prompt, completion]), dtype=torch.long)[None]
-                ids = ids.to(next(model.parameters()).device)
-                with torch.no_grad():
-                    logits = model(input_ids=ids, use_cache=False).logits[0].double()
-                logprobs = torch.log_softmax(logits, -1)
-                n = len(pair.prompt)
-                sums.append(sum(float(logprobs[n - 1 + k, int(t)]) for k, t in enumerate(completion)))
-            rows.append(sums)
-        return torch.tensor(rows, dtype=torch.float64)
-    finally:
-        config._attn_implementation = saved
-
-
 def relative_error(out, truth: torch.Tensor) -> float:
     """The worst pair's relative error (per pair: a mean would hide one wrong pair)."""
     got = torch.stack([out.chosen, out.rejected], dim=1).double().detach().cpu()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config import ModelConfig
 from dpo_train.errors import ConfigError
 from tests.architectures import (
@@ -18,7 +19,6 @@ from tests.architectures import (
     REFUSED,
     START,
     ZOO,
-    eager_truth,
     features_of,
     flash_cell,
     model_spec,
@@ -56,7 +56,7 @@ def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]
                 out[f"{path} {layout}"] = str(e)
                 continue
             model.to(device)
-            truth = eager_truth(model, batch_pairs) if truth is None else truth
+            truth = eager_unpacked(model, batch_pairs) if truth is None else truth
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(batch_pairs, 16).items()}
             with torch.no_grad():
                 got = pair_logps(model, batch)
@@ -159,7 +159,7 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
                 except ConfigError as e:
                     out[f"{model_type} {name} {layout}"] = str(e)
                     continue
-                truth = eager_truth(model, pairs()) if truth is None else truth
+                truth = eager_unpacked(model, pairs()) if truth is None else truth
                 with torch.no_grad():
                     got = pair_logps(model, pack(pairs()), mesh)
                 out[f"{model_type} {name} {layout}"] = relative_error(got, truth)
