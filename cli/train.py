@@ -33,11 +33,13 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     "--precompute-reference",
     is_flag=True,
     help="Score every pair of data.path with the reference (the initial policy) once and write the "
-    "sidecar at reference.path, bound to the dataset and the weights; then exit.",
+    "sidecar at reference.path, bound to the dataset and the weights; then exit. An existing sidecar "
+    "there is refused unless --overwrite is given.",
 )
+@click.option("--overwrite", is_flag=True, help="With --precompute-reference: replace the sidecar at reference.path.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
 @click.version_option(package_name="dpo-toolkit")
-def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None:
+def main(config, overrides, nproc_per_node, precompute_reference, overwrite, quiet) -> None:
     """Train with DPO from a YAML CONFIG (keys: docs/train-config.md).
 
     Writes OUTPUT/config.resolved.yaml, OUTPUT/metrics.jsonl (one JSON object per optimizer step,
@@ -75,6 +77,7 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
             config,
             *(a for o in overrides for a in ("--set", o)),
             *(["--precompute-reference"] if precompute_reference else []),
+            *(["--overwrite"] if overwrite else []),
             *(["--quiet"] if quiet else []),
         ]
         # rank variables inherited from an enclosing job would mislead torchrun's children: torchrun sets its own
@@ -83,10 +86,13 @@ def main(config, overrides, nproc_per_node, precompute_reference, quiet) -> None
         if code:
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)
-    sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet))
+    if overwrite and not precompute_reference:
+        click.echo("error: --overwrite only applies to --precompute-reference; drop it", err=True)
+        sys.exit(2)
+    sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite))
 
 
-def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) -> int:
+def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, overwrite: bool = False) -> int:
     """One rank's run. Bad input: a one-line error and exit 2. Anything else: the rank's traceback and
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
@@ -100,7 +106,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool) 
         if precompute:
             from dpo_train.precompute import precompute_reference
 
-            path = precompute_reference(resolved)
+            path = precompute_reference(resolved, overwrite)
             if rank == 0:
                 click.echo(f"reference sidecar written: {path}")
             return 0

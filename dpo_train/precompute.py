@@ -14,17 +14,24 @@ from dpo_train.config import TrainConfig
 from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
 from dpo_train.model import prepare_for_training
-from dpo_train.reference import weights_fingerprint, write_sidecar
+from dpo_train.reference import SIDECAR_DOCUMENT, weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
 
 
-def precompute_reference(config: TrainConfig) -> Path:
+def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
     """Write the sidecar at `reference.path` for `data.path` and the initial policy (= the reference).
 
-    Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes.
+    Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes. An existing
+    sidecar is replaced only with `overwrite` (a run may be bound to it).
     """
     if not config.reference.path:
         raise ConfigError("--precompute-reference needs reference.path: the sidecar directory to write")
+    existing = Path(config.reference.path) / SIDECAR_DOCUMENT
+    if existing.is_file() and not overwrite:
+        raise ConfigError(
+            f"reference.path {config.reference.path} already holds a sidecar ({existing.name}); a run may be "
+            "bound to it. Pass --overwrite to replace it, or set reference.path to a new directory"
+        )
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
     store = PairStore(config.data.paths)

@@ -112,11 +112,24 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str, layout: 
     n = store.num_pairs
     if any(arrays[k].shape != (n,) for k in ("chosen", "rejected")):
         raise SidecarError(_message(path, [f"the table does not hold {n} pairs"]))
+    problems = [p for k in ("chosen", "rejected") if (p := _impossible(arrays[k], k))]
+    if problems:
+        raise SidecarError(_message(path, problems))
     return ReferenceTable(
         torch.from_numpy(np.asarray(arrays["chosen"], dtype=np.float64)),
         torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)),
         document["table"]["sha256"],
     )
+
+
+def _impossible(values: np.ndarray, side: str) -> str | None:
+    """A summed log-probability is finite and at most 0; anything else was never computed by a model
+    (hashes beside the table prove only that nobody changed it since they were written)."""
+    bad = np.flatnonzero(~np.isfinite(values) | (values > 0))
+    if not len(bad):
+        return None
+    shown = ", ".join(f"pair {int(i)}: {float(values[i])}" for i in bad[:3])
+    return f"{side} log-probs must be finite and <= 0; {len(bad)} are not ({shown}{', ...' if len(bad) > 3 else ''})"
 
 
 def _read_document(path: Path) -> Any:

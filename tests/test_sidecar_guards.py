@@ -1,0 +1,69 @@
+"""A precomputed reference that no model could have computed is refused, and a sidecar is never replaced silently."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+from dpo_data.dataset.store import PairStore
+from dpo_train.errors import SidecarError
+from dpo_train.reference import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
+
+WEIGHTS = "sha256:" + "0" * 64
+
+
+def _write(path, store, chosen, rejected):
+    tokens = np.ones(store.num_pairs, dtype=np.float64)
+    scores = SimpleNamespace(chosen=chosen, rejected=rejected, chosen_tokens=tokens, rejected_tokens=tokens)
+    write_sidecar(path, scores, store, WEIGHTS, "fp32", "separate", "init")
+
+
+@pytest.mark.parametrize("value, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (0.5, "0.5")])
+def test_a_table_with_values_no_model_computes_is_refused_though_its_hashes_match(
+    small_dataset, tmp_path, value, shown
+):
+    """The hashes are rewritten by the same hand (write_sidecar), as someone who can write both would."""
+    store = PairStore([str(small_dataset)])
+    n = store.num_pairs
+    chosen, rejected = -np.arange(1, n + 1, dtype=np.float64), -np.full(n, 2.0)
+    _write(tmp_path / "ok", store, chosen, rejected)
+    assert load_sidecar(tmp_path / "ok", store, WEIGHTS, "fp32", "separate").chosen.shape == (n,)
+    chosen[3] = value
+    _write(tmp_path / "bad", store, chosen, rejected)
+    with pytest.raises(SidecarError, match=rf"chosen log-probs must be finite and <= 0; 1 are not \(pair 3: {shown}\)"):
+        load_sidecar(tmp_path / "bad", store, WEIGHTS, "fp32", "separate")
+
+
+def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset, smollm2_dir, tmp_path, run_cli):
+    from dpo_cli.train import main
+
+    sidecar = tmp_path / "sidecar"
+    config = {
+        "model": {
+            "init": {
+                "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 16, "intermediate_size": 32}
+                | {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2},
+                "seed": 0,
+            },
+            "tokenizer": str(smollm2_dir),
+        },
+        "reference": {"mode": "precomputed", "path": str(sidecar)},
+        "data": {"path": str(small_dataset)},
+        "train": {"output_dir": str(tmp_path / "run")},
+        "distributed": {"strategy": "ddp"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert run_cli(main, path, "--precompute-reference").exit_code == 0
+    written = (sidecar / SIDECAR_TABLE).read_bytes(), json.loads((sidecar / SIDECAR_DOCUMENT).read_text())
+    again = run_cli(main, path, "--precompute-reference")
+    assert again.exit_code == 2
+    assert f"reference.path {sidecar} already holds a sidecar" in again.output and "--overwrite" in again.output
+    assert ((sidecar / SIDECAR_TABLE).read_bytes(), json.loads((sidecar / SIDECAR_DOCUMENT).read_text())) == written
+    assert run_cli(main, path, "--precompute-reference", "--overwrite").exit_code == 0
+    stray = run_cli(main, path, "--overwrite")
+    assert stray.exit_code == 2 and "--overwrite only applies to --precompute-reference" in stray.output
