@@ -97,6 +97,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
     from dpo_state.errors import ToolkitError
+    from dpo_train import collectives
     from dpo_train.config import load_config
 
     rank = int(os.environ.get("RANK", "0"))
@@ -109,10 +110,12 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
             path = precompute_reference(resolved, overwrite)
             if rank == 0:
                 click.echo(f"reference sidecar written: {path}")
+            collectives.shutdown()
             return 0
         from dpo_train.trainer import train
 
         out = train(resolved, progress=not quiet)
+        collectives.shutdown()
     except ToolkitError as e:  # the user's to fix (exit 2), or a save that failed on some rank (exit 1)
         click.echo(f"error: {prefix}{e}", err=True)
         return _exit(e.exit_code)

@@ -57,6 +57,14 @@ def barrier() -> None:
     dist.barrier(device_ids=[where.index] if where.type == "cuda" else None)
 
 
+def shutdown() -> None:
+    """End the process group after a run every rank finished: gloo's worker threads must stop while the
+    interpreter is alive, or its exit can abort (SIGABRT, "terminate called without an active
+    exception"; pytorch/pytorch#190489)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gather_failures(failure: str) -> list[str]:
     """Every rank's failure message (empty strings dropped), known to every rank: one all-reduce of a
     flag, then an in-memory gather between live ranks only when some rank failed."""

@@ -45,10 +45,38 @@ class ReferenceTable:
     rejected: torch.Tensor
     sha256: str = ""
     """The table file's sha256 (part of the run identity recorded in checkpoints)."""
+    path: str = ""
 
     def lookup(self, pair_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         index = pair_index.cpu().long()
         return self.chosen[index].to(device, torch.float32), self.rejected[index].to(device, torch.float32)
+
+    def check_initial(self, policy: Any, pair_index: torch.Tensor, precision: str) -> None:
+        """Before the first optimizer step the policy holds the reference's weights (the sidecar is bound to
+        their fingerprint), so its log-probs of this micro-batch's pairs must be the table's, up to the
+        precision's noise and a different packing: an edited or swapped table whose hashes were rewritten
+        is a SidecarError here, not a quietly wrong loss."""
+        per_token, slack = _INITIAL_TOLERANCE[precision]
+        index = pair_index.cpu().long()
+        for side, table, got, tokens in (
+            ("chosen", self.chosen, policy.chosen, policy.chosen_tokens),
+            ("rejected", self.rejected, policy.rejected, policy.rejected_tokens),
+        ):
+            want, got, tokens = table[index], got.detach().double().cpu(), tokens.double().cpu()
+            off = torch.nonzero((got - want).abs() > slack + per_token * tokens)[:, 0]
+            if len(off):
+                i = int(off[0])
+                raise SidecarError(
+                    f"reference sidecar {self.path}: before the first step the policy is the reference, yet pair "
+                    f"{int(index[i])}'s {side} log-prob is {float(got[i]):.4f} and the table says {float(want[i]):.4f} "
+                    f"({len(off)} of {len(index)} pairs of this micro-batch differ beyond the {precision} tolerance): "
+                    "the table was not computed by these weights on this data. Recompute it with "
+                    "`dpo-train CONFIG --precompute-reference --overwrite`"
+                )
+
+
+# (per completion token, absolute) nats a packed training forward may differ from the precompute's
+_INITIAL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (5e-2, 0.1)}
 
 
 def write_sidecar(
@@ -119,6 +147,7 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str, layout: 
         torch.from_numpy(np.asarray(arrays["chosen"], dtype=np.float64)),
         torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)),
         document["table"]["sha256"],
+        str(path),
     )
 
 

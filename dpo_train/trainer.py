@@ -193,6 +193,8 @@ class Trainer:
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self._reference(batch)
             policy = pair_logps(self.model, batch, self.mesh, router_aux=bool(self.router_aux_coef))
+            if self.table is not None and self.state.step == 0:
+                self.table.check_initial(policy, batch["pair_index"], self.place.precision)
             terms = pair_losses(
                 self.config.loss,
                 policy.chosen,

@@ -38,9 +38,7 @@ def test_a_table_with_values_no_model_computes_is_refused_though_its_hashes_matc
         load_sidecar(tmp_path / "bad", store, WEIGHTS, "fp32", "separate")
 
 
-def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset, smollm2_dir, tmp_path, run_cli):
-    from dpo_cli.train import main
-
+def _precomputed_config(tmp_path, small_dataset, smollm2_dir):
     sidecar = tmp_path / "sidecar"
     config = {
         "model": {
@@ -58,6 +56,13 @@ def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path, sidecar
+
+
+def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset, smollm2_dir, tmp_path, run_cli):
+    from dpo_cli.train import main
+
+    path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
     assert run_cli(main, path, "--precompute-reference").exit_code == 0
     written = (sidecar / SIDECAR_TABLE).read_bytes(), json.loads((sidecar / SIDECAR_DOCUMENT).read_text())
     again = run_cli(main, path, "--precompute-reference")
@@ -67,3 +72,35 @@ def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset
     assert run_cli(main, path, "--precompute-reference", "--overwrite").exit_code == 0
     stray = run_cli(main, path, "--overwrite")
     assert stray.exit_code == 2 and "--overwrite only applies to --precompute-reference" in stray.output
+
+
+@pytest.mark.parametrize("edit", ["swap chosen and rejected", "half a nat off"])
+def test_a_plausible_edit_with_rewritten_hashes_is_caught_at_the_first_step(
+    small_dataset, smollm2_dir, tmp_path, run_cli, edit
+):
+    """Before the first step the policy is the reference, so the table must give its log-probs."""
+    from safetensors.numpy import load_file
+
+    from dpo_cli.train import main
+
+    path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
+    assert run_cli(main, path, "--precompute-reference").exit_code == 0
+    assert run_cli(main, path, "--set", "train.max_steps=1").exit_code == 0  # the table as computed passes
+    table = load_file(str(sidecar / SIDECAR_TABLE))
+    document = json.loads((sidecar / SIDECAR_DOCUMENT).read_text())
+    chosen, rejected = table["chosen"].copy(), table["rejected"].copy()
+    if edit == "swap chosen and rejected":
+        chosen, rejected = rejected, chosen
+    else:
+        chosen = chosen.copy()
+        chosen[:] -= 0.5  # every pair half a nat less likely: plausible values, all finite and <= 0
+    scores = SimpleNamespace(
+        chosen=chosen, rejected=rejected, chosen_tokens=table["chosen_tokens"], rejected_tokens=table["rejected_tokens"]
+    )
+    store = PairStore([str(small_dataset)])
+    ref = document["reference"]
+    write_sidecar(sidecar, scores, store, ref["weights_fingerprint"], ref["precision"], ref["layout"], ref["source"])
+    result = run_cli(main, path, "--set", "train.max_steps=1", "--set", "train.resume=never")
+    assert result.exit_code == 2
+    assert "before the first step the policy is the reference, yet pair" in result.output
+    assert "--precompute-reference --overwrite" in result.output
