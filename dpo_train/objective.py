@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpo_train.attention.features import text_config
 from dpo_train.errors import ConfigError
 
 
@@ -20,8 +21,6 @@ def router_aux_coef(requested: float | None, model: Any, attention: str, sequenc
     """The router load-balancing coefficient a run uses, as TRL resolves it: on for a mixture-of-experts
     model (its config has `output_router_logits`) with the config's `router_aux_loss_coef`, unless
     `loss.router_aux_coef` says otherwise; refused where it cannot be computed exactly."""
-    from dpo_train.attention.features import text_config
-
     config = text_config(model)
     moe = hasattr(config, "output_router_logits")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if requested is None else float(requested)

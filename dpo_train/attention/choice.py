@@ -19,8 +19,6 @@ EXPRESSES = {
 }
 """Which model attention features each path applies (docs/train-config.md, "Supported architectures")."""
 
-_NAMES = {segments.ATTENTION: "segments", sequence_parallel.ATTENTION: "sequence parallel"}
-
 
 def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "separate") -> str:
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
@@ -107,14 +105,9 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
         config._attn_implementation = segments.ATTENTION
         return segments.ATTENTION
     feature, layer = next(iter(missing.items()))
-    able = [
-        _NAMES.get(name, name)
-        for name, has in EXPRESSES.items()
-        if feature in has and name in (segments.ATTENTION, "eager")
-    ]
-    raise ConfigError(
+    raise ConfigError(  # segments and eager express every feature (EXPRESSES)
         f"model.attention {requested} cannot express {feature} (layer {layer} of {arch}); it would be "
-        f"silently dropped. Use model.attention auto, {' or '.join(able)}"
+        "silently dropped. Use model.attention auto, segments or eager"
     )
 
 
