@@ -14,11 +14,14 @@ what identity the run has.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
+import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,7 +65,8 @@ from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 KILL_ENV = "DPO_TRAIN_KILL"
 """Testing hook for crash tests: `after-save:STEP` or `in-save:STEP:PHASE` SIGKILLs this process group there."""
 SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
-"""Testing hook: RANK:STEP makes that rank's save of that step raise an OSError (abort-on-all tests)."""
+"""Testing hook: RANK:STEP makes that rank's save of that step raise an OSError (abort-on-all tests);
+commit:STEP makes rank 0's commit of that step raise one."""
 
 
 class Stateful(Protocol):
@@ -193,57 +197,131 @@ def new_lineage() -> dict:
 
 
 def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
-    """Save after optimizer step `parts.train.step` on every rank; commit on rank 0 once all succeeded."""
-    import torch.distributed.checkpoint as dcp
+    """Save after optimizer step `parts.train.step` on every rank; commit on rank 0 once all succeeded.
 
-    rank, world, step = ctx.rank, ctx.world, parts.train.step
+    A failure on any rank, in the writes or in the commit, is a `CheckpointError` on every rank after
+    rank 0 has removed the partial directory: the previous commit stays the latest and the disk is not
+    left holding half a checkpoint.
+    """
+    rank, step = ctx.rank, parts.train.step
     _agree(step)  # every rank is at the same step before anyone writes
     directory = step_dir(ctx.out, step)
     if rank == 0:
-        if (directory / COMMIT_FILE).is_file():  # committed checkpoints are only ever deleted by retention
-            aside = move_aside(ctx.out, [directory], f"replaced-at-step-{step}")
-            _report(rank, f"moved the committed {directory.name} aside to {aside} before saving step {step} again")
-        elif directory.exists():  # a save that never committed
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
+        _clear_for(directory, ctx.out, step)
     collectives.barrier()
-    failure = ""
-    try:
-        model_state = parts.model.state_dict()
-        with quiet_single_process_dcp():
-            # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
-            writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
-            dcp.save(model_state["tensors"], storage_writer=writer, no_dist=world == 1)
-        _kill_point(f"in-save:{step}:after-dcp")
-        if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
-            raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
-        loader_state = parts.loader.state_dict()
-        _write_rank_files(directory, rank, loader_state, parts.rng)
-        _kill_point(f"in-save:{step}:after-rank-files")
-        tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
-    except Exception as e:  # noqa: BLE001 - any failure is reported to every rank below
-        failure = f"rank {rank}: {type(e).__name__}: {e}"
+    written, failure = _guarded(lambda: _write_this_rank(parts, ctx, directory))
     failures = collectives.gather_failures(failure)
-    positions = collectives.gather_objects(loader_state["position"] if not failures else None)
+    positions = collectives.gather_objects(written["position"] if not failures else None)
+    if not failures and rank == 0:
+        _, failure = _guarded(lambda: _commit(parts, ctx, directory, positions, written, lineage))
+    failures = failures or collectives.gather_failures(failure)
     if failures:
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-        raise CheckpointError(
-            f"saving step {step} failed, nothing was committed (the previous checkpoint stays "
-            "the latest): " + "; ".join(failures)
-        )
-    if rank == 0:
-        tree = {"format_version": TREE_FORMAT_VERSION, **model_state["tree"]}
-        write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
-        document = _state_document(parts, ctx, positions, tensors, lineage)
-        write_json_atomic(directory / STATE_FILE, document, schema=STATE_SCHEMA)
-        _kill_point(f"in-save:{step}:after-state")
-        write_commit(directory, step)
-        _kill_point(f"in-save:{step}:after-commit")
-        retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
+        _abandon(directory, rank, step, failures)
     collectives.barrier()
     _kill_point(f"after-save:{step}")
     return directory
+
+
+def _clear_for(directory: Path, out: Path, step: int) -> None:
+    """Make room for step `step`: a committed save of it goes aside (kept), an uncommitted one goes."""
+    if (directory / COMMIT_FILE).is_file():  # committed checkpoints are only ever deleted by retention
+        aside = move_aside(out, [directory], f"replaced-at-step-{step}")
+        _report(0, f"moved the committed {directory.name} aside to {aside} before saving step {step} again")
+    elif directory.exists():  # a save that never committed
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+
+
+def _guarded(work: Callable[[], Any]) -> tuple[Any, str]:
+    """`work()`'s result and "", or None and the failure named. DCP's `CheckpointException` (a full disk,
+    a lost peer) is a BaseException, so the net is that wide; an interrupt or exit still propagates."""
+    try:
+        return work(), ""
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - any failure is reported to every rank
+        return None, _named(e)
+
+
+def _named(e: BaseException) -> str:
+    """One line per failure. DCP wraps each rank's error and its traceback in a CheckpointException, and
+    torch's zip writer turns a full disk into "unexpected pos": the OSError under it is what a user fixes."""
+    inner = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]
+    return "; ".join(_root_cause(x) for x in inner)
+
+
+def _root_cause(e: BaseException) -> str:
+    chain = [e]
+    while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    pick = next((x for x in chain if isinstance(x, OSError)), e)
+    return f"{type(pick).__name__}: {pick}"
+
+
+@contextlib.contextmanager
+def _writer_threads_checked() -> Iterator[None]:
+    """DCP's extra writer threads die alone: threading's hook prints their traceback and `dcp.save` never
+    hears of it (its metadata then lacks their files). Collect what they raise and raise it here."""
+    died: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: died.append(args.exc_value)
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+    if died:
+        raise died[0]
+
+
+def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) -> dict:
+    """This rank's share: its DCP shards, loader state and RNG; returns what the commit needs of it."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, step = ctx.rank, parts.train.step
+    model_state = parts.model.state_dict()
+    with quiet_single_process_dcp(), _writer_threads_checked():
+        # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
+        writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
+        dcp.save(model_state["tensors"], storage_writer=writer, no_dist=ctx.world == 1)
+    _kill_point(f"in-save:{step}:after-dcp")
+    if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
+        raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
+    loader_state = parts.loader.state_dict()
+    _write_rank_files(directory, rank, loader_state, parts.rng)
+    _kill_point(f"in-save:{step}:after-rank-files")
+    tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
+    return {"position": loader_state["position"], "tensors": tensors, "tree": model_state["tree"]}
+
+
+def _commit(
+    parts: Checkpointable, ctx: RunContext, directory: Path, positions: list, written: dict, lineage: dict
+) -> None:
+    """Rank 0: the global documents, then the commit record (from here the checkpoint exists), then retention."""
+    step = parts.train.step
+    if os.environ.get(SAVE_FAULT_ENV) == f"commit:{step}":
+        raise OSError(f"injected commit fault ({SAVE_FAULT_ENV})")
+    tree = {"format_version": TREE_FORMAT_VERSION, **written["tree"]}
+    write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
+    document = _state_document(parts, ctx, positions, written["tensors"], lineage)
+    write_json_atomic(directory / STATE_FILE, document, schema=STATE_SCHEMA)
+    _kill_point(f"in-save:{step}:after-state")
+    write_commit(directory, step)
+    _kill_point(f"in-save:{step}:after-commit")
+    retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
+
+
+def _abandon(directory: Path, rank: int, step: int, failures: list[str]) -> None:
+    """Rank 0 removes the partial directory before any rank raises: a rank that exits first makes
+    torchrun stop the others, and rank 0 must not be stopped half-way through the removal."""
+    if rank == 0:
+        (directory / COMMIT_FILE).unlink(missing_ok=True)  # a commit written before retention failed
+        shutil.rmtree(directory, ignore_errors=True)
+    collectives.barrier()
+    raise CheckpointError(
+        f"saving step {step} failed, nothing was committed (the previous checkpoint stays the latest): "
+        + "; ".join(failures)
+        + ". Fix the cause (free disk space, permissions) and rerun: the run resumes from that checkpoint"
+    )
 
 
 def _write_rank_files(directory: Path, rank: int, loader_state: dict, rng: Stateful) -> None:
