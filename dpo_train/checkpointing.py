@@ -209,11 +209,11 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     if rank == 0:
         _clear_for(directory, ctx.out, step)
     collectives.barrier()
-    written, failure = _guarded(lambda: _write_this_rank(parts, ctx, directory))
+    written, failure = _guarded(rank, lambda: _write_this_rank(parts, ctx, directory))
     failures = collectives.gather_failures(failure)
     positions = collectives.gather_objects(written["position"] if not failures else None)
     if not failures and rank == 0:
-        _, failure = _guarded(lambda: _commit(parts, ctx, directory, positions, written, lineage))
+        _, failure = _guarded(rank, lambda: _commit(parts, ctx, directory, positions, written, lineage))
     failures = failures or collectives.gather_failures(failure)
     if failures:
         _abandon(directory, rank, step, failures)
@@ -232,15 +232,15 @@ def _clear_for(directory: Path, out: Path, step: int) -> None:
     directory.mkdir(parents=True)
 
 
-def _guarded(work: Callable[[], Any]) -> tuple[Any, str]:
-    """`work()`'s result and "", or None and the failure named. DCP's `CheckpointException` (a full disk,
+def _guarded(rank: int, work: Callable[[], Any]) -> tuple[Any, str]:
+    """`work()`'s result and "", or None and rank `rank`'s failure named. DCP's `CheckpointException` (a full disk,
     a lost peer) is a BaseException, so the net is that wide; an interrupt or exit still propagates."""
     try:
         return work(), ""
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - any failure is reported to every rank
-        return None, _named(e)
+        return None, f"rank {rank}: {_named(e)}"
 
 
 def _named(e: BaseException) -> str:
