@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -82,7 +83,14 @@ def main(config, overrides, nproc_per_node, precompute_reference, overwrite, qui
         ]
         # rank variables inherited from an enclosing job would mislead torchrun's children: torchrun sets its own
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
-        code = subprocess.call(args, env=env)
+        launcher = subprocess.Popen(args, env=env)
+        try:
+            code = launcher.wait()
+        except KeyboardInterrupt:  # torchrun stops its ranks on SIGINT: pass it on, let it, then say what is left
+            launcher.send_signal(signal.SIGINT)
+            launcher.wait()
+            click.echo(f"interrupted: {_resume_hint(config, overrides)}", err=True)
+            sys.exit(130)
         if code:
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)
@@ -116,6 +124,10 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
 
         out = train(resolved, progress=not quiet)
         collectives.shutdown()
+    except KeyboardInterrupt:
+        if rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun the launcher says it
+            click.echo(f"interrupted: {_resume_hint(config, overrides)}", err=True)
+        return _exit(130)
     except ToolkitError as e:  # the user's to fix (exit 2), or a save that failed on some rank (exit 1)
         click.echo(f"error: {prefix}{e}", err=True)
         return _exit(e.exit_code)
@@ -125,6 +137,17 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     if rank == 0:
         click.echo(f"done: {out}/metrics.jsonl, final policy in {out}/final")
     return 0
+
+
+def _resume_hint(config: str, overrides: list[str]) -> str:
+    from dpo_state.errors import ToolkitError
+    from dpo_train.config import load_config
+    from dpo_train.run_dir import resume_hint
+
+    try:
+        return resume_hint(load_config(config, list(overrides)).train.output_dir)
+    except ToolkitError:
+        return "the run stopped before its config was read"
 
 
 def _exit(code: int) -> int:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import orjson
 import torch
-import yaml
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
@@ -54,6 +53,7 @@ from dpo_train.model import prepare_for_training
 from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
+from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.sharding import frozen_reference, shard
 from dpo_train.sinks import MetricSinks, check_report_to
 
@@ -278,12 +278,16 @@ class Trainer:
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
     _check_settings(config)
+    out = check_output_dir(config)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
-    out = Path(config.train.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.resolved.yaml").write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
+    with run_lock(out, rank):
+        if rank == 0:
+            start_run_dir(out, config)
+        return _run(config, place, rank, world, out, progress)
+
+
+def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path, progress: bool) -> Path:
     mesh = run_mesh(config, rank, world)
     loader = DPOLoader(  # asked for data-parallel ranks: a sequence-parallel group shares its rows
         config.data.paths,

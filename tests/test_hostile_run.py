@@ -52,3 +52,84 @@ def test_a_full_disk_during_a_save_is_a_named_error_and_leaves_no_partial_checkp
         assert "Traceback" not in failed.stderr and "Exception in thread" not in failed.stderr
         assert committed(out) == ["step-000001"]
         assert state_cli("verify", out).returncode == 0
+
+
+def refused(path, *extra) -> str:
+    proc = train(path, *extra, check=2)
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("where", ["the dataset", "inside the dataset", "holding the dataset", "an unnamed dataset"])
+def test_an_output_dir_a_rebuild_would_delete_or_that_holds_a_dataset_is_refused(
+    where, small_dataset, smollm2_dir, tmp_path
+):
+    over = {"the dataset": small_dataset, "inside the dataset": small_dataset / "run"}
+    if where == "holding the dataset":
+        over[where] = small_dataset.parent
+    if where == "an unnamed dataset":  # any directory holding a dataset's manifest and shards
+        (tmp_path / "other" / "shards").mkdir(parents=True)
+        (tmp_path / "other" / "manifest.json").write_text("{}")
+        over[where] = tmp_path / "other" / "runs" / "x"
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "run", train__output_dir=str(over[where]))
+    stderr = refused(path)
+    assert "train.output_dir" in stderr and ("lies inside the dataset" in stderr or "holds the dataset" in stderr)
+    assert not (Path(over[where]) / "config.resolved.yaml").exists()
+
+
+def test_the_filesystem_root_or_a_system_directory_is_refused_before_anything_is_written(
+    small_dataset, smollm2_dir, tmp_path
+):
+    existed = Path("/config.resolved.yaml").exists()
+    try:
+        for where, says in (("/", "a run needs a directory of its own"), ("/usr/lib/run", "system directory /usr")):
+            path, _ = config(tmp_path, small_dataset, smollm2_dir, "root", train__output_dir=where)
+            assert says in refused(path)
+        assert existed or not Path("/config.resolved.yaml").exists()
+    finally:
+        if not existed:  # the old code wrote it there
+            Path("/config.resolved.yaml").unlink(missing_ok=True)
+
+
+def test_a_second_run_into_a_run_directory_in_use_is_refused_naming_the_holder(small_dataset, smollm2_dir, tmp_path):
+    import fcntl
+    import os
+
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "busy", train__max_steps=1, train__save_every=0)
+    lock = Path(f"{out}.lock")
+    with open(lock, "w") as held:  # another process holds the run directory, as a running training does
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"pid {os.getpid()} on this host, since now\n")
+        held.flush()
+        stderr = refused(path)
+        assert f"is in use by another run (pid {os.getpid()} on this host" in stderr
+    train(path)  # released: the run goes ahead, and releases it in turn
+    train(path, "--set", "train.max_steps=2")
+
+
+def test_an_unwritable_output_dir_is_a_named_error(small_dataset, smollm2_dir, tmp_path):
+    with small_tmpfs(tmp_path / "ro", 1) as ro:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        path, _ = config(tmp_path, small_dataset, smollm2_dir, "ro", train__output_dir=str(ro / "run"))
+        assert "cannot create the lock file" in refused(path)
+
+
+@pytest.mark.slow
+def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(small_dataset, smollm2_dir, tmp_path):
+    import signal
+    import sys
+    import time
+
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "int", train__max_steps=400, train__epochs=100)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpo_cli.train", str(path), "--quiet"], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("*/commit.json")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted: the last committed checkpoint is" in stderr and "rerun the same command to resume" in stderr
+    assert "Aborted!" not in stderr and "Traceback" not in stderr

@@ -1,0 +1,97 @@
+"""The run directory: never a dataset or a system directory, one run in it at a time, written from the start."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from dpo_data.dataset.manifest import MANIFEST_NAME
+from dpo_data.dataset.shards import SHARD_DIR
+from dpo_state.lock import DirectoryLock
+from dpo_train.config import TrainConfig
+from dpo_train.errors import ConfigError
+
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
+"""A run never goes into these, nor is it the filesystem root or the home directory itself."""
+RESOLVED_CONFIG = "config.resolved.yaml"
+
+
+def check_output_dir(config: TrainConfig) -> Path:
+    """`train.output_dir`, refused where a run would be lost or would damage something else."""
+    given = config.train.output_dir
+    out = Path(given).expanduser().resolve()
+    field = f"train.output_dir {given!r}"
+    if out == Path("/") or out == Path.home().resolve():
+        raise ConfigError(f"{field} is {out}: a run needs a directory of its own; set e.g. runs/NAME")
+    for system in map(Path, SYSTEM_DIRS):
+        if out == system or system in out.parents:
+            raise ConfigError(f"{field} lies in the system directory {system}; set a directory of your own")
+    _check_datasets_apart(config, out, field)
+    return out
+
+
+def _check_datasets_apart(config: TrainConfig, out: Path, field: str) -> None:
+    """`dpo-data build --overwrite` replaces a dataset directory whole: a run inside one would go with it."""
+    named = [("data.path", p) for p in config.data.paths]
+    named += [("eval.path", config.eval.path)] if config.eval.path else []
+    for key, path in named:
+        dataset = Path(path).expanduser().resolve()
+        if out == dataset or dataset in out.parents:
+            raise ConfigError(
+                f"{field} lies inside the dataset {key} {path}; rebuilding that dataset (dpo-data build "
+                "--overwrite) would delete the run: choose an output_dir outside every dataset"
+            )
+        if out in dataset.parents:
+            raise ConfigError(
+                f"{field} holds the dataset {key} {path}; a run directory holds only its run (deleting the run "
+                "would delete the dataset): move the dataset out, or choose another output_dir"
+            )
+    for directory in (out, *out.parents):
+        if (directory / MANIFEST_NAME).is_file() and (directory / SHARD_DIR).is_dir():
+            raise ConfigError(
+                f"{field} lies inside the dataset at {directory} (it holds {MANIFEST_NAME} and {SHARD_DIR}/); "
+                "rebuilding it would delete the run: choose an output_dir outside every dataset"
+            )
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, rank: int) -> Iterator[None]:
+    """Rank 0 holds `OUTPUT.lock` for the whole run: a second run into the same directory is refused,
+    naming the first, instead of interleaving logs and moving the other's checkpoints aside."""
+    if rank != 0:
+        yield
+        return
+    lock = DirectoryLock(
+        out,
+        busy=f"train.output_dir {out} is in use by another run ({{holder}}, lock {{lock}}); wait for it to "
+        "finish, or choose another train.output_dir",
+        unwritable=f"train.output_dir {out}: cannot create the lock file {{lock}} ({{reason}}); choose a "
+        "writable location",
+        error=ConfigError,
+    )
+    with lock:
+        yield
+
+
+def start_run_dir(out: Path, config: TrainConfig) -> None:
+    """Create the run directory and write the resolved config; an unwritable place is a named error."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RESOLVED_CONFIG).write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
+    except OSError as e:
+        raise ConfigError(
+            f"train.output_dir {out} cannot be written ({e.strerror}: {e.filename}); choose a writable directory"
+        ) from None
+
+
+def resume_hint(output_dir: str | Path) -> str:
+    """What an interrupted run left to resume from, and how."""
+    from dpo_state.layout import list_checkpoints
+
+    latest = list_checkpoints(output_dir).latest
+    if latest is None:
+        return f"no checkpoint was committed in {output_dir} (train.save_every sets how often); a rerun starts over"
+    return f"the last committed checkpoint is {latest}; rerun the same command to resume from it"
