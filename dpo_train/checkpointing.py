@@ -63,7 +63,8 @@ from dpo_train.config import TrainConfig
 from dpo_train.errors import CheckpointError, ConfigError, ResumeError
 
 KILL_ENV = "DPO_TRAIN_KILL"
-"""Testing hook for crash tests: `after-save:STEP` or `in-save:STEP:PHASE` SIGKILLs this process group there."""
+"""Testing hook for crash tests: `after-save:STEP`, `in-save:STEP:PHASE` or `in-export:final` SIGKILLs this
+process group there."""
 SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
 """Testing hook: RANK:STEP makes that rank's save of that step raise an OSError (abort-on-all tests);
 commit:STEP makes rank 0's commit of that step raise one."""
@@ -218,7 +219,7 @@ def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
     if failures:
         _abandon(directory, rank, step, failures)
     collectives.barrier()
-    _kill_point(f"after-save:{step}")
+    kill_point(f"after-save:{step}")
     return directory
 
 
@@ -283,12 +284,12 @@ def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) ->
         # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
         writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
         dcp.save(model_state["tensors"], storage_writer=writer, no_dist=ctx.world == 1)
-    _kill_point(f"in-save:{step}:after-dcp")
+    kill_point(f"in-save:{step}:after-dcp")
     if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
         raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
     loader_state = parts.loader.state_dict()
     _write_rank_files(directory, rank, loader_state, parts.rng)
-    _kill_point(f"in-save:{step}:after-rank-files")
+    kill_point(f"in-save:{step}:after-rank-files")
     tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
     return {"position": loader_state["position"], "tensors": tensors, "tree": model_state["tree"]}
 
@@ -304,9 +305,9 @@ def _commit(
     write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
     document = _state_document(parts, ctx, positions, written["tensors"], lineage)
     write_json_atomic(directory / STATE_FILE, document, schema=STATE_SCHEMA)
-    _kill_point(f"in-save:{step}:after-state")
+    kill_point(f"in-save:{step}:after-state")
     write_commit(directory, step)
-    _kill_point(f"in-save:{step}:after-commit")
+    kill_point(f"in-save:{step}:after-commit")
     retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
 
 
@@ -543,7 +544,8 @@ def _agree(step: int) -> None:
         raise CheckpointError(f"ranks disagree on the step to save (steps {lo} to {hi}); nothing saved")
 
 
-def _kill_point(name: str) -> None:
+def kill_point(name: str) -> None:
+    """SIGKILL this process group if `KILL_ENV` names this point (crash tests)."""
     if os.environ.get(KILL_ENV) == name:
         sys.stderr.flush()
         os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dpo_state.files import fsync_dir, read_json
 from dpo_train import collectives
+from dpo_train.checkpointing import kill_point
 from dpo_train.config import ModelConfig, TrainConfig
 from dpo_train.errors import ConfigError
 
@@ -34,7 +38,7 @@ def export_dtype(config: TrainConfig) -> torch.dtype:
 
 def _declared_dtype(model: ModelConfig) -> str | None:
     if model.path:
-        declared = json.loads((Path(model.path) / "config.json").read_text())
+        declared = read_json(Path(model.path) / "config.json")
         return declared.get("dtype") or declared.get("torch_dtype")
     spec = (model.init or {}).get("config")
     return (spec.get("dtype") or spec.get("torch_dtype")) if isinstance(spec, dict) else None
@@ -72,9 +76,27 @@ def _cast(state: dict, dtype: torch.dtype) -> dict:
 
 
 def _save(model: Any, state: dict, dtype: torch.dtype, target: Path, tokenizer: Any) -> None:
-    model.save_pretrained(target, state_dict=state)
+    """Write `target` whole or not at all: into a staging directory beside it, renamed into place last."""
+    for leftover in target.parent.glob(f"{target.name}.incomplete-*"):  # an export killed half-way
+        shutil.rmtree(leftover)
+    staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
+    model.save_pretrained(staging, state_dict=state)
     if not hasattr(model, "peft_config"):  # a whole model: config.json names the dtype its weights are in
         model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
-        model.config.save_pretrained(target)
+        model.config.save_pretrained(staging)
     if tokenizer is not None:
-        tokenizer.save_pretrained(target)
+        tokenizer.save_pretrained(staging)
+    kill_point(f"in-export:{target.name}")
+    _into_place(staging, target)
+
+
+def _into_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`; an older `target` (a rerun of a finished run) goes aside first and
+    is deleted after, so `target` is always one whole export."""
+    old = target.with_name(f"{target.name}.replaced-{uuid.uuid4().hex[:12]}") if target.exists() else None
+    if old is not None:
+        os.rename(target, old)
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old)

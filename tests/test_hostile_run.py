@@ -4,6 +4,7 @@ one directory, an output_dir a rebuild would delete, an export cut off, settings
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -133,3 +134,14 @@ def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(small_data
     assert proc.returncode == 130, stderr[-3000:]
     assert "interrupted: the last committed checkpoint is" in stderr and "rerun the same command to resume" in stderr
     assert "Aborted!" not in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_export_leaves_no_final_and_the_rerun_writes_it_whole(small_dataset, smollm2_dir, tmp_path):
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "export", train__max_steps=2, train__save_every=2)
+    assert train(path, env={"DPO_TRAIN_KILL": "in-export:final"}, check=None).returncode != 0
+    assert not (out / "final").exists() and list(out.glob("final.incomplete-*"))
+    report = state_cli("report", out, "--json")
+    assert report.returncode == 0 and json.loads(report.stdout)["summary"]["finished"] is False
+    train(path)  # resumes at step 2 (nothing left to train) and exports again
+    assert (out / "final" / "config.json").stat().st_size > 0 and not list(out.glob("final.*"))
