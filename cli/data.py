@@ -51,7 +51,12 @@ def main() -> None:
     help="Worker processes; output is identical for any N.",
 )
 @click.option("--no-eos", is_flag=True, help="Plain-text rows: do not append EOS to completions.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new build succeeds).")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace --out if it exists (only once the new build succeeds); a --out holding anything a build "
+    "does not write is refused, never deleted.",
+)
 @click.option(
     "--max-reject-fraction",
     type=float,
@@ -68,7 +73,7 @@ def main() -> None:
     default=8 << 20,
     show_default=True,
     metavar="N",
-    help="Rows larger than this are rejected as row_too_large without being parsed.",
+    help="Rows larger than this (decompressed) are rejected as row_too_large, never held whole or parsed.",
 )
 def build(
     inputs,
@@ -88,8 +93,8 @@ def build(
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives or the reject
-    fraction exceeds --max-reject-fraction (nothing is committed; rejects stay in OUT.incomplete/);
-    2 on a usage or input-file error.
+    fraction exceeds --max-reject-fraction (nothing is committed; rejects stay in OUT.incomplete-*/
+    until the next successful build of --out); 2 on a usage or input-file error.
     """
     from dpo_data import BuildOptions
     from dpo_data import build as run_build

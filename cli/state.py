@@ -129,10 +129,10 @@ def verify(path) -> None:
 )
 def report(run_dir, out, as_json) -> None:
     """Charts of a run (docs/report.md): loss, reward accuracy, margins, rewards, log-probs, gradient norm and
-    learning rate, pairs/s and tokens/s, per-source loss, accuracy and pairs, held-out accuracy and margin,
-    micro-batch fill; checkpoints marked. Writes PNGs and one self-contained report.html (images inlined,
-    nothing fetched) and prints its path. Reads RUN_DIR's logs, config and checkpoint JSON only; works on a
-    running, resumed or stopped run."""
+    learning rate, pairs/s and tokens/s, per-source loss, accuracy and pairs (the 12 sources with the most
+    pairs; the others listed), held-out accuracy and margin, micro-batch fill; checkpoints marked. Writes
+    PNGs and one self-contained report.html (images inlined, nothing fetched) and prints its path. Reads
+    RUN_DIR's logs, config and checkpoint JSON only; works on a running, resumed or stopped run."""
     if as_json:
         from dpo_state.run_report import run_report
 

@@ -15,6 +15,8 @@ from dpo_state.run_report import run_report
 
 REPORT_DIR = "report"
 PNG_META = {"Software": None}  # no version string: a regenerated chart differs only when the run does
+PLOT_LIMIT = 1e300  # matplotlib's ticks overflow on an axis spanning about 1e308; values beyond are not drawn
+LABEL_CHARS = 40  # a source name is any string: its legend entry is cut to this many characters
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -51,9 +53,20 @@ def _pyplot():
     return plt
 
 
+def _drawable(value: float | None) -> bool:
+    return value is not None and abs(value) <= PLOT_LIMIT  # False for NaN and inf too
+
+
 def _values(values: list) -> list[float]:
-    """None (not finite, or absent) becomes NaN: a gap in the line."""
-    return [math.nan if v is None else v for v in values]
+    """None (not finite, or absent) becomes NaN: a gap in the line; so does a value beyond PLOT_LIMIT."""
+    return [v if _drawable(v) else math.nan for v in values]
+
+
+def _label(name: str) -> str:
+    """A legend entry that shows `name` as written: `$` would start mathtext (a parse error, or other
+    text drawn), so it is escaped; a long name is cut."""
+    shown = name if len(name) <= LABEL_CHARS else name[: LABEL_CHARS - 1] + "\u2026"
+    return (shown or "(empty name)").replace("$", r"\$")
 
 
 def _steps_done(report: dict) -> list[int]:
@@ -62,17 +75,27 @@ def _steps_done(report: dict) -> list[int]:
     return [s + 1 for s in report["series"]["step"]]
 
 
-def _panel(ax, report: dict, title: str, lines: dict[str, list], x: list | None = None) -> None:
+def _panel(
+    ax, report: dict, title: str, lines: dict[str, list], x: list | None = None, legend: bool | None = None
+) -> None:
     x = _steps_done(report) if x is None else x
-    for label, values in lines.items():
-        ax.plot(x, _values(values), marker="." if len(x) < 40 else None, label=label)
+    marker = "." if len(x) < 40 else None
+    drawn = [  # dashed after the ten colours of matplotlib's cycle, so no two lines look alike
+        ax.plot(x, _values(values), marker=marker, linestyle="-" if k < 10 else "--")[0]
+        for k, values in enumerate(lines.values())
+    ]
     for step in report["summary"]["checkpoints"]:
         ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+    beyond = sum(v is not None and not _drawable(v) for values in lines.values() for v in values)
+    if beyond:  # said on the chart, so the gap is not read as a value the log lacks
+        note = f"{beyond} value(s) beyond \u00b1{PLOT_LIMIT:.0e} not drawn"
+        ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer steps done (dotted: checkpoints)", fontsize=8)
     ax.grid(alpha=0.3)
-    if len(lines) > 1:
-        ax.legend(fontsize=7)
+    if drawn and (len(lines) > 1 if legend is None else legend):
+        # handles and labels given: matplotlib would leave out a label starting with `_` if it collected them
+        ax.legend(drawn, [_label(name) for name in lines], fontsize=7)
 
 
 def _training(plt, report: dict):
@@ -112,7 +135,8 @@ def _throughput(plt, report: dict):
     ax = axes[1, 1]
     if mb["fill_counts"]:
         edges = mb["fill_edges"]
-        ax.bar(edges[:-1], mb["fill_counts"], width=edges[1] - edges[0], align="edge", edgecolor="black")
+        counts = [float(c) for c in mb["fill_counts"]]  # a sum of logged ints can pass numpy's int64
+        ax.bar(edges[:-1], counts, width=edges[1] - edges[0], align="edge", edgecolor="black")
         ax.set_xlabel("fill: input tokens / max_tokens_per_microbatch", fontsize=8)
         ax.set_ylabel("micro-batches", fontsize=8)
     else:
@@ -122,17 +146,22 @@ def _throughput(plt, report: dict):
 
 
 def _sources(plt, report: dict):
-    """Per source, pair-weighted over a trailing window of steps (a source has a few pairs per step, so
-    a single step's value is mostly noise), and its pairs so far."""
+    """Per charted source (run_report.CHARTED_SOURCES), pair-weighted over a trailing window of steps (a
+    source has a few pairs per step, so a single step's value is mostly noise), and its pairs so far."""
     s = report["series"]
-    names = sorted({k.split("/")[1] for k in s if k.startswith("sources/")})
+    names = [source["name"] for source in report["sources"] if source["charted"]]
     window = min(50, max(1, round(len(s["step"]) / 5)))
     figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+
+    def metric(name: str, key: str) -> list:  # a hand-written record may lack any key but pairs
+        return s.get(f"sources/{name}/{key}") or [None] * len(s["step"])
+
     for ax, key in zip(axes[:2], ("loss", "accuracy")):
-        lines = {n: _windowed(s[f"sources/{n}/{key}"], s[f"sources/{n}/pairs"], window) for n in names}
-        _panel(ax, report, f"per source: {key}, pair-weighted over the last {window} step(s)", lines)
-    cumulative = {n: list(itertools.accumulate(p or 0 for p in s[f"sources/{n}/pairs"])) for n in names}
-    _panel(axes[2], report, "per source: pairs trained so far", cumulative)
+        lines = {n: _windowed(metric(n, key), metric(n, "pairs"), window) for n in names}
+        title = f"per source: {key}, pair-weighted over the last {window} step(s)"
+        _panel(ax, report, title, lines, legend=True)
+    cumulative = {n: list(itertools.accumulate(p or 0 for p in metric(n, "pairs"))) for n in names}
+    _panel(axes[2], report, "per source: pairs trained so far", cumulative, legend=True)
     return figure
 
 
@@ -169,6 +198,7 @@ def _html(report: dict, charts: dict[str, Path]) -> str:
     )
     images = "".join(
         f"<h2>{name}</h2><img alt='{name}' src='data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}'>"
+        + (_sources_listed(report["sources"]) if name == "sources" else "")
         for name, path in charts.items()
     )
     if "eval" not in charts:
@@ -181,6 +211,17 @@ def _html(report: dict, charts: dict[str, Path]) -> str:
         f"</head><body><h1>Run {html.escape(summary['run'])}</h1><table>{rows}</table>"
         f"<h2>identity (latest committed checkpoint)</h2><table>{identity}</table>{images}</body></html>\n"
     )
+
+
+def _sources_listed(sources: list[dict]) -> str:
+    """Which sources the chart draws and, by name with their pairs, every one it does not."""
+    charted = [x for x in sources if x["charted"]]
+    text = f"<p>{len(sources)} source(s); drawn: the {len(charted)} with the most pairs (ties by name)"
+    rest = [x for x in sources if not x["charted"]]
+    if not rest:
+        return text + ".</p>"
+    names = ", ".join(f"{html.escape(x['name'])} ({x['pairs']})" for x in rest)
+    return text + f"; not drawn, {len(rest)} (pairs trained):</p><p class='rest'>{names}</p>"
 
 
 def _summary_rows(s: dict) -> list[tuple[str, str]]:
@@ -199,14 +240,27 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             + ("" if s["finished"] else " (no final/ yet: running or stopped)"),
         ),
         ("pairs trained", str(s["pairs"])),
-        ("wall time", f"{s['wall_seconds']:.1f} s ({s['train_seconds']:.1f} s in steps)"),
+        ("wall time", f"{_secs(s['wall_seconds'])} ({_secs(s['train_seconds'])} in steps)"),
         (
             "held-out accuracy",
             f"{held_out(s['eval_before'])} before; final {held_out(s['eval_final'])}; best {held_out(s['eval_best'])}",
         ),
         ("checkpoints", ", ".join(map(str, s["checkpoints"])) or "none"),
         ("incomplete last line", ", ".join(s["torn_last_lines"]) or "none"),
+        (
+            "config problems",
+            "; ".join(s["config_problems"]) + ". Fix: restore config.resolved.yaml as dpo-train wrote it"
+            if s["config_problems"]
+            else "none",
+        ),
     ]
+
+
+def _secs(seconds: float | None) -> str:
+    """None: the logged times or rates overflow a float; beyond 1e9 s (a hand-edited log), in powers of ten."""
+    if seconds is None:
+        return "? s (overflow)"
+    return f"{seconds:.1f} s" if abs(seconds) < 1e9 else f"{seconds:.3g} s"
 
 
 def _flat(value: Any, prefix: str = "") -> list[tuple[str, str]]:

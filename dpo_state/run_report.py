@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from dpo_state.errors import DocumentError, ToolkitError
 from dpo_state.layout import list_checkpoints
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, read_log, step_scalars
+from dpo_state.strict_yaml import read_yaml_file
 
 REPORT_FORMAT_VERSION = 1
 """`dpo-state report --json` prints one document of this version; schema `run-report`."""
 
 FILL_EDGES = [b / 10 for b in range(11)]
 """The bins of the trainer's micro-batch fill histogram (dpo_train.metrics.FILL_BINS)."""
+
+CHARTED_SOURCES = 12
+"""sources.png draws this many sources, those with the most pairs (ties by name); the rest are listed."""
+
+CONFIG = "config.resolved.yaml"
 
 
 def run_report(run_dir: str | Path) -> dict[str, Any]:
@@ -39,13 +44,14 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "format_version": REPORT_FORMAT_VERSION,
         "summary": _summary(run, steps, eval_steps, torn),
         "series": _series(steps),
+        "sources": _sources(steps),
         "eval": _eval_series(eval_steps),
         "microbatches": _microbatches(steps),
     }
 
 
 def _summary(run: Path, steps: list[dict], evals: list[dict], torn: list[str]) -> dict[str, Any]:
-    config = _resolved_config(run)
+    config, problems = _resolved_config(run)
     checkpoints = list_checkpoints(run).committed
     identity, identity_error = None, None
     if checkpoints:
@@ -57,19 +63,20 @@ def _summary(run: Path, steps: list[dict], evals: list[dict], torn: list[str]) -
             identity_error = str(e)
     trained = [r for r in evals if r["step"] > 0]
     best = max(trained, key=lambda r: r["accuracy"] if r["accuracy"] is not None else -1.0, default=None)
-    model = config.get("model", {})
+    path = _config_field(config, "model", "path", (str,), "a string", problems)
+    init = _config_field(config, "model", "init", (dict,), "a mapping", problems)
     return {
         "run": str(run),
-        "model": model.get("path") or ("random init" if model.get("init") else None),
-        "lora": model.get("lora"),
-        "dataset": _dataset(identity, config),
+        "model": path or ("random init" if init else None),
+        "lora": _config_field(config, "model", "lora", (dict,), "a mapping", problems),
+        "dataset": _dataset(identity, config, problems),
         "steps": len(steps),
         "last_step": steps[-1]["step"],
-        "max_steps": config.get("train", {}).get("max_steps"),
+        "max_steps": _config_field(config, "train", "max_steps", (int,), "an integer", problems),
         "finished": (run / "final").is_dir(),
         "pairs": sum(r["pairs"] for r in steps),
-        "wall_seconds": _wall_seconds(steps),
-        "train_seconds": sum(_seconds(r) for r in steps),
+        "wall_seconds": _finite(_wall_seconds(steps)),
+        "train_seconds": _finite(sum(_seconds(r) for r in steps)),
         "eval_before": evals[0] if evals and evals[0]["step"] == 0 else None,
         "eval_final": trained[-1] if trained else None,
         "eval_best": best,
@@ -77,25 +84,75 @@ def _summary(run: Path, steps: list[dict], evals: list[dict], torn: list[str]) -
         "identity": identity,
         "identity_error": identity_error,
         "torn_last_lines": torn,
+        "config_problems": problems,
     }
 
 
-def _resolved_config(run: Path) -> dict:
-    """OUTPUT/config.resolved.yaml, or {} when absent (a report still draws the logs)."""
-    path = run / "config.resolved.yaml"
-    if not path.is_file():
-        return {}
+def _resolved_config(run: Path) -> tuple[dict, list[str]]:
+    """OUTPUT/config.resolved.yaml through the strict YAML reader, or {} when absent (a report still draws
+    the logs); with the problem named when it is not a mapping of sections."""
+    path = run / CONFIG
+    if not path.exists():
+        return {}, []
     try:
-        config = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise DocumentError(f"{path} is not YAML ({e}); restore it, or move it aside to report without it") from None
-    return config if isinstance(config, dict) else {}
+        config = read_yaml_file(path)
+    except DocumentError as e:
+        raise DocumentError(f"{e}. Fix: restore {CONFIG} as dpo-train wrote it, or move it aside") from None
+    if isinstance(config, dict):
+        return config, []
+    return {}, [f"{CONFIG} holds {_shown(config)}, not a mapping of sections: every config field is unknown"]
 
 
-def _dataset(identity: dict | None, config: dict) -> dict:
+def _config_field(config: dict, section: str, key: str, types: tuple, kind: str, problems: list[str]) -> Any:
+    """config[section][key] when absent or JSON data of `types`; otherwise None, the problem appended: a
+    report is a reading tool, so a damaged or hand-edited config makes its field unknown, not the report fail."""
+    part = config.get(section)
+    if part is None:
+        return None
+    if not isinstance(part, dict):
+        _add(problems, f"{CONFIG}: {section} is {_shown(part)}, not a mapping: its fields are unknown")
+        return None
+    value = part.get(key)
+    if not isinstance(value, types) or isinstance(value, bool):
+        if value is not None:
+            _add(problems, f"{CONFIG}: {section}.{key} is {_shown(value)}, not {kind}: shown as unknown")
+        return None
+    if not _json_data(value):
+        _add(problems, f"{CONFIG}: {section}.{key} holds a date, bytes, a set or .inf/.nan: shown as unknown")
+        return None
+    return value
+
+
+def _add(problems: list[str], problem: str) -> None:
+    if problem not in problems:  # a section that is not a mapping is met once per field read from it
+        problems.append(problem)
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r:.80} ({type(value).__name__})"
+
+
+def _json_data(value: Any) -> bool:
+    """Plain JSON: what YAML reads beyond it (dates, bytes, sets, .inf) cannot be printed by --json."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_data(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(map(_json_data, value))
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (str, int))
+
+
+def _dataset(identity: dict | None, config: dict, problems: list[str]) -> dict:
     if identity is not None:
         return {"fingerprint": identity["dataset"]["fingerprint"], "pairs": identity["dataset"]["num_pairs"]}
-    return {"fingerprint": None, "pairs": None, "path": config.get("data", {}).get("path")}
+    path = _config_field(config, "data", "path", (str, list), "a string or a list of strings", problems)
+    return {"fingerprint": None, "pairs": None, "path": path}
+
+
+def _finite(value: float) -> float | None:
+    """A total of logged numbers (at most 1.8e308 each) can overflow: then it is unknown, not `Infinity`."""
+    return value if math.isfinite(value) else None
 
 
 def _seconds(record: dict) -> float:
@@ -113,12 +170,29 @@ def _wall_seconds(steps: list[dict]) -> float:
 
 def _series(steps: list[dict]) -> dict[str, list]:
     """`step`, `time`, and every scalar of `step_scalars`, aligned by step (None where a step lacks it: a
-    source absent from the step, a value not finite, a field older records do not have)."""
+    source absent from the step, a value not finite, a field older records do not have, or a per-source
+    value that is not a number, which the metrics schema allows)."""
     flat = [step_scalars(r) for r in steps]
     names = sorted({name for scalars in flat for name in scalars})
     series = {"step": [r["step"] for r in steps], "time": [r.get("time") for r in steps]}
-    series.update({name: [scalars.get(name) for scalars in flat] for name in names})
+    series.update({name: [_number(scalars.get(name)) for scalars in flat] for name in names})
     return series
+
+
+def _number(value: Any) -> int | float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _sources(steps: list[dict]) -> list[dict[str, Any]]:
+    """Every source with its pairs over the run, most first (ties by name); the first CHARTED_SOURCES are
+    drawn. Names are taken from the records, never re-parsed from `sources/NAME/KEY` (a name may hold `/`)."""
+    pairs: dict[str, int] = {}
+    for record in steps:
+        for name, values in record["sources"].items():
+            p = values["pairs"]  # the schema requires it, of any type: only a count counts
+            pairs[name] = pairs.get(name, 0) + (p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else 0)
+    ranked = sorted(pairs, key=lambda name: (-pairs[name], name))
+    return [{"name": n, "pairs": pairs[n], "charted": k < CHARTED_SOURCES} for k, n in enumerate(ranked)]
 
 
 def _eval_series(evals: list[dict]) -> dict[str, list]:

@@ -1,90 +1,23 @@
-"""YAML for configs, strictly: no anchors or aliases, no duplicate keys, bounded size, errors as ConfigError."""
+"""YAML for configs: the one strict reader (dpo_state/strict_yaml.py), its errors raised as ConfigError."""
 
 from __future__ import annotations
 
-import math
-import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from dpo_state import strict_yaml
+from dpo_state.strict_yaml import MAX_YAML_BYTES as MAX_CONFIG_BYTES
+from dpo_state.strict_yaml import non_finite
 from dpo_train.errors import ConfigError
 
-MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; anything near this is not one
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses anchors and aliases (an alias bomb expands without bound) and duplicate
-    keys (YAML keeps the last silently). YAML 1.1 reads 1e-5 (no dot) as a string; learning rates are
-    written that way, so it is read as a float."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
-            raise ConfigError(
-                f"line {event.start_mark.line + 1}: the {kind}{event.anchor} is not allowed in a config "
-                "(anchors and aliases can expand without bound); write the values out"
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise ConfigError(
-                    f"line {line}: the key {key!r} appears twice in one mapping (first on line "
-                    f"{seen[key]}); YAML would keep the last silently: keep one"
-                )
-            seen[key] = line
-        return super().construct_mapping(node, deep)
-
-
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+__all__ = ["MAX_CONFIG_BYTES", "non_finite", "parse_yaml", "read_yaml_file"]
 
 
 def parse_yaml(text: str, what: str) -> Any:
-    """Parse `text` (named `what` in errors) with the strict loader; every problem is a ConfigError."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{what} is over {MAX_CONFIG_BYTES} bytes; a config is a few KB")
-    try:
-        return yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} is not valid YAML: {e}") from None
+    """Parse `text` (named `what` in errors) strictly; every problem is a ConfigError."""
+    return strict_yaml.parse_yaml(text, what, ConfigError)
 
 
 def read_yaml_file(path: Path) -> Any:
-    """A config file's YAML: a directory, a missing file, binary or oversized content are named errors."""
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory; pass a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass a YAML file")
-    size = path.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is {size} bytes, over {MAX_CONFIG_BYTES}; a config is a few KB")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); pass a YAML file") from None
-    if "\x00" in text:
-        raise ConfigError(f"config file {path} holds NUL bytes: a binary file, not YAML")
-    return parse_yaml(text, f"config file {path}")
-
-
-def non_finite(value: Any, path: str = "") -> list[str]:
-    """Dotted paths of every NaN or infinite number in a parsed config."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return [path or "(root)"]
-    if isinstance(value, dict):
-        return [p for k, v in value.items() for p in non_finite(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in non_finite(v, f"{path}[{i}]")]
-    return []
+    """A config file's YAML: a directory, a missing file, binary or oversized content are ConfigErrors."""
+    return strict_yaml.read_yaml_file(path, ConfigError)

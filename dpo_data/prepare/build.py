@@ -28,7 +28,14 @@ from dpo_data.dataset.manifest import (
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
-from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, new_staging, swap_into_place
+from dpo_data.prepare.output import (
+    OutputLock,
+    check_inputs_outside,
+    check_replaceable,
+    new_staging,
+    remove_stale_staging,
+    swap_into_place,
+)
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
@@ -258,8 +265,9 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
             shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
             raise
         if result.manifest is not None:
-            swap_into_place(staging, out)
+            swap_into_place(staging, out, options.overwrite)
             result.out = out
+            remove_stale_staging(out)  # earlier refused or killed builds' leftovers, kept until now for their rejects
     result.seconds = time.perf_counter() - started
     return result
 

@@ -21,6 +21,7 @@ FORMATS = {
     ".parquet": "parquet",
 }
 _READ_CHUNK = 1 << 20
+_FEED_BYTES = 256  # compressed bytes per zstd decompress call: bounds its output (see _ZstdFrames)
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
 
@@ -144,10 +145,12 @@ def _check_last_line(path: str, number: int, line: bytes) -> None:
 
 
 class _ZstdFrames(io.RawIOBase):
-    """Raw stream over every frame of a zstd file that fails on a cut-off frame.
+    """Raw stream over every frame of a zstd file that fails on a cut-off frame, in bounded memory.
 
-    `ZstdDecompressor().decompress()` stops after the first frame and `stream_reader` ends silently
-    inside a truncated one; this reader does neither.
+    `ZstdDecompressor().decompress()` stops after the first frame, and `stream_reader` (bounded, and
+    across frames) ends silently inside a truncated one; a `decompressobj` reports both (`eof`), but
+    returns all the output of what it is fed. So it is fed `_FEED_BYTES` at a time: zstd's densest
+    block (RLE, 4 bytes) holds 128 KiB, so one feed yields at most 8 MiB, however long the line.
     """
 
     def __init__(self, path: str, f: Any):
@@ -155,36 +158,41 @@ class _ZstdFrames(io.RawIOBase):
         self._dctx = zstandard.ZstdDecompressor()
         self._obj = self._dctx.decompressobj()
         self._in_frame = False
-        self._pending = b""
+        self._input = memoryview(b"")  # read from the file, not yet fed
+        self._next_frame = b""  # fed past the end of a frame: the next frame's start
+        self._out = memoryview(b"")  # decompressed, not yet read; sliced as a view, never copied
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            chunk = self._f.read(_READ_CHUNK)
-            if not chunk:
-                if self._in_frame:
-                    raise InputFileError(self._path, "truncated: the last zstd frame is incomplete")
+        while not self._out:
+            if not self._decompress_some():
                 return 0
-            self._pending = self._feed(chunk)
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
         return n
 
-    def _feed(self, chunk: bytes) -> bytes:
-        out = []
-        while chunk:
-            out.append(self._obj.decompress(chunk))
-            self._in_frame = True
-            if self._obj.eof:
-                chunk = self._obj.unused_data
-                self._obj = self._dctx.decompressobj()
-                self._in_frame = False
-            else:
-                chunk = b""
-        return b"".join(out)
+    def _decompress_some(self) -> bool:
+        """Feed the decompressor at most `_FEED_BYTES`; False at the end of the file."""
+        if self._next_frame:
+            piece, self._next_frame = self._next_frame, b""
+        else:
+            if not self._input:
+                self._input = memoryview(self._f.read(_READ_CHUNK))
+            if not self._input:
+                if self._in_frame:
+                    raise InputFileError(self._path, "truncated: the last zstd frame is incomplete")
+                return False
+            piece, self._input = self._input[:_FEED_BYTES], self._input[_FEED_BYTES:]
+        self._out = memoryview(self._obj.decompress(piece))
+        self._in_frame = True
+        if self._obj.eof:
+            self._next_frame = self._obj.unused_data  # at most one piece: never a copy of the whole input
+            self._obj = self._dctx.decompressobj()
+            self._in_frame = False
+        return True
 
 
 def _json_array(path: str) -> Iterator[tuple[int, Any]]:

@@ -6,9 +6,10 @@ import ctypes
 import errno
 import fcntl
 import os
-import shutil
+import re
 import signal
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -23,6 +24,8 @@ KILL_ENV = "DPO_DATA_KILL"
 """Testing hook for crash tests: `before-swap`, `after-swap` or `after-delete` SIGKILLs the build there."""
 _BUILD_ENTRIES = {MANIFEST_NAME, REJECTS_NAME, SHARD_DIR, f".{MANIFEST_NAME}.tmp"}
 """Everything a build ever writes at the top of its directory: `--overwrite` replaces nothing else."""
+_SHARD_FILE = re.compile(r"shard-\d{5,}\.arrow")
+"""The files a build writes in `shards/` (`ShardWriter`'s names)."""
 
 
 class OutputLock:
@@ -92,25 +95,80 @@ def new_staging(out: Path) -> Path:
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
     """`out` may be written: it does not exist, or with --overwrite it is a committed dataset (or a
-    leftover holding only what a build writes). Anything else is refused by name, never deleted."""
+    leftover) holding only what a build writes. Anything else is refused by name, never deleted."""
     if not out.exists() and not out.is_symlink():
         return
     if not overwrite:
         raise DataError(f"--out {out} already exists; pass --overwrite to replace it, or choose another directory")
     if not out.is_dir() or out.is_symlink():
         raise DataError(f"--out {out} is not a directory; --overwrite replaces only a dataset directory")
+    foreign = _build_output(out)[1]
     try:
         read_manifest(out, consistent=False)
-        return
     except DataError:
-        pass
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in _BUILD_ENTRIES)
-    if foreign or not any(out.iterdir()):
-        listing = ", ".join(foreign[:5]) + ("..." if len(foreign) > 5 else "") if foreign else "nothing a build writes"
+        if foreign or not any(out.iterdir()):
+            listing = _listing(foreign) if foreign else "nothing a build writes"
+            raise DataError(
+                f"--out {out} is not a dataset (no valid {MANIFEST_NAME}; it holds {listing}); --overwrite "
+                "replaces only a dataset or an incomplete build of one: choose another --out"
+            ) from None
+        return
+    if foreign:
         raise DataError(
-            f"--out {out} is not a dataset (no valid {MANIFEST_NAME}; it holds {listing}); --overwrite "
-            "replaces only a dataset or an incomplete build of one: choose another --out"
+            f"--out {out} is a dataset that also holds {_listing(foreign)}, which no build wrote; --overwrite "
+            f"would delete them with the old dataset: move them out of {out}, or choose another --out"
         )
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _build_output(directory: Path) -> tuple[list[Path], list[str]]:
+    """Split what `directory` holds into what a build writes (each directory after its files) and the
+    rest, by relative name. A build writes only regular files and `shards/`: a link is never its own."""
+    ours: list[Path] = []
+    foreign: list[str] = []
+    for entry in sorted(directory.iterdir()):
+        mode = entry.lstat().st_mode
+        if entry.name == SHARD_DIR and stat.S_ISDIR(mode):
+            for shard in sorted(entry.iterdir()):
+                if _SHARD_FILE.fullmatch(shard.name) and stat.S_ISREG(shard.lstat().st_mode):
+                    ours.append(shard)
+                else:
+                    foreign.append(f"{SHARD_DIR}/{shard.name}")
+            ours.append(entry)
+        elif entry.name in _BUILD_ENTRIES and entry.name != SHARD_DIR and stat.S_ISREG(mode):
+            ours.append(entry)
+        else:
+            foreign.append(entry.name)
+    return ours, foreign
+
+
+def remove_build_output(directory: Path) -> None:
+    """Delete what a build wrote in `directory`, then the directory if that emptied it; anything else
+    stays where it is. Best effort: what cannot be read or deleted stays too (the build is committed)."""
+    try:
+        ours = _build_output(directory)[0]
+    except OSError:
+        return
+    for path in [*ours, directory]:
+        try:
+            if path.is_dir():
+                path.rmdir()  # fails while it holds something foreign: then it stays
+            else:
+                path.unlink()
+        except OSError:
+            pass
+
+
+def remove_stale_staging(out: Path) -> None:
+    """Remove the staging directories earlier builds of `out` left (refused, or killed). Call only
+    holding `out`'s lock, so no running build owns one; what a build did not write is kept."""
+    pattern = re.compile(re.escape(out.name) + r"\.incomplete-[0-9a-f]{12}")
+    for staging in out.parent.iterdir():
+        if pattern.fullmatch(staging.name) and staging.is_dir() and not staging.is_symlink():
+            remove_build_output(staging)
 
 
 def check_inputs_outside(out: Path, inputs: list[str]) -> None:
@@ -124,16 +182,21 @@ def check_inputs_outside(out: Path, inputs: list[str]) -> None:
             )
 
 
-def swap_into_place(staging: Path, out: Path) -> None:
+def swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
     """Make the finished `staging` the dataset at `out` atomically: at every instant `out` is the old
-    dataset or the new one. Linux swaps the two directories in one renameat2(RENAME_EXCHANGE); the old
-    one, now at `staging`, is deleted after. Where that is unavailable, a plain rename (no old `out`)."""
+    dataset or the new one. Linux swaps the two directories in one renameat2(RENAME_EXCHANGE); what a
+    build wrote of the old one, now at `staging`, is deleted after. Where that is unavailable, a plain
+    rename (no old `out`)."""
+    try:
+        check_replaceable(out, overwrite)  # again: a long build gives others time to write into `out`
+    except DataError as e:
+        raise DataError(f"{e} (nothing was committed; the new build is in {staging})") from None
     _kill_point("before-swap")
     if out.exists():
         _exchange(staging, out)
         fsync_dir(out.parent)
         _kill_point("after-swap")
-        shutil.rmtree(staging)
+        remove_build_output(staging)
     else:
         os.rename(staging, out)
         fsync_dir(out.parent)
