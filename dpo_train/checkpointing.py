@@ -34,6 +34,7 @@ from dpo_state.dcp_io import (
     DCP_DIR,
     merge_tensors,
     quiet_single_process_dcp,
+    read_dcp_metadata,
     reading_tensors,
     safe_reader,
     split_tensors,
@@ -505,12 +506,33 @@ def load_weights(policy: Any, path: str) -> None:
 
     directory = _verified_checkpoint("train.weights_from", path)
     state = {"model": get_model_state_dict(policy)}
+    _check_weights_match(directory, path, state["model"])
     try:
         with reading_tensors(directory / DCP_DIR):
             dcp.load(state, storage_reader=safe_reader(directory / DCP_DIR), no_dist=True)
     except StateError as e:
         raise ResumeError(f"train.weights_from: {e}") from None
     set_model_state_dict(policy, state["model"])
+
+
+def _check_weights_match(directory: Path, given: str, model_state: dict) -> None:
+    """The checkpoint holds this model's whole weights: a LoRA run's checkpoint (adapters over a base) or
+    another model's is named as such, not reported as damaged."""
+    saved = {key.removeprefix("model.") for key in read_dcp_metadata(directory / DCP_DIR).state_dict_metadata}
+    missing = sorted(set(model_state) - saved)
+    if not missing:
+        return
+    if any(".lora_" in key for key in saved):
+        raise ResumeError(
+            f"train.weights_from {given}: {directory} is a LoRA run's checkpoint (adapters over a frozen base), "
+            "and weights_from loads whole weights: resume that run instead (same train.output_dir, "
+            "train.resume: auto), or start from its exported model (model.path: RUN/final-merged with "
+            "train.export: both, or RUN/final with train.export: merged)"
+        )
+    raise ResumeError(
+        f"train.weights_from {given}: {directory} holds another model's weights ({len(missing)} of this model's "
+        f"tensors are not in it, e.g. {missing[0]}); set model.path / model.init to the model that run trained"
+    )
 
 
 def _verified_checkpoint(key: str, path: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -292,9 +293,10 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
     loader = DPOLoader(  # asked for data-parallel ranks: a sequence-parallel group shares its rows
         config.data.paths,
         config.data.loader_config(mesh.dp_rank, mesh.dp_size),
-        max_epochs=config.train.epochs,
+        max_epochs=None if config.train.max_steps is not None else config.train.epochs,
         pad_to_multiple_of=8,
     )
+    config = _with_total_steps(config, loader)
     check_data({"data.path": loader.stream.store}, config.data.verify, rank, world)
     tokenizer = load_run_tokenizer(config)
     check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
@@ -321,7 +323,7 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
         check_data({"eval.path": evaluator.store}, config.data.verify, rank, world)
         check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
         check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
-    fault = _fault(rank)
+    fault, epochs_note = _fault(rank), _epochs_note(config, rank)
     saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
     with (
         _metrics_file(out, rank) as metrics,
@@ -332,6 +334,7 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
             sinks.evaluation(evaluator.run(step=0))
         for batch in loader if trainer.state.step < config.train.max_steps else ():
             fault(trainer.state.step)
+            epochs_note(batch["epoch"])
             trainer.microbatch(batch)
             if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
                 continue
@@ -406,6 +409,34 @@ def _check_settings(config: TrainConfig) -> None:
         raise ConfigError(
             "data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
         )
+
+
+def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
+    """`train.max_steps` wins when set, as TRL's does; `max_steps: null` trains `train.epochs` epochs, whose
+    steps are counted from the loader's own plan (the scheduler and the progress line need the total)."""
+    if config.train.max_steps is not None:
+        return config
+    total = loader.stream.schedule.steps_in(config.train.epochs)
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=total))
+
+
+def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
+    """Say once, when a run set by max_steps goes past train.epochs of the data, that max_steps decides."""
+    said = rank != 0
+
+    def note(epoch: int) -> None:
+        nonlocal said
+        if not said and epoch >= config.train.epochs:
+            said = True
+            print(
+                f"note: train.max_steps {config.train.max_steps} goes on into epoch {epoch + 1} of the data, "
+                f"past train.epochs {config.train.epochs}: max_steps decides when set (max_steps: null trains "
+                "train.epochs epochs; docs/train-config.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return note
 
 
 def _fault(rank: int) -> Callable[[int], None]:

@@ -145,3 +145,26 @@ def test_sigkill_during_the_export_leaves_no_final_and_the_rerun_writes_it_whole
     assert report.returncode == 0 and json.loads(report.stdout)["summary"]["finished"] is False
     train(path)  # resumes at step 2 (nothing left to train) and exports again
     assert (out / "final" / "config.json").stat().st_size > 0 and not list(out.glob("final.*"))
+
+
+@pytest.mark.slow
+def test_max_steps_wins_over_epochs_and_says_so_and_null_trains_the_epochs(small_dataset, smollm2_dir, tmp_path):
+    # 24 pairs, 4 per step: an epoch is 6 steps
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "steps", train__max_steps=12, train__epochs=1)
+    ran = train(path, "--set", "train.save_every=0")
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 12
+    assert "note: train.max_steps 12 goes on into epoch 2 of the data, past train.epochs 1" in ran.stderr
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "epochs", train__max_steps=None, train__epochs=2)
+    ran = train(path, "--set", "train.save_every=0")
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 12 and "note:" not in ran.stderr
+
+
+@pytest.mark.slow
+def test_weights_from_a_lora_checkpoint_names_what_it_is_and_what_to_do(small_dataset, smollm2_dir, tmp_path):
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "lora", train__max_steps=1, model__lora=lora)
+    train(path)
+    path, _ = config(tmp_path, small_dataset, smollm2_dir, "new", train__max_steps=1, train__weights_from=str(out))
+    stderr = refused(path)
+    assert "is a LoRA run's checkpoint" in stderr and "resume that run instead" in stderr
+    assert "damaged or was replaced" not in stderr

@@ -64,6 +64,16 @@ class StepPlanner:
             self._orders = {epoch: epoch_order(self.sizes, self.weights, self.config.seed, epoch, self.fingerprint)}
         return self._orders[epoch]
 
+    def steps_in(self, epochs: int) -> int:
+        """How many steps the first `epochs` epochs hold, planned from lengths exactly as the loader runs them."""
+        total = 0
+        for epoch in range(epochs):
+            plan, state = self.next_step(PlannerState(epoch=epoch))
+            while plan is not None:
+                total += 1
+                plan, state = self.next_step(state)
+        return total
+
     def next_step(self, state: PlannerState) -> tuple[StepPlan | None, PlannerState]:
         """The plan of the step at `state` and the state after it; (None, next epoch's start) when the
         epoch is over."""
