@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import os
 import re
 import signal
-import socket
 import stat
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +15,7 @@ from dpo_data.dataset.manifest import MANIFEST_NAME, REJECTS_NAME, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
 from dpo_state.files import fsync_dir
+from dpo_state.lock import DirectoryLock
 
 KILL_ENV = "DPO_DATA_KILL"
 """Testing hook for crash tests: `before-swap`, `after-swap` or `after-delete` SIGKILLs the build there."""
@@ -28,59 +25,17 @@ _SHARD_FILE = re.compile(r"shard-\d{5,}\.arrow")
 """The files a build writes in `shards/` (`ShardWriter`'s names)."""
 
 
-class OutputLock:
-    """An exclusive lock on `OUT.lock`, beside the output directory: one build per output path at a time.
-
-    The lock file stays after the build (deleting it would race with a build that just opened it); it
-    holds the holder's pid, host and start time, so a refused build can name who holds it.
-    """
+class OutputLock(DirectoryLock):
+    """One build per output path at a time: `OUT.lock`, beside the output directory, names its holder."""
 
     def __init__(self, out: Path):
-        self.path = out.with_name(out.name + ".lock")
-        self._fd: int | None = None
-
-    def __enter__(self) -> OutputLock:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise DataError(
-                f"--out {self.path.with_suffix('')}: cannot create the lock file {self.path} "
-                f"({e.strerror}); choose a writable location"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _holder(fd)
-            os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise DataError(
-                    f"--out {self.path.with_suffix('')} is being built by another process ({holder}); "
-                    "wait for it to finish, or choose another --out"
-                ) from None
-            raise
-        # written over the previous holder's line, then cut to length: the file is never empty while held
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode()
-        os.pwrite(fd, holder, 0)
-        os.ftruncate(fd, len(holder))
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the flock
-            self._fd = None
-
-
-def _holder(fd: int) -> str:
-    """Who holds the lock, as its holder wrote it. A holder that has just taken a new lock file has not
-    written its line yet: wait for it (up to a second) rather than name nobody."""
-    for _ in range(50):
-        line = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
-        if line:
-            return line
-        time.sleep(0.02)
-    return "holder unknown"
+        super().__init__(
+            out,
+            busy=f"--out {out} is being built by another process ({{holder}}); wait for it to finish, or "
+            "choose another --out",
+            unwritable=f"--out {out}: cannot create the lock file {{lock}} ({{reason}}); choose a writable location",
+            error=DataError,
+        )
 
 
 def new_staging(out: Path) -> Path:
