@@ -53,9 +53,14 @@ def main(config, overrides, nproc_per_node, precompute_reference, overwrite, qui
     With train.save_every, checkpoints go to OUTPUT/checkpoints/step-NNNNNN/ and a rerun resumes from the
     newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).
 
+    train.max_steps wins over train.epochs when set (as TRL's); max_steps: null trains train.epochs
+    epochs. OUTPUT is the run's alone: never a dataset, inside one or holding one, never / or a system
+    directory, and one run at a time (OUTPUT.lock names the holder). final/ is renamed into place last.
+
     Exit 0 on success; 2 on a config, data, reference-sidecar or resume error; 1 when a rank fails
-    (every rank stops, the failing rank names its error) or a save fails (nothing is committed). With
-    --nproc-per-node, the code of the first rank that failed.
+    (every rank stops, the failing rank names its error) or a save fails (nothing is committed, the
+    partial checkpoint is removed); 130 on Ctrl-C, naming the last committed checkpoint to resume
+    from. With --nproc-per-node, the code of the first rank that failed.
 
     distributed.sequence_parallel {ulysses: U, context: C} splits each packed row over U x C ranks
     (world = dp x C x U); pairs stay whole and are counted once (docs/objective.md).
