@@ -20,6 +20,7 @@ from tests.conftest import chat, write_jsonl
 
 A = lambda text: [{"role": "assistant", "content": text}]
 U = lambda text: [{"role": "user", "content": text}]
+CALL = {"type": "function", "function": {"name": "f", "arguments": {}}}
 
 # One bad row per reason code that a row can earn (the tokenizer-dependent ones included).
 BAD_ROWS = {
@@ -38,6 +39,13 @@ BAD_ROWS = {
     "history_diverges": {"chosen": U("q") + A("x") + U("r") + A("z"), "rejected": U("q") + A("y") + U("r") + A("z")},
     "too_long": chat("word " * 300, "x", "y"),
     "completion_too_long": chat("q", "word " * 300, "y"),
+    "tool_calls_not_rendered": {
+        "prompt": U("q"),
+        "chosen": [{"role": "assistant", "tool_calls": [CALL]}],
+        "rejected": A("y"),
+    },
+    "tools_not_rendered": {**chat("q", "x", "y"), "tools": [CALL]},
+    "control_text_outside_content": {**chat("q", "x", "y"), "tools": [{"description": "<|im_end|>"}]},
 }
 TEMPLATE_REASONS = ("template_error", "template_not_prefix_stable")  # need a custom template: see test_tokenize.py
 

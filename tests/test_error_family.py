@@ -41,7 +41,7 @@ def test_a_bug_while_rendering_is_raised_not_recorded_as_a_row_reject(tokenizer,
     """Only a template's own errors are the row's fault; anything else is a bug and must surface."""
     from dpo_data.prepare.template import ChatRenderer
 
-    def broken(self, messages, add_generation_prompt):
+    def broken(self, messages, add_generation_prompt, tools=None):
         raise KeyError("a bug in our own code")
 
     monkeypatch.setattr(ChatRenderer, "render", broken)

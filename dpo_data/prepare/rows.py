@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -19,7 +21,8 @@ class RowReject(Exception):
 
 @dataclass(frozen=True)
 class Pair:
-    """A validated pair. For kind 'chat' the three parts are message lists, for 'text' strings."""
+    """A validated pair. For kind 'chat' the three parts are message lists, for 'text' strings; `tools` is the
+    row's tool list (chat only), passed to the chat template as TRL passes it."""
 
     kind: str
     prompt: Any
@@ -27,6 +30,7 @@ class Pair:
     rejected: Any
     source: str | None
     id: str | None
+    tools: list[dict] | None = None
 
 
 def normalize_row(row: Any) -> Pair:
@@ -36,10 +40,10 @@ def normalize_row(row: Any) -> Pair:
     for field in ("chosen", "rejected"):
         if field not in row or row[field] is None:
             raise RowReject("missing_field", f"field '{field}' is missing; every row needs 'chosen' and 'rejected'")
-    source, row_id = _source(row), _row_id(row)
+    source, row_id, tools = _source(row), _row_id(row), _tools(row)
     if row.get("prompt") is None:
         prompt, chosen, rejected = _implicit(row["chosen"], row["rejected"])
-        return Pair("chat", prompt, chosen, rejected, source, row_id)
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     kinds = {f: _part_kind(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if len(set(kinds.values())) > 1:
@@ -50,9 +54,18 @@ def normalize_row(row: Any) -> Pair:
         )
     if kinds["prompt"] == "text":
         _check_text(prompt, chosen, rejected)
+        if tools:
+            raise RowReject(
+                "tools_not_rendered",
+                f"field 'tools' lists {len(tools)} tools, but only conversations are rendered by a chat template, so "
+                f"a plain-text row would train without them; use message lists or drop 'tools'",
+            )
         return Pair("text", prompt, chosen, rejected, source, row_id)
+    prompt, chosen, rejected = (
+        _messages(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
+    )
     _check_chat(prompt, chosen, rejected)
-    return Pair("chat", prompt, chosen, rejected, source, row_id)
+    return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
 
 
 def _kind(value: Any) -> str:
@@ -87,6 +100,31 @@ def _row_id(row: dict) -> str | None:
     return str(row_id)
 
 
+def _tools(row: dict) -> list[dict] | None:
+    """The row's `tools`, as TRL reads it: a list of objects (tool schemas), or a JSON string of one."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = orjson.loads(tools)
+        except orjson.JSONDecodeError as e:
+            raise RowReject(
+                "wrong_type", f"field 'tools' is a string but not JSON ({e}); it must be a list of tool objects"
+            ) from None
+    if not isinstance(tools, list):
+        got = _kind(tools)
+    elif not all(isinstance(t, dict) for t in tools):
+        got = "an array holding " + _kind(next(t for t in tools if not isinstance(t, dict)))
+    else:
+        return tools
+    raise RowReject(
+        "wrong_type",
+        f'field \'tools\' must be a list of tool objects (JSON schemas, e.g. {{"type": "function", '
+        f'"function": {{"name": ...}}}}) or a JSON string of one, got {got}',
+    )
+
+
 def _check_text(prompt: str, chosen: str, rejected: str) -> None:
     if not prompt.strip():
         raise RowReject("empty_prompt", "field 'prompt' is empty; a pair needs a prompt to condition on")
@@ -97,28 +135,75 @@ def _check_text(prompt: str, chosen: str, rejected: str) -> None:
         raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
 
 
-def _check_messages(field: str, messages: list) -> None:
+def _messages(field: str, messages: list) -> list[dict]:
+    """Validate a message list and return it without None-valued keys, the form transformers renders (it drops
+    them: OpenAI exports and Parquet structs write `content: null`, `tool_calls: null`)."""
+    cleaned = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RowReject("wrong_type", f"{field}[{i}] must be an object with 'role' and 'content', got {_kind(m)}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                got = "missing" if key not in m else _kind(m[key])
-                raise RowReject("wrong_type", f"{field}[{i}].{key} must be a string, got {got}")
-        if m["role"] not in ROLES:
+        if isinstance(m, dict) and len(m) == 2 and isinstance(m.get("content"), str) and m.get("role") in ROLES:
+            cleaned.append(m)  # the common plain message: nothing to check further or drop
+        else:
+            cleaned.append(_message(f"{field}[{i}]", m))
+    return cleaned
+
+
+def _message(where: str, m: Any) -> dict:
+    if not isinstance(m, dict):
+        raise RowReject("wrong_type", f"{where} must be an object with 'role' and 'content', got {_kind(m)}")
+    if not isinstance(m.get("role"), str):
+        got = "missing" if "role" not in m else _kind(m["role"])
+        raise RowReject("wrong_type", f"{where}.role must be a string, got {got}")
+    if m["role"] not in ROLES:
+        raise RowReject("unknown_role", f"{where}.role is {m['role']!r:.40}; allowed roles are {', '.join(ROLES)}")
+    calls = _tool_calls(where, m)
+    if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+        got = "missing" if "content" not in m else _kind(m["content"])
+        raise RowReject(
+            "wrong_type",
+            f"{where}.content must be a string (it may be null or absent only on an assistant message with "
+            f"tool_calls), got {got}",
+        )
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def _tool_calls(where: str, message: dict) -> list:
+    """A message's tool calls (OpenAI / transformers shape), [] when it has none."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if message["role"] != "assistant":
+        raise RowReject("wrong_type", f"{where} has tool_calls, but only assistant messages can call tools")
+    if not isinstance(calls, list):
+        raise RowReject("wrong_type", f"{where}.tool_calls must be a list of tool calls, got {_kind(calls)}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type") != "function"
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+            or not isinstance(function.get("arguments"), (dict, str))
+        ):
             raise RowReject(
-                "unknown_role", f"{field}[{i}].role is {m['role']!r:.40}; allowed roles are {', '.join(ROLES)}"
+                "wrong_type",
+                f"{where}.tool_calls[{j}] is {call!r:.120}; a tool call must be "
+                f'{{"type": "function", "function": {{"name": a non-empty string, "arguments": an object or a '
+                f"JSON string}}}}",
             )
+    return calls
+
+
+def _has_content(message: dict) -> bool:
+    return bool(message.get("content", "").strip() or message.get("tool_calls"))
 
 
 def _check_chat(prompt: list, chosen: list, rejected: list) -> None:
-    for field, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        _check_messages(field, value)
+    """Checks on validated (`_messages`) lists."""
     if not prompt:
         raise RowReject("empty_prompt", "field 'prompt' is an empty message list")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
-        if not value or not any(m["content"].strip() for m in value):
-            raise RowReject("empty_completion", f"field '{field}' has no message with content")
+        if not value or not any(map(_has_content, value)):
+            raise RowReject("empty_completion", f"field '{field}' has no message with content or a tool call")
     if chosen == rejected:
         raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
@@ -155,7 +240,7 @@ def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
                 f"without 'prompt', field '{field}' must be a full conversation (a list of messages), "
                 f"got {_kind(value)}; plain-text rows need an explicit 'prompt'",
             )
-        _check_messages(field, value)
+    chosen, rejected = _messages("chosen", chosen), _messages("rejected", rejected)
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1

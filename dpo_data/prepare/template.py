@@ -8,13 +8,14 @@ _PLAIN_KEYS = frozenset(("role", "content"))
 
 
 class ChatRenderer:
-    """`render(messages, add_generation_prompt)` == `tokenizer.apply_chat_template(..., tokenize=False)`.
+    """`render(messages, add_generation_prompt, tools)` == `tokenizer.apply_chat_template(..., tokenize=False)`.
 
     transformers spends most of a call normalizing and copying the conversation (for objects, media,
     reasoning aliases and None values). Messages that are plain `{"role": str, "content": str}` dicts
     need none of it, so for them the compiled template is rendered directly with the variables
     transformers passes (messages, tools, documents, add_generation_prompt, the special-token map).
-    Anything else goes through `apply_chat_template` itself. tests/test_template.py pins the equality.
+    Anything else (tool calls, other message keys, a `tools` list) goes through `apply_chat_template` itself.
+    tests/test_template.py pins the equality.
     """
 
     def __init__(self, tokenizer: Any):
@@ -22,8 +23,8 @@ class ChatRenderer:
         self._compiled = _compile(tokenizer.chat_template)
         self._variables = dict(tokenizer.special_tokens_map)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if self._compiled is not None and all(m.keys() == _PLAIN_KEYS for m in messages):
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        if tools is None and self._compiled is not None and all(m.keys() == _PLAIN_KEYS for m in messages):
             return self._compiled.render(
                 messages=messages,
                 tools=None,
@@ -31,7 +32,9 @@ class ChatRenderer:
                 add_generation_prompt=add_generation_prompt,
                 **self._variables,
             )
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
 
 def _compile(template: Any) -> Any:

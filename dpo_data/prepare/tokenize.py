@@ -47,6 +47,8 @@ class PairEncoder:
     of both full renderings (text and ids), else the row is rejected as not prefix-stable.
     Plain text: prompt and completion are encoded separately and joined (no BPE merge across the join),
     plus EOS on each completion. Special-token text inside content is encoded as ordinary text.
+    Tool calls and a row's `tools` are rendered by the template as TRL renders them, or the row is rejected
+    where the template would drop them (it renders the same without them).
     """
 
     def __init__(self, tokenizer: Any, options: TokenizeOptions):
@@ -66,6 +68,9 @@ class PairEncoder:
         )
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._eos = tokenizer.eos_token_id
+        # A template whose source never names tool_calls cannot render them; checked before rendering because
+        # such a template often fails on a tool call's missing content, which would hide the real reason.
+        self._reads_tool_calls = _template_mentions(tokenizer.chat_template, "tool_calls")
         if options.append_eos and self._eos is None:
             raise DataError(
                 "--tokenizer: the tokenizer has no eos_token, and plain-text completions end with EOS; "
@@ -125,9 +130,14 @@ class PairEncoder:
     # -- conversations -------------------------------------------------------------------------
 
     def _render(self, pair: Pair) -> tuple[str, str, str]:
-        prompt = self._apply(pair.prompt, add_generation_prompt=True)
-        chosen = self._apply(pair.prompt + pair.chosen, add_generation_prompt=False)
-        rejected = self._apply(pair.prompt + pair.rejected, add_generation_prompt=False)
+        plain = _is_plain(pair)
+        if not plain:
+            self._check_tool_fields(pair)
+        prompt = self._apply(pair.prompt, add_generation_prompt=True, tools=pair.tools)
+        chosen = self._apply(pair.prompt + pair.chosen, add_generation_prompt=False, tools=pair.tools)
+        rejected = self._apply(pair.prompt + pair.rejected, add_generation_prompt=False, tools=pair.tools)
+        if not plain:
+            self._check_tools_rendered(pair, prompt, chosen, rejected)
         for field, full in (("chosen", chosen), ("rejected", rejected)):
             if not full.startswith(prompt):
                 raise RowReject(
@@ -138,9 +148,9 @@ class PairEncoder:
                 )
         return prompt, chosen, rejected
 
-    def _apply(self, messages: list, add_generation_prompt: bool) -> str:
+    def _apply(self, messages: list, add_generation_prompt: bool, tools: list | None) -> str:
         try:
-            return self._renderer.render(messages, add_generation_prompt)
+            return self._renderer.render(messages, add_generation_prompt, tools)
         except TemplateError as e:  # a template's raise_exception() or a jinja error: the row's fault
             raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
 
@@ -171,22 +181,24 @@ class PairEncoder:
     def _has_control_text(self, pair: Pair) -> bool:
         if self._special_re is None:
             return False
-        return any(self._special_re.search(m["content"]) for m in (*pair.prompt, *pair.chosen, *pair.rejected))
+        messages = (*pair.prompt, *pair.chosen, *pair.rejected)
+        return any(self._special_re.search(m.get("content", "")) for m in messages)
 
     def _encode_chat_piecewise(self, pair: Pair):
         """Encode template text with special tokens and content without, for rows whose content holds
         special-token text; the template is rendered around sentinels to find where content goes."""
         self._render(pair)  # the same prefix-stability check on the real text
-        prompt = self._pieces(pair.prompt, add_generation_prompt=True)
-        chosen = self._pieces(pair.prompt + pair.chosen, add_generation_prompt=False)
-        rejected = self._pieces(pair.prompt + pair.rejected, add_generation_prompt=False)
+        prompt = self._pieces(pair.prompt, True, pair.tools)
+        chosen = self._pieces(pair.prompt + pair.chosen, False, pair.tools)
+        rejected = self._pieces(pair.prompt + pair.rejected, False, pair.tools)
         return self._split_prefix(prompt, chosen, rejected)
 
-    def _pieces(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        rendered = self._apply(marked, add_generation_prompt)
+    def _pieces(self, messages: list, add_generation_prompt: bool, tools: list | None) -> list[int]:
+        # a tool call's message may have no content: it gets none, or the template would render an empty one
+        marked = [{**m, "content": _SENTINEL.format(i)} if "content" in m else m for i, m in enumerate(messages)]
+        rendered = self._apply(marked, add_generation_prompt, tools)
         parts = re.split("\ue000DPO(\\d+)\ue001", rendered)
-        real = self._apply(messages, add_generation_prompt)
+        real = self._apply(messages, add_generation_prompt, tools)
         contents = [messages[int(j)]["content"] for j in parts[1::2]]
         if "".join(p for pair in zip(parts[0::2], contents + [""]) for p in pair) != real:
             raise RowReject(
@@ -201,6 +213,74 @@ class PairEncoder:
             if k < len(contents) and contents[k]:
                 ids += self._content.encode(contents[k], add_special_tokens=False).ids
         return ids
+
+    # -- tool calls and tools ------------------------------------------------------------------
+
+    def _check_tool_fields(self, pair: Pair) -> None:
+        """Before rendering: tool calls need a template that reads them; special-token text must not be where the
+        template writes it as its own text (tool calls, tools, keys other than content), since only content is
+        encoded apart as plain text and elsewhere it would become the token."""
+        messages = [
+            (f"{field}[{i}]", m)
+            for field in ("prompt", "chosen", "rejected")
+            for i, m in enumerate(getattr(pair, field))
+        ]
+        for where, message in messages:
+            if message.get("tool_calls") and not self._reads_tool_calls:
+                raise RowReject(
+                    "tool_calls_not_rendered",
+                    f"{where} has tool_calls, but the chat template never reads 'tool_calls', so they would be "
+                    "dropped; use a tokenizer whose chat template renders tool calls, or remove them",
+                )
+        if self._special_re is None:
+            return
+        fields = [(f"{w}.{k}", v) for w, m in messages for k, v in m.items() if k not in ("role", "content")]
+        for where, value in [*fields, ("tools", pair.tools)]:
+            found = _special_text(self._special_re, value)
+            if found:
+                raise RowReject(
+                    "control_text_outside_content",
+                    f"{where} holds the special-token text {found!r}; the chat template writes it as its own text, "
+                    "where it becomes that token (only message content is kept as plain text); remove it",
+                )
+
+    def _check_tools_rendered(self, pair: Pair, prompt: str, chosen: str, rejected: str) -> None:
+        """After rendering: the tools and every tool call must change the rendering (else the template drops them)."""
+        tools = pair.tools
+        if tools and not self._differs(pair.prompt, True, None, prompt):
+            raise RowReject(
+                "tools_not_rendered",
+                f"the chat template renders the prompt the same with and without the row's {len(tools)} tools, so "
+                "they would be dropped; use a tokenizer whose chat template renders tools, or drop 'tools'",
+            )
+        self._check_calls_rendered("prompt", [], pair.prompt, prompt, True, tools)
+        self._check_calls_rendered("chosen", pair.prompt, pair.chosen, chosen, False, tools)
+        self._check_calls_rendered("rejected", pair.prompt, pair.rejected, rejected, False, tools)
+
+    def _check_calls_rendered(
+        self, field: str, history: list, part: list, rendered: str, add_generation_prompt: bool, tools: list | None
+    ) -> None:
+        """Each message of `part` with tool calls must render differently without them (a template may skip
+        them in some positions, e.g. in the history)."""
+        messages = history + part
+        for i, message in enumerate(part):
+            if not message.get("tool_calls"):
+                continue
+            without = {k: v for k, v in message.items() if k != "tool_calls"}
+            k = len(history) + i
+            if not self._differs(messages[:k] + [without] + messages[k + 1 :], add_generation_prompt, tools, rendered):
+                raise RowReject(
+                    "tool_calls_not_rendered",
+                    f"the chat template renders {field}[{i}] the same with and without its tool_calls, so they "
+                    "would be dropped; use a tokenizer whose chat template renders tool calls, or remove them",
+                )
+
+    def _differs(self, messages: list, add_generation_prompt: bool, tools: list | None, rendered: str) -> bool:
+        """Whether `messages` render other than `rendered`; a template that fails without the tool data needs it."""
+        try:
+            return self._renderer.render(messages, add_generation_prompt, tools) != rendered
+        except TemplateError:
+            return True
 
     # -- plain text ----------------------------------------------------------------------------
 
@@ -235,3 +315,25 @@ class PairEncoder:
             )
         keep = limit - longest
         return EncodedPair(prompt[-keep:], chosen, rejected, truncated_prompt_tokens=len(prompt) - keep)
+
+
+def _is_plain(pair: Pair) -> bool:
+    """No tools and only {role, content} messages: nothing for the tool checks (the common case, kept cheap)."""
+    parts = (pair.prompt, pair.chosen, pair.rejected)
+    return pair.tools is None and all(len(m) == 2 and "content" in m for part in parts for m in part)
+
+
+def _template_mentions(template: Any, name: str) -> bool:
+    """Whether the chat template's source (or any of its named templates) contains `name`."""
+    if isinstance(template, dict):
+        return any(_template_mentions(t, name) for t in template.values())
+    return isinstance(template, str) and name in template
+
+
+def _special_text(pattern: re.Pattern, value: Any) -> str | None:
+    """The first special-token text in any string (or object key) inside `value`, else None."""
+    if isinstance(value, str):
+        match = pattern.search(value)
+        return match.group() if match else None
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    return next((found for item in items if (found := _special_text(pattern, item))), None)
