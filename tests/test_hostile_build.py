@@ -189,3 +189,13 @@ def test_the_next_successful_build_removes_refused_builds_staging_but_nothing_el
     assert not left.exists()
     assert [p.name for p in annotated.iterdir()] == ["why.txt"]
     assert all((other / "shards").is_dir() for other in others)
+
+
+def test_a_json_input_too_large_to_parse_whole_is_refused_naming_jsonl(tmp_path):
+    from dpo_data.prepare.inputs import MAX_JSON_INPUT_BYTES
+
+    big = tmp_path / "rows.json"
+    with open(big, "wb") as f:  # sparse: no disk or memory is spent on it
+        f.truncate(MAX_JSON_INPUT_BYTES + 1)
+    with pytest.raises(InputFileError, match=r"over the \d+-byte limit for a \.json input.*\.jsonl"):
+        list(iter_rows(open_input(str(big)), max_row_bytes=1 << 20))

@@ -21,6 +21,8 @@ FORMATS = {
     ".parquet": "parquet",
 }
 _READ_CHUNK = 1 << 20
+MAX_JSON_INPUT_BYTES = 1 << 30
+"""A .json input is one array, parsed whole (several times its size in memory): larger data is .jsonl."""
 _FEED_BYTES = 256  # compressed bytes per zstd decompress call: bounds its output (see _ZstdFrames)
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
@@ -196,6 +198,13 @@ class _ZstdFrames(io.RawIOBase):
 
 
 def _json_array(path: str) -> Iterator[tuple[int, Any]]:
+    size = Path(path).stat().st_size
+    if size > MAX_JSON_INPUT_BYTES:
+        raise InputFileError(
+            path,
+            f"{size} bytes, over the {MAX_JSON_INPUT_BYTES}-byte limit for a .json input (one array, parsed "
+            "whole); write it as JSON lines (.jsonl or .jsonl.zst), which are read row by row",
+        )
     data = Path(path).read_bytes().removeprefix(_BOM)
     try:
         rows = orjson.loads(data)
