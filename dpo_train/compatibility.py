@@ -77,7 +77,9 @@ def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str
 
 def check_vocabulary(model: Any, stores: dict[str, PairStore]) -> None:
     """Refuse (ConfigError) a model with fewer embedding rows than a dataset's largest token id + 1."""
-    rows = model.get_input_embeddings().num_embeddings
+    from dpo_train.model import embedding_rows
+
+    rows = embedding_rows(model)
     for key, store in stores.items():
         if store.max_token_id >= rows:
             raise ConfigError(

@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from dpo_data.loading.config import LoaderConfig
-from dpo_state.schema import schema_problems
+from dpo_state.schema import load_schema, schema_problems
 from dpo_train.errors import ConfigError
 from dpo_train.loss import LossConfig
 from dpo_train.strict_yaml import non_finite, parse_yaml, read_yaml_file
 
 CONFIG_SCHEMA = "train-config"
 CONFIG_FORMAT_VERSION = 1
+INT64 = (-(2**63), 2**63 - 1)
+"""Every integer of a config fits here (orjson writes the run identity; torch and numpy take 64-bit seeds)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,10 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainSection:
     output_dir: str = "runs/train"
-    max_steps: int = 10
+    max_steps: int | None = 10
+    """Optimizer steps to train; wins over `epochs` when set (as TRL's). null: train `epochs` whole epochs."""
     epochs: int = 1
+    """Epochs of the data when `max_steps` is null; with `max_steps` set, the run goes past them (and says so)."""
     save_every: int = 0
     keep_last: int = 3
     log_every: int = 1
@@ -220,9 +224,18 @@ def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainCo
             f"{', '.join(bad)}: not a finite number (NaN or infinity); every number in a config "
             "must be finite and inside the key's range (docs/train-config.md)"
         )
+    schema = load_schema(CONFIG_SCHEMA)
+    raw, problems = _integers(schema, raw, "")
+    if problems:
+        raise ConfigError(
+            "the config has integers beyond 64 bits; write each inside the range:\n  - " + "\n  - ".join(problems)
+        )
     problems = schema_problems(CONFIG_SCHEMA, {"format_version": CONFIG_FORMAT_VERSION, **raw})
     if problems:
-        raise ConfigError("the config does not match schemas/train-config.schema.json:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(
+            "the config does not match schemas/train-config.schema.json:\n  - "
+            + "\n  - ".join(_with_range(schema, p) for p in problems)
+        )
     return TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
 
 
@@ -262,7 +275,72 @@ def _check_keys(raw: dict) -> None:
             if key not in known:
                 problems.append(f"unknown key {section}.{key}{_suggest(key, known)}; known keys: {', '.join(known)}")
     if problems:
-        raise ConfigError("the config has unknown keys:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(
+            "the config has unknown keys or sections that are not mappings:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def _integers(node: dict, value: Any, path: str) -> tuple[Any, list[str]]:
+    """`value` with each integral float of an integer key made an int (YAML reads 1e6 as a float), and a
+    line for each integer beyond 64 bits where the schema sets no range (a free mapping such as
+    model.init.config): the run identity is written by orjson, which takes 64 bits."""
+    if isinstance(value, dict):
+        pairs = [
+            (k, _integers(_child(node, "properties", k), v, f"{path}.{k}" if path else str(k)))
+            for k, v in value.items()
+        ]
+        return {k: v for k, (v, _) in pairs}, [p for _, (_, problems) in pairs for p in problems]
+    if isinstance(value, list):
+        items = [_integers(_child(node, "items"), v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [v for v, _ in items], [p for _, problems in items for p in problems]
+    integer = "integer" in _types(node)
+    if integer and isinstance(value, float) and value.is_integer() and INT64[0] <= value <= INT64[1]:
+        return int(value), []
+    unbounded = not any(key in node for key in _BOUNDS)  # a bounded key's range is the schema's to report
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1] and unbounded:
+        return value, [f"{path} is {value}; an integer in a config must lie in [{INT64[0]:_}, {INT64[1]:_}]"]
+    return value, []
+
+
+def _child(node: dict, kind: str, key: Any = None) -> dict:
+    """The schema node of a mapping's key or of a list's items; {} where the schema leaves them free."""
+    child = node.get(kind, {})
+    return child.get(key, {}) if kind == "properties" else child
+
+
+def _types(node: dict) -> list[str]:
+    types = node.get("type", [])
+    return [types] if isinstance(types, str) else types
+
+
+def _with_range(schema: dict, problem: str) -> str:
+    """A schema problem of a bound (minimum, maximum), also naming the key's whole range."""
+    path, _, message = problem.partition(": ")
+    node = schema
+    for part in path.split("/"):
+        node = node.get("items", {}) if part.isdigit() else node.get("properties", {}).get(part, {})
+    if not ("minimum" in message or "maximum" in message) or not any(key in node for key in _BOUNDS):
+        return problem
+    return f'{problem}; allowed: {_allowed(node)} (docs/train-config.md, "Bounds")'
+
+
+_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
+def _allowed(node: dict) -> str:
+    """The range a schema node states, as an interval: 'an integer in [1, 1_000_000]', 'a number in (0, 100]'."""
+    low = _end(node, "minimum", "[") or _end(node, "exclusiveMinimum", "(") or "(-inf"
+    high = _end(node, "maximum", "]") or _end(node, "exclusiveMaximum", ")") or "inf)"
+    return f"{'an integer' if 'integer' in _types(node) else 'a number'} in {low}, {high}"
+
+
+def _end(node: dict, key: str, bracket: str) -> str | None:
+    """One end of the interval; integers with _ between thousands, as YAML also reads them."""
+    if key not in node:
+        return None
+    value = node[key]
+    text = f"{value:_}" if isinstance(value, int) else repr(value)
+    return bracket + text if bracket in "[(" else text + bracket
 
 
 def _suggest(name: str, choices) -> str:

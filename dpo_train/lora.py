@@ -6,6 +6,8 @@ import importlib.util
 import warnings
 from typing import Any
 
+import torch
+
 from dpo_train.errors import ConfigError
 
 # PEFT asks transformers 5 for `is_gradient_checkpointing`, which warns of its rename on every call.
@@ -38,10 +40,42 @@ def apply_lora(model: Any, lora: dict) -> Any:
         target_modules=settings["target_modules"],
         task_type="CAUSAL_LM",
     )
+    shared = _shared_weights(model)  # before PEFT wraps the targets
     try:
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
     except ValueError as e:  # PEFT names the modules it could not find
         raise ConfigError(f"model.lora.target_modules {settings['target_modules']!r}: {e}") from None
+    _refuse_tied_targets(peft_model, shared, settings["target_modules"])
+    return peft_model
+
+
+def _shared_weights(model: Any) -> dict[str, list[str]]:
+    """Each module whose weight another module also uses (tied word embeddings: embed_tokens and
+    lm_head), mapped to the names of those others."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            owners.setdefault(id(weight), []).append(name)
+    return {name: [o for o in group if o != name] for group in owners.values() if len(group) > 1 for name in group}
+
+
+def _refuse_tied_targets(peft_model: Any, shared: dict[str, list[str]], targets: Any) -> None:
+    """An adapter on a tied layer changes one of its uses only, while merging it (train.export merged or
+    both, or PEFT's merge_and_unload later) writes the change into the one shared weight, so into every
+    use: the merged model would not be the model trained. Refused, naming the layers."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = peft_model.get_base_model()
+    tied = [(n, shared[n]) for n, m in base.named_modules() if isinstance(m, BaseTunerLayer) and n in shared]
+    if tied:
+        named = "; ".join(f"{n} shares its weight with {', '.join(others)}" for n, others in tied)
+        raise ConfigError(
+            f"model.lora.target_modules {targets!r} adapts a tied layer ({named}: the model ties its word "
+            "embeddings). The adapter would change one use of the shared weight and a merge would change all of "
+            "them, so a merged model would not be the trained one; drop those layers from target_modules "
+            "(all-linear never takes them)"
+        )
 
 
 class AdaptersDisabled:

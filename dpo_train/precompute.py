@@ -13,7 +13,7 @@ from dpo_train.compatibility import check_data, check_tokenizer, check_vocabular
 from dpo_train.config import TrainConfig
 from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
-from dpo_train.model import prepare_for_training
+from dpo_train.model import check_model_paths, prepare_for_training
 from dpo_train.reference import SIDECAR_DOCUMENT, weights_fingerprint, write_sidecar
 from dpo_train.scoring import score_pairs
 
@@ -32,6 +32,7 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
             f"reference.path {config.reference.path} already holds a sidecar ({existing.name}); a run may be "
             "bound to it. Pass --overwrite to replace it, or set reference.path to a new directory"
         )
+    check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
     store = PairStore(config.data.paths)

@@ -50,13 +50,13 @@ from dpo_train.logps import pair_logps
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import prepare_for_training
+from dpo_train.model import check_model_paths, embedding_rows, prepare_for_training
 from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar, weights_fingerprint
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.sharding import frozen_reference, shard
-from dpo_train.sinks import MetricSinks, check_report_to
+from dpo_train.sinks import MetricSinks, check_report_to, check_sinks
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
 """Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
@@ -107,7 +107,7 @@ class Trainer:
         self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
-        self.vocab_rows = policy.get_input_embeddings().num_embeddings
+        self.vocab_rows = embedding_rows(policy)
         self.state = TrainState()
         self.skipped_steps = 0
         self._step_pairs: set[int] = set()
@@ -285,6 +285,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     with run_lock(out, rank):
         if rank == 0:
             start_run_dir(out, config)
+            check_sinks(config.train.report_to, out)
         return _run(config, place, rank, world, out, progress)
 
 
@@ -396,6 +397,7 @@ def _check_settings(config: TrainConfig) -> None:
     check_resume_config(config)
     check_export(config)
     check_report_to(config.train.report_to)
+    check_model_paths(config.model)
     if config.reference.mode == "precomputed" and not config.reference.path:
         raise ConfigError(
             "reference.mode is precomputed but reference.path is empty; set it to the sidecar "

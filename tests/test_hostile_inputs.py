@@ -258,10 +258,19 @@ def test_bad_config_files_and_overrides_are_named_errors_not_tracebacks(tmp_path
 
 
 def test_a_run_that_goes_non_finite_stops_before_the_optimizer_step(run, tmp_path):
-    """lr 1e30 is a finite, accepted number; the first update blows the weights up. Before, this exited 0
+    """lr 100 with weight decay 10 is in range; the first updates blow the weights up. Before, this exited 0
     with `loss: null` in metrics.jsonl and an all-NaN model in final/."""
     out = tmp_path / "blowup"
-    proc = _train(run / "c.yaml", "--set", "optim.lr=1.0e30", "--set", f"train.output_dir={out}", code=1)
+    proc = _train(
+        run / "c.yaml",
+        "--set",
+        "optim.lr=100",
+        "--set",
+        "optim.weight_decay=10",
+        "--set",
+        f"train.output_dir={out}",
+        code=1,
+    )
     assert re.search(r"step (\d+): .*not finite on rank\(s\) 0 .*sources ", proc.stderr), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (out / "final").exists()
     failed = int(re.search(r"step (\d+): ", proc.stderr).group(1))
@@ -276,7 +285,9 @@ def test_skip_step_logs_and_counts_a_non_finite_step_and_leaves_the_optimizer_al
     _train(
         run / "c.yaml",
         "--set",
-        "optim.lr=1.0e30",
+        "optim.lr=100",
+        "--set",
+        "optim.weight_decay=10",
         "--set",
         "train.on_nonfinite=skip_step",
         "--set",
