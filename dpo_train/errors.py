@@ -17,6 +17,13 @@ class ResumeError(ToolkitError):
     """A checkpoint that must not be resumed into this run; lists every reason and how to proceed."""
 
 
+class WriteError(ToolkitError):
+    """A place the run must write that refuses it (read-only, full, no permission): the run's environment,
+    not its input, so the exit code is 1; the message names the place and the fix."""
+
+    exit_code = 1
+
+
 class CheckpointError(ToolkitError):
     """A save that could not complete on every rank (the previous checkpoint stays the latest).
     Not the user's input: the run itself failed, so the exit code is 1."""

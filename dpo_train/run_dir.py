@@ -12,7 +12,7 @@ from dpo_data.dataset.manifest import MANIFEST_NAME
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_state.lock import DirectoryLock
 from dpo_train.config import TrainConfig
-from dpo_train.errors import ConfigError
+from dpo_train.errors import ConfigError, WriteError
 
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 """A run never goes into these, nor is it the filesystem root or the home directory itself."""
@@ -70,7 +70,7 @@ def run_lock(out: Path, rank: int) -> Iterator[None]:
         "finish, or choose another train.output_dir",
         unwritable=f"train.output_dir {out}: cannot create the lock file {{lock}} ({{reason}}); choose a "
         "writable location",
-        error=ConfigError,
+        error=WriteError,
     )
     with lock:
         yield
@@ -82,7 +82,7 @@ def start_run_dir(out: Path, config: TrainConfig) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / RESOLVED_CONFIG).write_text(yaml.safe_dump(config.resolved(), sort_keys=False))
     except OSError as e:
-        raise ConfigError(
+        raise WriteError(
             f"train.output_dir {out} cannot be written ({e.strerror}: {e.filename}); choose a writable directory"
         ) from None
 

@@ -7,9 +7,8 @@ import os
 import threading
 from pathlib import Path
 
-from dpo_state.errors import ToolkitError
 from dpo_state.run_logs import step_scalars
-from dpo_train.errors import ConfigError
+from dpo_train.errors import ConfigError, WriteError
 
 REPORT_TO = ("tensorboard",)
 TENSORBOARD_DIR = "tensorboard"
@@ -25,13 +24,6 @@ def check_report_to(report_to: list[str]) -> None:
                 "train.report_to lists tensorboard, but the tensorboard package is not installed; install it "
                 "with `pip install 'dpo-toolkit[report]'`, or drop it from train.report_to"
             ) from None
-
-
-class SinkError(ToolkitError):
-    """A metric sink that cannot write its files (a read-only or full disk): the run's environment, not
-    its config, so the exit code is 1."""
-
-    exit_code = 1
 
 
 def check_sinks(report_to: list[str], out: Path) -> None:
@@ -56,7 +48,7 @@ def check_sinks(report_to: list[str], out: Path) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):  # a read-only disk refuses even this
             probe.unlink(missing_ok=True)
-        raise SinkError(_cannot_write(directory, e)) from None
+        raise WriteError(_cannot_write(directory, e)) from None
 
 
 def _cannot_write(directory: Path, e: OSError) -> str:
@@ -83,7 +75,7 @@ class MetricSinks:
             try:
                 self.writer = SummaryWriter(log_dir=str(self.directory), purge_step=purge)
             except OSError as e:
-                raise SinkError(_cannot_write(self.directory, e)) from None
+                raise WriteError(_cannot_write(self.directory, e)) from None
 
     def step(self, record: dict) -> None:
         """One metrics.jsonl record: every scalar under its metrics name (`sources/NAME/KEY` per source)."""
@@ -103,7 +95,7 @@ class MetricSinks:
                     self.writer.add_scalar(name, value, step, walltime=walltime)
             self.writer.flush()  # a running run is visible step by step
         except OSError as e:  # raised here, or by the writer's thread and raised again here
-            raise SinkError(_cannot_write(self.directory, e)) from None
+            raise WriteError(_cannot_write(self.directory, e)) from None
 
     def __enter__(self):
         # the event writer's thread re-raises its OSError in _write, named; threading's hook would also
@@ -123,6 +115,6 @@ class MetricSinks:
                 self.writer.close()
         except OSError as e:
             if kind is None:  # else the error already under way is the one to report
-                raise SinkError(_cannot_write(self.directory, e)) from None
+                raise WriteError(_cannot_write(self.directory, e)) from None
         finally:
             threading.excepthook = self._hook or threading.excepthook

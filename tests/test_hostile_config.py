@@ -273,13 +273,14 @@ def test_a_read_only_tensorboard_directory_is_an_environment_error(small_dataset
 
 
 def test_a_full_tensorboard_disk_is_an_environment_error_before_the_first_step(tmp_path):
-    from dpo_train.sinks import SinkError, check_sinks
+    from dpo_train.errors import WriteError
+    from dpo_train.sinks import check_sinks
 
     with small_tmpfs(tmp_path / "run" / "tensorboard", 1) as full:
         with open(full / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
             while True:
                 f.write(bytes(1 << 16))
-        with pytest.raises(SinkError, match=re.escape(f"into {full} (No space left on device)")) as info:
+        with pytest.raises(WriteError, match=re.escape(f"into {full} (No space left on device)")) as info:
             check_sinks(["tensorboard"], tmp_path / "run")
         assert info.value.exit_code == 1 and [p.name for p in full.iterdir()] == ["filler"]
 
