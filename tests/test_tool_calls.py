@@ -13,7 +13,6 @@ import copy
 import json
 import subprocess
 import sys
-import warnings
 
 import pyarrow as pa
 import pytest
@@ -25,7 +24,7 @@ from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import EncodedPair, PairEncoder, TokenizeOptions
 from dpo_state.schema import load_schema, schema_problems
 from tests.conftest import write_jsonl
-from tests.test_trl_parity import assistant, describe, system, tool, user
+from tests.test_trl_parity import assistant, describe, system, tool, trl_prepare, user
 
 TOOL_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -181,52 +180,11 @@ def built(tool_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trl_prepared(tool_dir, tmp_path_factory):
-    """TRL's prepared rows, one dataset per row: {row name: {'prompt_ids', 'chosen_ids', 'rejected_ids', ...}}."""
-    import datasets
-    import torch
-    import transformers
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from trl import DPOConfig, DPOTrainer
-
-    def tiny_model():
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=49152,
-        )
-        return LlamaForCausalLM(config)
-
-    sets = {name: datasets.Dataset.from_list([row]) for name, row in TOOL_ROWS.items()}
-    first = next(iter(sets))
-    progress_was_enabled = datasets.is_progress_bar_enabled()
-    verbosity = transformers.logging.get_verbosity()
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.manual_seed(0)
-            args = DPOConfig(
-                output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], max_length=None, bf16=False, use_cpu=True
-            )
-            trainer = DPOTrainer(
-                model=tiny_model(),
-                ref_model=tiny_model(),
-                args=args,
-                processing_class=AutoTokenizer.from_pretrained(tool_dir),
-                train_dataset=sets[first],
-                eval_dataset={name: ds for name, ds in sets.items() if name != first},
-            )
-    finally:
-        if progress_was_enabled:
-            datasets.enable_progress_bars()
-        transformers.logging.set_verbosity(verbosity)
-    prepared = {first: trainer.train_dataset.to_list()[0]}
-    prepared.update({name: ds.to_list()[0] for name, ds in trainer.eval_dataset.items()})
-    return prepared
+    """TRL's prepared rows, one dataset per row (Arrow would fill other rows' keys with nulls inside nested
+    tool arguments, which TRL then renders): {row name: {'prompt_ids', 'chosen_ids', 'rejected_ids', ...}}."""
+    sets = {name: [row] for name, row in TOOL_ROWS.items()}
+    prepared = trl_prepare(tool_dir, sets, tmp_path_factory.mktemp("trl"))
+    return {name: rows[0] for name, rows in prepared.items()}
 
 
 def encode(tokenizer, row) -> EncodedPair | RowReject:

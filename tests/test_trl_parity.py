@@ -285,9 +285,9 @@ def ours(tokenizer):
     return {name: encoder.encode_many([normalize_row(r) for r in group]) for name, group in rows.items()}
 
 
-@pytest.fixture(scope="module")
-def trl_prepared(tokenizer_dir, tmp_path_factory):
-    """TRL's prepared datasets as lists of rows: {format name: [{'prompt_ids', 'chosen_ids', 'rejected_ids', ...}]}."""
+def trl_prepare(tokenizer_dir, sets: dict[str, list[dict]], output_dir) -> dict[str, list[dict]]:
+    """TRL 1.16's own preparation (DPOTrainer's tokenization) of each named list of rows, as lists of rows
+    ({'prompt_ids', 'chosen_ids', 'rejected_ids', ...}); the first set is the train dataset, the rest eval."""
     import datasets
     import torch
     import transformers
@@ -305,6 +305,7 @@ def trl_prepared(tokenizer_dir, tmp_path_factory):
         )
         return LlamaForCausalLM(config)
 
+    (first, train_rows), *rest = sets.items()
     progress_was_enabled = datasets.is_progress_bar_enabled()
     verbosity = transformers.logging.get_verbosity()
     datasets.disable_progress_bars()
@@ -313,29 +314,35 @@ def trl_prepared(tokenizer_dir, tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation chatter from TrainingArguments / TRL, not under test
             torch.manual_seed(0)
-            args = DPOConfig(
-                output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], max_length=None, bf16=False, use_cpu=True
-            )
+            args = DPOConfig(output_dir=str(output_dir), report_to=[], max_length=None, bf16=False, use_cpu=True)
             trainer = DPOTrainer(
                 model=tiny_model(),
                 ref_model=tiny_model(),  # passed explicitly: an in-memory model has no path to load a reference from
                 args=args,
                 processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
-                train_dataset=datasets.Dataset.from_list(TEXT_ROWS),
-                eval_dataset={
-                    "chat_explicit": datasets.Dataset.from_list(CHAT_ROWS),
-                    "chat_implicit": datasets.Dataset.from_list(IMPLICIT_ROWS),
-                    "text_merge": datasets.Dataset.from_list(MERGE_ROWS),
-                    "chat_merge": datasets.Dataset.from_list([CHAT_MERGE_ROW]),
-                },
+                train_dataset=datasets.Dataset.from_list(train_rows),
+                eval_dataset={name: datasets.Dataset.from_list(rows) for name, rows in rest},
             )
     finally:
         if progress_was_enabled:
             datasets.enable_progress_bars()
         transformers.logging.set_verbosity(verbosity)
-    prepared = {"text": trainer.train_dataset.to_list()}
+    prepared = {first: trainer.train_dataset.to_list()}
     prepared.update({name: ds.to_list() for name, ds in trainer.eval_dataset.items()})
     return prepared
+
+
+@pytest.fixture(scope="module")
+def trl_prepared(tokenizer_dir, tmp_path_factory):
+    """TRL's prepared datasets as lists of rows: {format name: [{'prompt_ids', 'chosen_ids', 'rejected_ids', ...}]}."""
+    sets = {
+        "text": TEXT_ROWS,
+        "chat_explicit": CHAT_ROWS,
+        "chat_implicit": IMPLICIT_ROWS,
+        "text_merge": MERGE_ROWS,
+        "chat_merge": [CHAT_MERGE_ROW],
+    }
+    return trl_prepare(tokenizer_dir, sets, tmp_path_factory.mktemp("trl"))
 
 
 # -- parity ----------------------------------------------------------------------------------------
