@@ -21,13 +21,21 @@ class DirectoryLock:
 
     The lock file stays after release (deleting it would race with a process that just opened it); it
     holds the holder's pid, host and start time. `busy` and `unwritable` word the errors for the caller
-    (`{holder}`, `{lock}` and `{reason}` are filled in).
+    (`{holder}`, `{lock}` and `{reason}` are filled in), `error` and `unwritable_error` type them.
     """
 
-    def __init__(self, directory: str | Path, busy: str, unwritable: str, error: type[ToolkitError] = DirectoryBusy):
+    def __init__(
+        self,
+        directory: str | Path,
+        busy: str,
+        unwritable: str,
+        error: type[ToolkitError] = DirectoryBusy,
+        unwritable_error: type[ToolkitError] | None = None,
+    ):
         directory = Path(directory)
         self.path = directory.with_name(directory.name + ".lock")
-        self._busy, self._unwritable, self._error = busy, unwritable, error
+        self._busy, self._unwritable = busy, unwritable
+        self._error, self._unwritable_error = error, unwritable_error or error
         self._fd: int | None = None
 
     def __enter__(self) -> DirectoryLock:
@@ -35,7 +43,7 @@ class DirectoryLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise self._error(self._unwritable.format(lock=self.path, reason=e.strerror)) from None
+            raise self._unwritable_error(self._unwritable.format(lock=self.path, reason=e.strerror)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

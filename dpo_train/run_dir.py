@@ -70,7 +70,8 @@ def run_lock(out: Path, rank: int) -> Iterator[None]:
         "finish, or choose another train.output_dir",
         unwritable=f"train.output_dir {out}: cannot create the lock file {{lock}} ({{reason}}); choose a "
         "writable location",
-        error=WriteError,
+        error=ConfigError,  # another run is the user's to sort out: exit 2
+        unwritable_error=WriteError,
     )
     with lock:
         yield

@@ -397,7 +397,6 @@ def _check_settings(config: TrainConfig) -> None:
     check_resume_config(config)
     check_export(config)
     check_report_to(config.train.report_to)
-    check_model_paths(config.model)
     if config.reference.mode == "precomputed" and not config.reference.path:
         raise ConfigError(
             "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
@@ -411,6 +410,7 @@ def _check_settings(config: TrainConfig) -> None:
         raise ConfigError(
             "data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
         )
+    check_model_paths(config.model)  # after the settings a config alone decides: those are named first
 
 
 def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
