@@ -6,15 +6,14 @@ from pathlib import Path
 
 from dpo_data.dataset.store import PairStore
 from dpo_train import collectives
-from dpo_train.attention.choice import load_model
-from dpo_train.attention.probe import probe
-from dpo_train.attention.sequence_parallel import check_heads, run_mesh
+from dpo_train.attention.sequence_parallel import run_mesh
 from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
-from dpo_train.model import check_model_paths, prepare_for_training
-from dpo_train.reference import SIDECAR_DOCUMENT, weights_fingerprint, write_sidecar
+from dpo_train.initial_policy import initial_policy
+from dpo_train.model import check_model_paths
+from dpo_train.reference import SIDECAR_DOCUMENT, write_sidecar
 from dpo_train.scoring import score_pairs
 
 
@@ -39,13 +38,8 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
     check_data({"data.path": store}, config.data.verify, rank, world)
     check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
     mesh = run_mesh(config, rank, world)
-    model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
-    check_heads(model.config, mesh.ulysses)
+    model, weights = initial_policy(config, place, mesh)  # the trainer's own: weights_from included
     check_vocabulary(model, {"data.path": store})
-    prepare_for_training(model)  # same dropout settings as the trainer's reference
-    if config.train.probe_packing:
-        probe(model, config.data.layout)
-    weights = weights_fingerprint(model)
     model.to(place.device)
     layout = config.data.layout
     scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, mesh, layout)

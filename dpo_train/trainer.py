@@ -20,10 +20,8 @@ from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
 from dpo_train import collectives
-from dpo_train.attention.choice import load_model
 from dpo_train.attention.inputs import row_inputs
-from dpo_train.attention.probe import probe
-from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads, check_same_row, run_mesh
+from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
 from dpo_train.checkpointing import (
     Checkpointable,
     ModelAndOptimizer,
@@ -33,7 +31,6 @@ from dpo_train.checkpointing import (
     abandon_later,
     check_resume_config,
     find_resume,
-    load_weights,
     new_lineage,
     restore,
     save,
@@ -46,14 +43,15 @@ from dpo_train.evaluation import Evaluator
 from dpo_train.export import check_export, export
 from dpo_train.guard import agree, local_nonfinite, step_sources
 from dpo_train.identity import run_identity
+from dpo_train.initial_policy import initial_policy
 from dpo_train.logps import pair_logps
 from dpo_train.lora import AdaptersDisabled, apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import check_model_paths, embedding_rows, prepare_for_training
+from dpo_train.model import check_model_paths, embedding_rows
 from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.progress import Progress
-from dpo_train.reference import load_sidecar, weights_fingerprint
+from dpo_train.reference import load_sidecar
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.sharding import frozen_reference, shard
 from dpo_train.sinks import MetricSinks, check_report_to, check_sinks
@@ -82,17 +80,11 @@ class Trainer:
         self.mesh = mesh or run_mesh(config, rank, world)
         self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
         torch.manual_seed(config.train.seed)
-        policy = load_model(config.model, config.model.attention, place, self.mesh, config.data.layout)
-        check_heads(policy.config, self.mesh.ulysses)
+        # the initial policy: the reference's weights, as --precompute-reference builds them
+        policy, self.weights = initial_policy(config, place, self.mesh, config.train.activation_checkpointing)
         self.router_aux_coef = router_aux_coef(
             config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
         )
-        if config.train.weights_from:
-            load_weights(policy, config.train.weights_from)
-        prepare_for_training(policy, config.train.activation_checkpointing)
-        if config.train.probe_packing:
-            probe(policy, config.data.layout)
-        self.weights = weights_fingerprint(policy)  # of the initial policy: the reference's weights
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)

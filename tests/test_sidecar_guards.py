@@ -104,3 +104,22 @@ def test_a_plausible_edit_with_rewritten_hashes_is_caught_at_the_first_step(
     assert result.exit_code == 2
     assert "before the first step the policy is the reference, yet pair" in result.output
     assert "--precompute-reference --overwrite" in result.output
+
+
+def test_a_weights_from_run_precomputes_its_own_reference_and_trains_on_it(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """--precompute-reference starts from the run's initial policy, train.weights_from included: the
+    sidecar is bound to those weights, so the run accepts it (before, it was bound to model.init's)."""
+    from dpo_cli.train import main
+
+    path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
+    first = ["--set", "reference.mode=live", "--set", "train.max_steps=2", "--set", "train.save_every=2"]
+    first += ["--set", f"train.output_dir={tmp_path / 'first'}"]
+    assert run_cli(main, path, *first).exit_code == 0
+    later = ["--set", f"train.weights_from={tmp_path / 'first'}", "--set", f"train.output_dir={tmp_path / 'later'}"]
+    assert run_cli(main, path, *later, "--precompute-reference").exit_code == 0
+    result = run_cli(main, path, *later, "--set", "train.max_steps=1")
+    assert result.exit_code == 0, result.output
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "later" / "metrics.jsonl").read_text().splitlines()]
+    assert losses == [pytest.approx(0.6931471805599453, abs=1e-6)]  # the policy is its reference at step 0

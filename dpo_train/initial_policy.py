@@ -1,0 +1,30 @@
+"""The initial policy, which is also the reference's weights: built one way for training and for precompute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpo_train.attention.choice import load_model
+from dpo_train.attention.probe import probe
+from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
+from dpo_train.checkpointing import load_weights
+from dpo_train.config import TrainConfig
+from dpo_train.device import Placement
+from dpo_train.model import prepare_for_training
+from dpo_train.reference import weights_fingerprint
+
+
+def initial_policy(
+    config: TrainConfig, place: Placement, mesh: SequenceMesh, activation_checkpointing: bool = False
+) -> tuple[Any, str]:
+    """The model as step 1 starts from it, on the CPU, and its weights' fingerprint: loaded through the
+    attention path, `train.weights_from` applied, dropout off, the packing probe passed. A sidecar
+    precomputed from anything else would be bound to other weights and refused by the run."""
+    model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
+    check_heads(model.config, mesh.ulysses)
+    if config.train.weights_from:
+        load_weights(model, config.train.weights_from)
+    prepare_for_training(model, activation_checkpointing)
+    if config.train.probe_packing:
+        probe(model, config.data.layout)
+    return model, weights_fingerprint(model)
