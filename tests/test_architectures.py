@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from tests.architectures import (
     relative_error,
     render_table,
 )
-from tests.test_sequence_parallel import _spawn
+from tests.harness import join_gloo, spawn
 
 PATHS = ("auto", "segments", "sdpa", "eager")
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
@@ -146,8 +145,7 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_train.attention.sequence_parallel import sequence_mesh
     from dpo_train.logps import pair_logps
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
     out = {}
     for model_type in sorted(ZOO):
@@ -204,7 +202,7 @@ def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path
     """Ulysses 2 and context 2 (two gloo processes, every architecture inside them); then the docs'
     supported-architectures table must be what this module measured (regenerate it with
     `python -m tests.test_architectures`)."""
-    _spawn(_sp_worker, 2, str(tmp_path / "out.pt"))
+    spawn(_sp_worker, 2, str(tmp_path / "out.pt"))
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for model_type in ZOO:
         _expect({k.split(" ", 1)[1]: v for k, v in results.items() if k.startswith(model_type + " ")}, model_type)
@@ -215,7 +213,7 @@ if __name__ == "__main__":  # regenerate the docs table from a fresh run of ever
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        _spawn(_sp_worker, 2, str(Path(tmp) / "out.pt"))
+        spawn(_sp_worker, 2, str(Path(tmp) / "out.pt"))
         write_docs_table(render_table(table_rows(torch.load(Path(tmp) / "out.pt", weights_only=True))))
     print(f"wrote the supported-architectures table into {DOCS}")
 

@@ -15,15 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+from tests.harness import TINY_LLAMA
+
+MODEL = TINY_LLAMA
 TIMING = ("pairs/s", "tokens/s", "time")
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dpo_train import collectives
+from tests.harness import join_gloo, spawn
 from tests.test_trainer import write_config
 
 GUARD = Path(__file__).with_name("collective_guard.py")
@@ -188,7 +189,7 @@ def test_the_identity_knows_the_device_kind():
     assert elastic == ["layout.world_size: checkpoint 8, this run 4"]
 
 
-def _reference_worker(rank: int, port: int, dataset: str, out: str) -> None:
+def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) -> None:
     """One of 2 FSDP2 ranks: build the Trainer with a live reference and describe both models' parameters."""
     import torch.distributed as dist
 
@@ -198,8 +199,7 @@ def _reference_worker(rank: int, port: int, dataset: str, out: str) -> None:
     from dpo_train.trainer import Trainer
     from tests.test_invariance import MODEL
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, world, port)
     config = load_config(
         {
             "model": {"init": {"config": MODEL, "seed": 0}},
@@ -240,13 +240,7 @@ def _reference_worker(rank: int, port: int, dataset: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_the_live_reference_is_sharded_like_the_policy_under_fsdp2(sample_dataset, tmp_path):
-    import torch.multiprocessing as mp
-
-    from tests.test_invariance import _free_port
-
-    mp.start_processes(
-        _reference_worker, args=(_free_port(), str(sample_dataset), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    spawn(_reference_worker, 2, str(sample_dataset), str(tmp_path))
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         policy, reference = report["policy"], report["reference"]

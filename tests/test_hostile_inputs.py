@@ -16,16 +16,9 @@ import torch
 import yaml
 
 from dpo_state.commit import write_commit
+from tests.harness import TINY_LLAMA
 
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+MODEL = TINY_LLAMA
 
 
 class _CreatesFile:

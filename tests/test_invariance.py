@@ -15,23 +15,15 @@ step. The mean-of-micro-batch-means reduction (what TRL, OpenRLHF and others do)
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn
 
 RTOL = 2e-6  # ||a - b|| / ||a|| per tensor, for gradients and parameters, fp32 on CPU (measured: up to 1.25e-6)
 
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+MODEL = TINY_LLAMA
 
 
 def _config(dataset: str, budget: int = 4096, strategy: str = "ddp", layout: str = "separate") -> dict:
@@ -61,7 +53,7 @@ def _worker(rank: int, world: int, port: int, jobs: list) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        join_gloo(rank, world, port)
     exact = trainer_module.microbatch_loss
     for job in jobs:
         try:
@@ -138,12 +130,6 @@ def _step_gradient(policy) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(tmp_path, name, config, steps=None, world=1, use_loader=False, reduction="exact") -> dict:
     return _train_all(tmp_path, {name: (world, config, steps, use_loader, reduction)})[name]
 
@@ -157,12 +143,12 @@ def _train_all(tmp_path, runs: dict) -> dict:
         if world == 1:
             saved = dict(os.environ)
             try:
-                _worker(0, 1, _free_port(), jobs)
+                _worker(0, 1, free_port(), jobs)
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
         else:
-            mp.start_processes(_worker, args=(world, _free_port(), jobs), nprocs=world, start_method="spawn")
+            spawn(_worker, world, jobs)
     return {name: torch.load(path, weights_only=True) for name, path in results.items()}
 
 

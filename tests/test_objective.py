@@ -4,9 +4,6 @@ and across ranks with DDP on gloo (real processes)."""
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch.multiprocessing as mp
 
 from dpo_train.loss import LossConfig, pair_losses
 from dpo_train.objective import microbatch_loss
+from tests.harness import join_gloo, spawn
 
 torch.manual_seed(0)
 N_PAIRS = 6
@@ -59,12 +57,6 @@ def test_an_empty_micro_batch_contributes_nothing():
     assert loss.item() == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _global_count(local: int) -> float:
     """Sum a count over all ranks: how a trainer learns the step's pair count when its loader does not say."""
     import torch.distributed as dist
@@ -78,8 +70,7 @@ def _rank_main(rank, world_size, port, rank_splits, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, world_size, port)
     model = DDP(make_model())
     splits = rank_splits[rank]
     step_pairs = _global_count(sum(len(s) for s in splits))  # 6: all pairs of the step, over ranks
@@ -99,7 +90,7 @@ def test_ddp_on_gloo_with_uneven_ranks_gives_the_step_mean_gradient():
     rank_splits = [[[0, 1, 2], [3, 4]], [[5]]]
     manager = mp.Manager()
     out = manager.dict()
-    mp.start_processes(_rank_main, args=(2, _free_port(), rank_splits, out), nprocs=2, start_method="spawn", join=True)
+    spawn(_rank_main, 2, rank_splits, out)
     expected = full_step_gradient()
     for rank in range(2):
         torch.testing.assert_close(out[rank], expected, rtol=1e-6, atol=1e-7)

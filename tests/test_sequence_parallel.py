@@ -5,16 +5,14 @@ single-process per-pair log-probs and gradients; training and resume under a mes
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.harness import join_gloo, spawn
 from tests.test_checkpoint import config, metrics, state_cli, train
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
@@ -99,8 +97,7 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_train.device import placement
     from dpo_train.logps import row_inputs
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in MESHES}
     model = _model()
     model.config._attn_implementation = attention_for("auto", placement("cpu", "fp32"), meshes[(2, 1)])
@@ -137,16 +134,6 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(worker, world: int, *args) -> None:
-    mp.start_processes(worker, args=(world, _free_port(), *args), nprocs=world, start_method="spawn")
-
-
 @pytest.fixture(scope="module")
 def single_process():
     """Per row: the per-pair sums and gradients of one process with the ordinary (sdpa) attention."""
@@ -166,7 +153,7 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
     layout split the same way scores pairs as the separate layout does in one process; a padding-only
     row runs through every mesh and adds nothing; ranks holding different rows are named."""
     result = tmp_path / "split.pt"
-    _spawn(_split_worker, 4, str(result))
+    spawn(_split_worker, 4, str(result))
     got = torch.load(result, weights_only=True)
     for name, expected in single_process.items():
         for u, c in MESHES:
@@ -214,10 +201,7 @@ def _train_worker(rank: int, world: int, port: int, jobs: list) -> None:
     starting processes costs more than the tiny model's steps."""
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     for job in jobs:
         _train_job(rank, world, *job)
         dist.barrier()
@@ -260,7 +244,7 @@ def _trained_all(tmp_path, runs: dict) -> dict:
     results = {name: tmp_path / f"{name}.pt" for name in runs}
     for world in sorted({run[0] for run in runs.values()}):
         jobs = [(config, str(results[name]), mutant) for name, (w, config, mutant) in runs.items() if w == world]
-        _spawn(_train_worker, world, jobs)
+        spawn(_train_worker, world, jobs)
     loaded = {name: torch.load(path, weights_only=True) for name, path in results.items()}
     return {name: (got["params"], json.loads(got["records"])) for name, got in loaded.items()}
 

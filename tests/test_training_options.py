@@ -7,16 +7,9 @@ import torch
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.microbatch import pack_microbatch
+from tests.harness import TINY_LLAMA
 
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+MODEL = TINY_LLAMA
 
 
 def _trainer(dataset, **train):
