@@ -559,9 +559,8 @@ def check_resume_config(config: TrainConfig) -> None:
 
 
 def _agree(step: int) -> None:
-    """Every rank is at `step` (one MAX all-reduce of the step with both signs), else nothing is saved."""
-    both = collectives.all_reduce(torch.tensor([step, -step], dtype=torch.int64), "max")
-    lo, hi = -int(both[1]), int(both[0])
+    """Every rank is at `step`, else nothing is saved."""
+    lo, hi = (int(x) for x in collectives.spread(torch.tensor([step], dtype=torch.int64)))
     if lo != hi:
         raise CheckpointError(f"ranks disagree on the step to save (steps {lo} to {hi}); nothing saved")
 

@@ -49,6 +49,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     return moved.to(tensor.device)
 
 
+def spread(values: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(smallest, largest) of `values` over ranks, element-wise: one MAX all-reduce of the values with both
+    signs, so ranks agree (or see that they do not) in one collective instead of two."""
+    both = all_reduce(torch.cat([values, -values]), "max", group=group)
+    return -both[values.numel() :], both[: values.numel()]
+
+
 def barrier() -> None:
     """Wait for every rank (a no-op in one process)."""
     if not active():

@@ -21,13 +21,12 @@ def local_nonfinite(sums: torch.Tensor, grad_norm: float) -> list[str]:
 
 
 def agree(flag: bool, step_pairs: int, rank: int, world: int) -> tuple[list[int], int, int]:
-    """(ranks that raised `flag`, smallest and largest `step_pairs` over ranks), from one all-reduce (MAX)
-    of a one-hot vector and the pair count with both signs. Every rank must call."""
-    values = torch.zeros(world + 2, dtype=torch.float64)
-    values[rank] = float(flag)
-    values[world], values[world + 1] = float(step_pairs), -float(step_pairs)
-    out = collectives.all_reduce(values, "max").tolist()
-    return [r for r, f in enumerate(out[:world]) if f], int(-out[world + 1]), int(out[world])
+    """(ranks that raised `flag`, smallest and largest `step_pairs` over ranks), from one `spread` of a
+    one-hot vector and the pair count. Every rank must call."""
+    values = torch.zeros(world + 1, dtype=torch.float64)
+    values[rank], values[world] = float(flag), float(step_pairs)
+    lo, hi = (x.tolist() for x in collectives.spread(values))
+    return [r for r, f in enumerate(hi[:world]) if f], int(lo[world]), int(hi[world])
 
 
 def step_sources(sums: torch.Tensor, sources: list[str]) -> list[str]:

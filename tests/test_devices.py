@@ -128,9 +128,8 @@ def test_every_collective_goes_through_the_helper_on_its_device(sample_dataset, 
     sites = {site for run in (precompute, first, resumed, failing) for calls in run for site in calls}
     expected = {
         "all_reduce<-collectives.gather_failures",  # check_data, save
-        "all_reduce<-guard.agree",  # the non-finite vote and step_pairs agreement
+        "all_reduce<-collectives.spread",  # guard.agree (non-finite vote, step_pairs), the step to save
         "all_reduce<-trainer.step",  # the step's metric sums
-        "all_reduce<-checkpointing._agree",  # the step to save
         "all_reduce<-scoring.score_pairs",  # precompute and eval tables
         "all_gather_object<-checkpointing.save",  # the ranks' loader positions
         "all_gather_object<-collectives.gather_failures",  # the failure messages, when a rank failed

@@ -150,14 +150,15 @@ def test_sigkill_during_the_export_leaves_no_final_and_the_rerun_writes_it_whole
 
 @pytest.mark.slow
 def test_max_steps_wins_over_epochs_and_says_so_and_null_trains_the_epochs(small_dataset, smollm2_dir, tmp_path):
-    # 24 pairs, 4 per step: an epoch is 6 steps
-    path, out = config(tmp_path, small_dataset, smollm2_dir, "steps", train__max_steps=12, train__epochs=1)
-    ran = train(path, "--set", "train.save_every=0")
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 12
-    assert "note: train.max_steps 12 goes on into epoch 2 of the data, past train.epochs 1" in ran.stderr
+    # 24 pairs, 12 per step: an epoch is 2 steps
+    short = ("--set", "train.save_every=0", "--set", "data.pairs_per_step=12")
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "steps", train__max_steps=4, train__epochs=1)
+    ran = train(path, *short)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert "note: train.max_steps 4 goes on into epoch 2 of the data, past train.epochs 1" in ran.stderr
     path, out = config(tmp_path, small_dataset, smollm2_dir, "epochs", train__max_steps=None, train__epochs=2)
-    ran = train(path, "--set", "train.save_every=0")
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 12 and "note:" not in ran.stderr
+    ran = train(path, *short)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4 and "note:" not in ran.stderr
 
 
 @pytest.mark.slow

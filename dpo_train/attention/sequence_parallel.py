@@ -179,8 +179,8 @@ def check_same_row(batch: dict, mesh: SequenceMesh, step: int) -> None:
             torch.tensor(int(batch["step_pairs"])),
         ]
     )
-    both = collectives.all_reduce(torch.cat([signature, -signature]), op="max", group=mesh.group)
-    if not torch.equal(both[: len(signature)], -both[len(signature) :]):
+    lo, hi = collectives.spread(signature, group=mesh.group)
+    if not torch.equal(lo, hi):
         raise DataError(
             f"step {step}, micro-batch {batch.get('microbatch')}: the ranks of sequence-parallel group "
             f"{mesh.dp_rank} hold different rows (input ids, labels or segments); every rank of a group "
