@@ -7,12 +7,12 @@ from pathlib import Path
 from dpo_data.dataset.store import PairStore
 from dpo_train import collectives
 from dpo_train.attention.sequence_parallel import run_mesh
-from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
 from dpo_train.initial_policy import initial_policy
 from dpo_train.model import check_model_paths
+from dpo_train.preflight import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.reference import SIDECAR_DOCUMENT, write_sidecar
 from dpo_train.scoring import score_pairs
 

@@ -35,7 +35,6 @@ from dpo_train.checkpointing import (
     restore,
     save,
 )
-from dpo_train.compatibility import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.config import TrainConfig
 from dpo_train.device import Placement, init_distributed, placement
 from dpo_train.errors import ConfigError, NonFiniteError
@@ -50,6 +49,7 @@ from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
 from dpo_train.model import check_model_paths, embedding_rows
 from dpo_train.objective import microbatch_loss, router_aux_coef
+from dpo_train.preflight import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
 from dpo_train.progress import Progress
 from dpo_train.reference import load_sidecar
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir

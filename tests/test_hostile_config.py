@@ -229,7 +229,7 @@ def test_lora_on_an_untied_embedding_merges_into_the_model_it_trained():
 
 def test_the_cli_trains_and_exports_lora_on_an_untied_embedding(small_dataset, smollm2_dir, tmp_path):
     """Before: AttributeError "'Embedding' object has no attribute 'num_embeddings'" (exit 1). Needs
-    `embedding_rows` in trainer.py and compatibility.check_vocabulary."""
+    `embedding_rows` in trainer.py and preflight.check_vocabulary."""
     lora = {"r": 2, "target_modules": ["embed_tokens", "q_proj"]}
     path, out = config(
         tmp_path, small_dataset, smollm2_dir, "emb", model__lora=lora, train__max_steps=2, train__export="both"
