@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -61,32 +61,38 @@ LOADER_KEYS = (
 """The `data` keys that configure the loader: their types, defaults and docs are `LoaderConfig`'s own."""
 
 
-def _paths(self) -> list[str]:
-    """`path` as a list of dataset directories (one, or a mixture)."""
-    return [self.path] if isinstance(self.path, str) else list(self.path)
+_LOADER = LoaderConfig()
+"""LoaderConfig's defaults: `DataConfig` takes its loader keys' defaults from here, never writing one twice."""
 
 
-def _loader_config(self, rank: int, world_size: int) -> LoaderConfig:
-    """The loader config of one rank: these `data` keys plus where the rank sits."""
-    values = {key: getattr(self, key) for key in LOADER_KEYS}
-    values["weights"] = tuple(self.weights) if self.weights else None
-    return LoaderConfig(**values, rank=rank, world_size=world_size)
+@dataclass(frozen=True)
+class DataConfig:
+    """The `data:` section: dataset directories, how their shards are checked before use, and the loader's
+    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/test_config.py checks the two agree)."""
 
+    path: str | list[str] = ""
+    """A dataset directory written by `dpo-data build`, or a list of them (a mixture, with `weights`)."""
+    verify: str = "full"
+    """full (size and sha256 of every shard, the default) | size."""
+    batching: str = _LOADER.batching
+    pairs_per_step: int | None = _LOADER.pairs_per_step
+    max_tokens_per_microbatch: int = _LOADER.max_tokens_per_microbatch
+    microbatches_per_step: int = _LOADER.microbatches_per_step
+    num_workers: int = _LOADER.num_workers
+    seed: int = _LOADER.seed
+    weights: list[float] | None = None
+    layout: str = _LOADER.layout
 
-# The `data` section is `path` plus LoaderConfig's user-facing fields, taken from LoaderConfig itself
-# so that a default is never written twice.
-DataConfig = make_dataclass(
-    "DataConfig",
-    [("path", "str | list[str]", field(default="")), ("verify", "str", field(default="full"))]
-    + [(f.name, f.type, field(default=f.default)) for f in fields(LoaderConfig) if f.name in LOADER_KEYS],
-    frozen=True,
-    namespace={
-        "__doc__": "The `data:` section: dataset directories; how their shards are checked before use (verify: "
-        "full = size and sha256, the default | size); the loader's keys.",
-        "paths": property(_paths),
-        "loader_config": _loader_config,
-    },
-)
+    @property
+    def paths(self) -> list[str]:
+        """`path` as a list of dataset directories (one, or a mixture)."""
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    def loader_config(self, rank: int, world_size: int) -> LoaderConfig:
+        """The loader config of one rank: these `data` keys plus where the rank sits."""
+        values = {key: getattr(self, key) for key in LOADER_KEYS}
+        values["weights"] = tuple(self.weights) if self.weights else None
+        return LoaderConfig(**values, rank=rank, world_size=world_size)
 
 
 @dataclass(frozen=True)

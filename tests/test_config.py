@@ -74,3 +74,16 @@ def test_section_range_checks_surface_as_config_errors(tmp_path):
 def test_a_malformed_override_says_how_to_write_one(tmp_path):
     with pytest.raises(ConfigError, match=r"write section.key=value, e.g. --set optim.lr=2e-5"):
         load_config(write(tmp_path, ISSUE_EXAMPLE), ["lr2e-5"])
+
+
+def test_the_data_section_holds_the_loader_keys_with_the_loaders_own_defaults():
+    """`DataConfig` is written out for readers; its loader keys must stay LoaderConfig's, default for default."""
+    from dataclasses import fields
+
+    from dpo_data.loading.config import LoaderConfig
+    from dpo_train.config import LOADER_KEYS, DataConfig
+
+    data = {f.name: f.default for f in fields(DataConfig)}
+    loader = {f.name: f.default for f in fields(LoaderConfig)}
+    assert set(data) - {"path", "verify"} == set(LOADER_KEYS) <= set(loader)
+    assert {key: data[key] for key in LOADER_KEYS} == {key: loader[key] for key in LOADER_KEYS}
