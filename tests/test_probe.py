@@ -79,9 +79,9 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
     tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
 ):
     calls = []
-    import dpo_train.trainer as trainer
+    import dpo_train.initial_policy as initial  # the trainer's and the precompute's initial policy
 
-    monkeypatch.setattr(trainer, "probe", lambda model, layout: calls.append(layout) or 0.0)
+    monkeypatch.setattr(initial, "probe", lambda model, layout: calls.append(layout) or 0.0)
     path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
     assert _train(run_cli, path).exit_code == 0 and calls == ["separate"]
     assert _train(run_cli, path, "--set", "train.probe_packing=false", "--set", "train.resume=never").exit_code == 0
