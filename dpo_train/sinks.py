@@ -70,7 +70,6 @@ class MetricSinks:
         if rank == 0 and "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            check_sinks(report_to, out)
             purge = 0 if resumed_at is None else resumed_at + 1
             try:
                 self.writer = SummaryWriter(log_dir=str(self.directory), purge_step=purge)

@@ -10,20 +10,14 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.harness import TINY_LLAMA
+
 
 def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
     config = {
         "model": {
             "init": {
-                "config": {
-                    "model_type": "llama",
-                    "vocab_size": 49152,
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 2,
-                },
+                "config": TINY_LLAMA,
                 "seed": 0,
             },
             "tokenizer": str(tokenizer_dir),
