@@ -134,11 +134,11 @@ def report(run_dir, out, as_json) -> None:
     PNGs and one self-contained report.html (images inlined, nothing fetched) and prints its path. Reads
     RUN_DIR's logs, config and checkpoint JSON only; works on a running, resumed or stopped run."""
     if as_json:
-        from dpo_state.run_report import run_report
+        from dpo_report.summary import run_report
 
         click.echo(json.dumps(_guard(run_report, run_dir), indent=2))
         return
-    from dpo_state.report_charts import write_report
+    from dpo_report.charts import write_report
 
     click.echo(_guard(write_report, run_dir, out))
 

@@ -110,15 +110,15 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
     from dpo_state.errors import ToolkitError
-    from dpo_train import collectives
     from dpo_train.config import load_config
+    from dpo_train.parallel import collectives
 
     rank = int(os.environ.get("RANK", "0"))
     prefix = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         resolved = load_config(config, overrides)
         if precompute:
-            from dpo_train.precompute import precompute_reference
+            from dpo_train.reference.precompute import precompute_reference
 
             path = precompute_reference(resolved, overwrite)
             if rank == 0:

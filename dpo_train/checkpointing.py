@@ -59,9 +59,9 @@ from dpo_state.state import (
     read_state,
     read_state_tree,
 )
-from dpo_train import collectives
 from dpo_train.config import TrainConfig
-from dpo_train.errors import CheckpointError, ConfigError, ResumeError
+from dpo_train.errors import CheckpointError, ResumeError
+from dpo_train.parallel import collectives
 
 KILL_ENV = "DPO_TRAIN_KILL"
 """Testing hook for crash tests: `after-save:STEP`, `in-save:STEP:PHASE` or `in-export:final` SIGKILLs this
@@ -265,14 +265,22 @@ def _writer_threads_checked() -> Iterator[None]:
     """DCP's extra writer threads die alone: threading's hook prints their traceback and `dcp.save` never
     hears of it (its metadata then lacks their files). Collect what they raise and raise it here."""
     died: list[BaseException] = []
-    previous = threading.excepthook
+    previous, before = threading.excepthook, set(threading.enumerate())
     threading.excepthook = lambda args: died.append(args.exc_value)
     try:
         yield
     finally:
+        # a failure in DCP's own thread leaves dcp.save before its writer threads end: wait for them, so
+        # that what they raise lands here and not in threading's default hook (a traceback on stderr)
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=_WRITER_JOIN_S)
         threading.excepthook = previous
     if died:
         raise died[0]
+
+
+_WRITER_JOIN_S = 120.0
+"""How long a failed save waits for DCP's writer threads to end (each writes one file at a time)."""
 
 
 def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) -> dict:
@@ -545,14 +553,6 @@ def _verified_checkpoint(key: str, path: str) -> Path:
     if problems:
         raise ResumeError(f"{key}: checkpoint {directory} does not verify:\n  - " + "\n  - ".join(problems))
     return directory
-
-
-def check_resume_config(config: TrainConfig) -> None:
-    if config.train.weights_from and config.train.resume not in ("auto", "never"):
-        raise ConfigError(
-            "train.weights_from starts a new run from a checkpoint's weights; it cannot be combined "
-            f"with train.resume: {config.train.resume}"
-        )
 
 
 # ---------------------------------------------------------------- collectives and hooks

@@ -10,7 +10,7 @@ from typing import Any
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.schema import load_schema, schema_problems
 from dpo_train.errors import ConfigError
-from dpo_train.loss import LossConfig
+from dpo_train.loss import LOSSES, LossConfig, loss_type
 from dpo_train.strict_yaml import non_finite, parse_yaml, read_yaml_file
 
 CONFIG_SCHEMA = "train-config"
@@ -213,7 +213,8 @@ class TrainConfig:
 
 def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainConfig:
     """Read a YAML file (or a mapping), apply `key.sub=value` overrides (values parsed as YAML), check
-    for unknown keys, validate against schemas/train-config.schema.json, and build typed sections."""
+    for unknown keys, validate against schemas/train-config.schema.json, build typed sections, and check
+    them together (`check_config` with for_run=False: a config without data.path loads)."""
     raw = _read(source)
     for item in overrides:
         _apply_override(raw, item)
@@ -242,7 +243,97 @@ def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainCo
             "the config does not match schemas/train-config.schema.json:\n  - "
             + "\n  - ".join(_with_range(schema, p) for p in problems)
         )
-    return TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
+    config = TrainConfig(**{name: cls(**raw.get(name, {})) for name, cls in SECTIONS.items()})
+    check_config(config, for_run=False)
+    return config
+
+
+def check_config(config: TrainConfig, for_run: bool = True) -> None:
+    """Refuse a config whose settings cannot work, every problem named in one error (`config_problems`,
+    `for_run` as there: the run setup calls it plainly, `load_config` with for_run=False)."""
+    problems = config_problems(config, for_run)
+    if problems:
+        raise ConfigError(
+            problems[0] if len(problems) == 1 else "the config's settings conflict:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def config_problems(config: TrainConfig, for_run: bool = True) -> list[str]:
+    """Every rule the config breaks, each a line naming the key, the value, what is allowed and the fix.
+
+    The config's rules live in two places: a key's own type, choices and range in
+    schemas/train-config.schema.json (checked by `load_config` on what the user wrote), and here whatever
+    needs the typed config: keys that contradict each other, and the loss type's own facts from
+    dpo_train/loss.py's `LOSSES`. `load_config` checks with for_run=False, so that tools and tests can load
+    a partial config; the run setup (training, precompute, evaluation) with for_run=True, which adds
+    `_RUN_RULES`: what only a run needs (a dataset to train on)."""
+    rules = _RULES + (_RUN_RULES if for_run else ())
+    return [problem for rule in rules for problem in rule(config)]
+
+
+def _loss_rules(config: TrainConfig) -> list[str]:
+    """loss.type is a name of the registry, and loss.label_smoothing lies in that type's range (or is 0)."""
+    try:
+        kind = loss_type(config.loss.type)
+    except ConfigError as error:
+        return [str(error)]
+    smoothing, allowed = config.loss.label_smoothing, kind.label_smoothing
+    if allowed is None and smoothing:
+        takers = ", ".join(name for name, other in LOSSES.items() if other.label_smoothing)
+        return [
+            f"loss.label_smoothing is {smoothing}, but {config.loss.type} has none; set it to 0, or use a "
+            f"loss.type that takes it ({takers})"
+        ]
+    if allowed is not None and smoothing not in allowed:
+        return [f"loss.label_smoothing is {smoothing}; {config.loss.type} allows {allowed}; set it inside that range"]
+    return []
+
+
+def _reference_rules(config: TrainConfig) -> list[str]:
+    """A precomputed reference names its sidecar; reference.mode none only with a reference-free loss."""
+    problems = []
+    if config.reference.mode == "precomputed" and not config.reference.path:
+        problems.append(
+            "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
+            "directory and create it with `dpo-train CONFIG --precompute-reference`"
+        )
+    kind = LOSSES.get(config.loss.type)  # an unknown type is _loss_rules' to name
+    if kind is not None and kind.needs_reference and config.reference.mode == "none":
+        free = ", ".join(name for name, other in LOSSES.items() if not other.needs_reference)
+        problems.append(
+            f"loss.type {config.loss.type} needs a reference; set reference.mode: live or precomputed, "
+            f"or use a reference-free loss.type ({free})"
+        )
+    return problems
+
+
+def _train_rules(config: TrainConfig) -> list[str]:
+    """train.weights_from starts afresh (no resume PATH); train.export chooses among LoRA exports only."""
+    problems = []
+    if config.train.weights_from and config.train.resume not in ("auto", "never"):
+        problems.append(
+            "train.weights_from starts a new run from a checkpoint's weights; it cannot be combined "
+            f"with train.resume: {config.train.resume}; drop one of the two"
+        )
+    if config.train.export != "adapter" and not config.model.lora:
+        problems.append(
+            f"train.export is {config.train.export}, but model.lora is not set: without adapters final/ is "
+            "always the whole model; drop train.export, or set model.lora"
+        )
+    return problems
+
+
+def _data_rules(config: TrainConfig) -> list[str]:
+    """A run has a dataset to train on."""
+    if config.data.path:
+        return []
+    return ["data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"]
+
+
+_RULES = (_loss_rules, _reference_rules, _train_rules)
+"""What any loaded config must satisfy."""
+_RUN_RULES = (_data_rules,)
+"""What a run needs beyond that: `check_config(config)` (for_run=True) checks these too; `load_config` not."""
 
 
 def _read(source: str | Path | dict) -> dict:

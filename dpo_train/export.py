@@ -11,22 +11,12 @@ from typing import Any
 import torch
 
 from dpo_state.files import fsync_dir, read_json
-from dpo_train import collectives
 from dpo_train.checkpointing import kill_point
 from dpo_train.config import ModelConfig, TrainConfig
-from dpo_train.errors import ConfigError
+from dpo_train.parallel import collectives
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_export(config: TrainConfig) -> None:
-    """train.export other than the default makes sense only with adapters to export."""
-    if config.train.export != "adapter" and not config.model.lora:
-        raise ConfigError(
-            f"train.export is {config.train.export}, but model.lora is not set: without adapters final/ is "
-            "always the whole model; drop train.export, or set model.lora"
-        )
 
 
 def export_dtype(config: TrainConfig) -> torch.dtype:

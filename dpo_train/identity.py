@@ -10,8 +10,8 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
 from dpo_train.config import TrainConfig
-from dpo_train.device import Placement
 from dpo_train.lora import lora_settings
+from dpo_train.parallel.device import Placement
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 

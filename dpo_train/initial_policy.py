@@ -9,9 +9,9 @@ from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
 from dpo_train.checkpointing import load_weights
 from dpo_train.config import TrainConfig
-from dpo_train.device import Placement
 from dpo_train.model import prepare_for_training
-from dpo_train.reference import weights_fingerprint
+from dpo_train.parallel.device import Placement
+from dpo_train.reference.sidecar import weights_fingerprint
 
 
 def initial_policy(

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
-from dpo_train import collectives
 from dpo_train.attention.inputs import row_inputs
+from dpo_train.parallel import collectives
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""LoRA through PEFT: adapters on the policy, and the reference as the same model with its adapters off."""
+"""LoRA through PEFT: adapters on the policy, their settings, and a merged export."""
 
 from __future__ import annotations
 
@@ -76,45 +76,6 @@ def _refuse_tied_targets(peft_model: Any, shared: dict[str, list[str]], targets:
             "them, so a merged model would not be the trained one; drop those layers from target_modules "
             "(all-linear never takes them)"
         )
-
-
-class AdaptersDisabled:
-    """The live reference under LoRA: the policy itself, called with its adapters disabled, without
-    gradients. No second copy of the weights exists; under FSDP2 it all-gathers the policy's shards.
-
-    PEFT's own `disable_adapter()` also switches the adapters' `requires_grad` off and on again; under
-    FSDP2 that flag lands on other parameter objects than the sharded ones the optimizer and the
-    checkpoint see, and a saved checkpoint came out without its adapters. So the layers' switch alone
-    is flipped here: the flag every PEFT tuner layer reads in its forward (`disable_adapters`)."""
-
-    def __init__(self, model: Any):
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        self.model = model
-        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-
-    def __call__(self, *args, **kwargs):
-        try:
-            for layer in self.layers:
-                layer._disable_adapters = True
-            return self.model(*args, **kwargs)
-        finally:
-            for layer in self.layers:
-                layer._disable_adapters = False
-
-    def parameters(self):
-        return self.model.parameters()
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def train(self, mode: bool = True) -> AdaptersDisabled:
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> AdaptersDisabled:
-        return self.train(False)
 
 
 def merged_model(base: Any, lora: dict, state: dict) -> Any:

@@ -5,10 +5,18 @@ optimizer step, so every pair weighs the same whatever the packing (docs/objecti
 Notation: for a pair, c = log pi(chosen), r = log pi(rejected) (summed over completion tokens, or
 averaged with `average_log_prob`), c0 and r0 the same under the reference, |c| and |r| completion
 token counts, and the margin  D = (c - c0) - (r - r0).
+
+`LOSSES` is the family: one `LossType` per `loss.type` name, and the only list of them. The per-pair
+computation, `LossConfig.needs_reference` and the config's checks (dpo_train/config.py) all read it.
+Adding a loss type is one entry here (its closed form in the function's docstring) plus its row in the
+docs/objective.md table (tests/test_loss.py checks the table's facts against the entries) and its name
+in the `loss.type` enum of schemas/train-config.schema.json, which is for editors and must list the same
+names in the same order (tests/test_config.py checks it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,24 +24,27 @@ import torch.nn.functional as F
 
 from dpo_train.errors import ConfigError
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-REFERENCE_FREE = ("simpo",)
+Counts = tuple[torch.Tensor, torch.Tensor]
+"""Completion token counts of (chosen, rejected), at least 1, in the log-probs' dtype."""
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The `loss:` section of the training config."""
+    """The `loss:` section of the training config; checked by dpo_train/config.py (`config_problems`)
+    and the schema, never here."""
 
     type: str = "sigmoid"
-    """sigmoid | ipo | hinge | robust | simpo."""
+    """A name of `LOSSES` (the table in docs/objective.md)."""
     beta: float = 0.1
     """Inverse temperature (IPO: the regularization tau; SimPO: the reward scale)."""
     label_smoothing: float = 0.0
-    """sigmoid: conservative DPO's flip probability in [0, 0.5]; robust: in [0, 0.5)."""
+    """For the types whose `LOSSES` entry gives it a range (sigmoid: conservative DPO's flip probability);
+    0 for the others."""
     nll_weight: float = 0.0
     """Weight of the NLL on chosen completions (RPO), per supervised chosen token over the whole step."""
     average_log_prob: bool = False
-    """Use per-token mean log-probs instead of sums (always on for ipo and simpo)."""
+    """Use per-token mean log-probs instead of sums (always on for the types whose `LOSSES` entry says
+    per_token_means)."""
     target_margin: float = 0.5
     """simpo: the target reward margin gamma."""
     router_aux_coef: float | None = None
@@ -42,26 +53,108 @@ class LossConfig:
     pairs (docs/objective.md, "MoE"). null: the model config's `router_aux_loss_coef` (0 without one),
     as TRL does; 0 disables it."""
 
-    def __post_init__(self):
-        if self.type not in LOSS_TYPES:
-            raise ConfigError(f"loss.type is {self.type!r}; allowed: {', '.join(LOSS_TYPES)}")
-        if not self.beta > 0:
-            raise ConfigError(f"loss.beta is {self.beta}; it must be > 0")
-        e, robust = self.label_smoothing, self.type == "robust"
-        if not (0.0 <= e < 0.5 if robust else 0.0 <= e <= 0.5):  # robust divides by 1 - 2e
-            raise ConfigError(f"loss.label_smoothing is {e}; {self.type} allows [0, 0.5{')' if robust else ']'}")
-        if self.label_smoothing and self.type not in ("sigmoid", "robust"):
-            raise ConfigError(f"loss.label_smoothing is {self.label_smoothing}, but {self.type} has none; set it to 0")
-        if self.nll_weight < 0:
-            raise ConfigError(f"loss.nll_weight is {self.nll_weight}; it must be >= 0")
-        if self.router_aux_coef is not None and not self.router_aux_coef >= 0:
-            raise ConfigError(
-                f"loss.router_aux_coef is {self.router_aux_coef}; it must be >= 0, or null for the model's own"
-            )
-
     @property
     def needs_reference(self) -> bool:
-        return self.type not in REFERENCE_FREE
+        return loss_type(self.type).needs_reference
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A range of a number: [low, high], or [low, high) with `open_high`."""
+
+    low: float
+    high: float
+    open_high: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return self.low <= value < self.high if self.open_high else self.low <= value <= self.high
+
+    def __str__(self) -> str:
+        return f"[{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+
+
+Form = Callable[[LossConfig, torch.Tensor, torch.Tensor, Counts | None], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One member of the loss family: its closed form and every fact the rest of the code asks about it."""
+
+    form: Form
+    """(config, chosen, rejected, counts) -> (losses, chosen rewards, rejected rewards), per pair.
+    chosen and rejected are the summed log-ratios c - c0 and r - r0 (c and r for a reference-free type);
+    counts are the token counts where per-token means apply (the type's or `average_log_prob`), else None.
+    The form takes the means itself, so that each keeps its own order of operations."""
+    needs_reference: bool = True
+    """False: reference-free (reference.mode may be none; reference log-probs are never read)."""
+    label_smoothing: Interval | None = None
+    """The range `loss.label_smoothing` may take; None: the type has none, and it must be 0."""
+    per_token_means: bool = False
+    """Always per-token mean log-probs, whatever `loss.average_log_prob` says."""
+
+
+def _of_margin(loss: Callable[[LossConfig, torch.Tensor], torch.Tensor]) -> Form:
+    """A form from a closed form of the margin D alone; rewards b (c - c0) and b (r - r0)."""
+
+    def form(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
+        if counts is not None:
+            chosen, rejected = chosen / counts[0], rejected / counts[1]
+        return loss(config, chosen - rejected), config.beta * chosen, config.beta * rejected
+
+    return form
+
+
+@_of_margin
+def _sigmoid(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
+    """L = -(1 - e) log s(b D) - e log s(-b D)   (e = label_smoothing; e > 0 is conservative DPO)."""
+    b, e = config.beta, config.label_smoothing
+    return -(1 - e) * F.logsigmoid(b * margin) - e * F.logsigmoid(-b * margin)
+
+
+@_of_margin
+def _ipo(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
+    """L = (D_avg - 1 / (2 b))^2, D_avg the margin of per-token means (as TRL 1.16 normalizes)."""
+    return (margin - 1 / (2 * config.beta)) ** 2
+
+
+@_of_margin
+def _hinge(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
+    """L = max(0, 1 - b D)."""
+    return torch.relu(1 - config.beta * margin)
+
+
+@_of_margin
+def _robust(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
+    """L = (-(1 - e) log s(b D) + e log s(-b D)) / (1 - 2 e)   (hence e < 0.5)."""
+    b, e = config.beta, config.label_smoothing
+    return (-(1 - e) * F.logsigmoid(b * margin) + e * F.logsigmoid(-b * margin)) / (1 - 2 * e)
+
+
+def _simpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
+    """L = -log s(b c/|c| - b r/|r| - gamma), no reference; rewards b c/|c| and b r/|r|."""
+    (n_c, n_r), b = counts, config.beta
+    chosen_reward, rejected_reward = b * chosen / n_c, b * rejected / n_r
+    return -F.logsigmoid(chosen_reward - rejected_reward - config.target_margin), chosen_reward, rejected_reward
+
+
+LOSSES: dict[str, LossType] = {
+    "sigmoid": LossType(_sigmoid, label_smoothing=Interval(0.0, 0.5)),
+    "ipo": LossType(_ipo, per_token_means=True),
+    "hinge": LossType(_hinge),
+    "robust": LossType(_robust, label_smoothing=Interval(0.0, 0.5, open_high=True)),
+    "simpo": LossType(_simpo, needs_reference=False, per_token_means=True),
+}
+"""The loss family, by `loss.type` name (s is the logistic function; each form's docstring has its loss)."""
+
+
+def loss_type(name: str) -> LossType:
+    """The registry entry of `name`; a name it lacks is a ConfigError naming every one it has."""
+    if name not in LOSSES:
+        raise ConfigError(
+            f"loss.type is {name!r}; allowed: {', '.join(LOSSES)}; set loss.type to one of them "
+            '(docs/objective.md, "The loss family")'
+        )
+    return LOSSES[name]
 
 
 @dataclass
@@ -82,35 +175,17 @@ def pair_losses(
     chosen_tokens: torch.Tensor,
     rejected_tokens: torch.Tensor,
 ) -> PairTerms:
-    """Per-pair losses from summed completion log-probs (and token counts for the averaged forms).
-
-    - sigmoid: L = -(1 - e) log s(b D) - e log s(-b D)   (e = label_smoothing; e > 0 is conservative DPO)
-    - ipo:     L = (D_avg - 1 / (2 b))^2, D_avg the margin of per-token means (as TRL 1.16 normalizes)
-    - hinge:   L = max(0, 1 - b D)
-    - robust:  L = (-(1 - e) log s(b D) + e log s(-b D)) / (1 - 2 e)
-    - simpo:   L = -log s(b (c/|c| - r/|r|) - gamma), no reference
-    with s the logistic function. Rewards: b (c - c0) and b (r - r0); simpo: b c/|c| and b r/|r|.
-    """
-    b, e = config.beta, config.label_smoothing
-    n_c, n_r = chosen_tokens.to(chosen.dtype).clamp(min=1), rejected_tokens.to(chosen.dtype).clamp(min=1)
-    if config.type == "simpo":
-        chosen_reward, rejected_reward = b * chosen / n_c, b * rejected / n_r
-        losses = -F.logsigmoid(chosen_reward - rejected_reward - config.target_margin)
-        return PairTerms(losses, chosen_reward.detach(), rejected_reward.detach())
-    if ref_chosen is None or ref_rejected is None:
-        raise ConfigError(
-            f"loss.type {config.type} needs reference log-probs; set reference.mode to live or precomputed"
-        )
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    if config.average_log_prob or config.type == "ipo":
-        chosen_ratio, rejected_ratio = chosen_ratio / n_c, rejected_ratio / n_r
-    margin = chosen_ratio - rejected_ratio
-    if config.type == "sigmoid":
-        losses = -(1 - e) * F.logsigmoid(b * margin) - e * F.logsigmoid(-b * margin)
-    elif config.type == "ipo":
-        losses = (margin - 1 / (2 * b)) ** 2
-    elif config.type == "hinge":
-        losses = torch.relu(1 - b * margin)
-    else:  # robust
-        losses = (-(1 - e) * F.logsigmoid(b * margin) + e * F.logsigmoid(-b * margin)) / (1 - 2 * e)
-    return PairTerms(losses, (b * chosen_ratio).detach(), (b * rejected_ratio).detach())
+    """Per-pair losses of `config.type`'s closed form (its `LOSSES` entry) from summed completion log-probs,
+    and the token counts for the averaged forms."""
+    loss = loss_type(config.type)
+    counts = None
+    if loss.per_token_means or config.average_log_prob:
+        counts = chosen_tokens.to(chosen.dtype).clamp(min=1), rejected_tokens.to(chosen.dtype).clamp(min=1)
+    if loss.needs_reference:
+        if ref_chosen is None or ref_rejected is None:
+            raise ConfigError(
+                f"loss.type {config.type} needs reference log-probs; set reference.mode to live or precomputed"
+            )
+        chosen, rejected = chosen - ref_chosen, rejected - ref_rejected
+    losses, chosen_rewards, rejected_rewards = loss.form(config, chosen, rejected, counts)
+    return PairTerms(losses, chosen_rewards.detach(), rejected_rewards.detach())

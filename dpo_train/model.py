@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +85,6 @@ def embedding_rows(model: Any) -> int:
     """The rows of the model's input embedding (its vocabulary), also when LoRA wraps that layer: PEFT's
     Embedding has `weight` but no `num_embeddings`. Under FSDP2 the weight is a DTensor of the global shape."""
     return int(model.get_input_embeddings().weight.shape[0])
-
-
-def frozen_copy(model: Any) -> Any:
-    """The live reference: a copy that never trains and runs without autograd."""
-    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> None:

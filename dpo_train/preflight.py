@@ -8,9 +8,9 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.dataset.verify import shard_problems
 from dpo_data.errors import DataError
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
-from dpo_train import collectives
 from dpo_train.config import TrainConfig
 from dpo_train.errors import ConfigError
+from dpo_train.parallel import collectives
 
 
 def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int) -> None:

@@ -63,7 +63,7 @@ class MetricSinks:
     """Rank 0's sinks. TensorBoard events go to OUTPUT/tensorboard/, on an axis of optimizer steps done
     (metrics.jsonl step + 1), the axis of eval.jsonl and of checkpoint directories. A run resumed after k
     steps marks a restart at k + 1, so TensorBoard hides the earlier session's events from there on (those
-    steps are trained again, as `_truncate_logs` drops their lines); a fresh start hides all earlier ones."""
+    steps are trained again, as `run_log.truncate_logs` drops their lines); a fresh start hides all earlier ones."""
 
     def __init__(self, report_to: list[str], out: Path, rank: int, resumed_at: int | None):
         self.writer, self.directory, self._hook = None, out / TENSORBOARD_DIR, None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -11,15 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import torch
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
-from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
-from dpo_train import collectives
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
 from dpo_train.checkpointing import (
@@ -29,32 +25,33 @@ from dpo_train.checkpointing import (
     RunContext,
     TrainState,
     abandon_later,
-    check_resume_config,
     find_resume,
     new_lineage,
     restore,
     save,
 )
 from dpo_train.config import TrainConfig
-from dpo_train.device import Placement, init_distributed, placement
-from dpo_train.errors import ConfigError, NonFiniteError
+from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
-from dpo_train.export import check_export, export
-from dpo_train.guard import agree, local_nonfinite, step_sources
+from dpo_train.export import export
 from dpo_train.identity import run_identity
 from dpo_train.initial_policy import initial_policy
 from dpo_train.logps import pair_logps
-from dpo_train.lora import AdaptersDisabled, apply_lora
+from dpo_train.lora import apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import check_model_paths, embedding_rows
+from dpo_train.model import embedding_rows
+from dpo_train.nonfinite import agree, local_nonfinite, step_sources
 from dpo_train.objective import microbatch_loss, router_aux_coef
-from dpo_train.preflight import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
+from dpo_train.parallel import collectives
+from dpo_train.parallel.device import Placement
+from dpo_train.parallel.wrapping import no_sync, wrap
 from dpo_train.progress import Progress
-from dpo_train.reference import load_sidecar
+from dpo_train.reference.choice import build_reference
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
-from dpo_train.sharding import frozen_reference, shard
-from dpo_train.sinks import MetricSinks, check_report_to, check_sinks
+from dpo_train.run_log import RunLog
+from dpo_train.run_setup import RunSetup, setup_run
+from dpo_train.sinks import check_report_to, check_sinks
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
 """Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
@@ -88,15 +85,8 @@ class Trainer:
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)
-        self.initial = None
-        if _keeps_initial(config) and config.model.lora:
-            self.initial = AdaptersDisabled(policy)  # the base weights, shared with the policy
-        elif _keeps_initial(config):  # built from the policy before it is wrapped; sharded like it
-            self.initial = frozen_reference(policy, config.distributed.strategy, world)
-        self.table = None
-        if config.loss.needs_reference and config.reference.mode == "precomputed":
-            self.table = load_sidecar(config.reference.path, store, self.weights, place.precision, config.data.layout)
-        self.policy, self.model = policy, _wrap(policy, config.distributed.strategy, world, place)
+        self.reference = build_reference(config, policy, place, world, self.mesh, store, self.weights)
+        self.policy, self.model = policy, wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.vocab_rows = embedding_rows(policy)
@@ -141,7 +131,7 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             self.weights,
-            self.table.sha256 if self.table is not None else None,
+            self.reference.sidecar_sha256,
             self.place,
             self.router_aux_coef,
         )
@@ -154,10 +144,6 @@ class Trainer:
             identity,
             loader.config.batching,
         )
-
-    @property
-    def live_reference(self):
-        return self.initial if self.config.loss.needs_reference and self.config.reference.mode == "live" else None
 
     def microbatch(self, batch: dict) -> None:
         """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward
@@ -175,19 +161,16 @@ class Trainer:
             check_same_row(batch, self.mesh, self.state.step)
         batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
-        with _no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
+        with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
                 inputs = row_inputs(batch, self.mesh, self.model)[0]
-                if self.live_reference is not None and self.world > 1:
-                    with torch.no_grad():
-                        self.live_reference(**inputs)
+                self.reference.join(inputs, self.world)
                 self.model(**inputs).logits.sum().mul(0).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
-            ref_chosen, ref_rejected = self._reference(batch)
+            ref_chosen, ref_rejected = self.reference.logps(batch)
             policy = pair_logps(self.model, batch, self.mesh, router_aux=bool(self.router_aux_coef))
-            if self.table is not None and self.state.step == 0:
-                self.table.check_initial(policy, batch["pair_index"], self.place.precision)
+            self.reference.check_initial(policy, batch, self.state.step)
             terms = pair_losses(
                 self.config.loss,
                 policy.chosen,
@@ -207,15 +190,6 @@ class Trainer:
                 self.router_aux_coef,
             ).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
-
-    def _reference(self, batch: dict):
-        if self.table is not None:
-            return self.table.lookup(batch["pair_index"], self.place.device)
-        if self.live_reference is None:
-            return None, None
-        with torch.no_grad():
-            ref = pair_logps(self.live_reference, batch, self.mesh)
-        return ref.chosen, ref.rejected
 
     def step(self) -> dict:
         """Finish the optimizer step: clip the step gradient, reduce the metrics, and update, unless the
@@ -270,31 +244,29 @@ class Trainer:
 
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
-    _check_settings(config)
+    setup = setup_run(config)
+    check_report_to(config.train.report_to)
     out = check_output_dir(config)
-    place = placement(config.distributed.device, config.train.precision)
-    rank, world = init_distributed(place)
-    with run_lock(out, rank):
-        if rank == 0:
+    with run_lock(out, setup.rank):
+        if setup.rank == 0:
             start_run_dir(out, config)
             check_sinks(config.train.report_to, out)
-        return _run(config, place, rank, world, out, progress)
+        return _run(setup, out, progress)
 
 
-def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path, progress: bool) -> Path:
-    mesh = run_mesh(config, rank, world)
+def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
+    config, rank, world = setup.config, setup.rank, setup.world
     loader = DPOLoader(  # asked for data-parallel ranks: a sequence-parallel group shares its rows
         config.data.paths,
-        config.data.loader_config(mesh.dp_rank, mesh.dp_size),
+        config.data.loader_config(setup.mesh.dp_rank, setup.mesh.dp_size),
         max_epochs=None if config.train.max_steps is not None else config.train.epochs,
         pad_to_multiple_of=8,
     )
-    config = _with_total_steps(config, loader)
-    check_data({"data.path": loader.stream.store}, config.data.verify, rank, world)
-    tokenizer = load_run_tokenizer(config)
-    check_tokenizer(tokenizer, config, {"data.path": loader.stream.store})
-    trainer = Trainer(config, place, rank, world, loader.stream.store, mesh)
-    check_vocabulary(trainer.policy, {"data.path": loader.stream.store})
+    config = setup.config = _with_total_steps(config, loader)
+    setup.check_dataset("data.path", loader.stream.store)
+    held_out = setup.check_dataset("eval.path", PairStore([config.eval.path])) if config.eval.path else None
+    trainer = Trainer(config, setup.place, rank, world, loader.stream.store, setup.mesh)
+    setup.check_model(trainer.policy)
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
     resume_from = find_resume(config, out, rank)
@@ -303,28 +275,17 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
         abandon_later(out, resume_from, rank, world)
         lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
         if rank == 0:
-            _truncate_logs(out, trainer.state.step)
             print(f"resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr, flush=True)
-    elif rank == 0 and _truncate_logs(out, 0):
-        print(
-            f"warning: {out} held logs of an earlier run without a checkpoint to resume; they are replaced",
-            file=sys.stderr,
-            flush=True,
-        )
-    evaluator = Evaluator(config, trainer, out, rank) if config.eval.path else None
-    if evaluator:
-        check_data({"eval.path": evaluator.store}, config.data.verify, rank, world)
-        check_tokenizer(tokenizer, config, {"eval.path": evaluator.store})
-        check_vocabulary(trainer.policy, {"eval.path": evaluator.store})
+    evaluator = Evaluator(held_out, trainer.reference.initial, setup) if held_out else None
     fault, epochs_note = _fault(rank), _epochs_note(config, rank)
     saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
+    resumed_at = trainer.state.step if resume_from else None
     with (
-        _metrics_file(out, rank) as metrics,
-        MetricSinks(config.train.report_to, out, rank, trainer.state.step if resume_from else None) as sinks,
+        RunLog(out, rank, config.train.report_to, config.train.log_every, resumed_at) as log,
         Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
     ):
         if evaluator and resume_from is None:
-            sinks.evaluation(evaluator.run(step=0))
+            log.evaluation(evaluator.run(trainer.model, step=0))
         for batch in loader if trainer.state.step < config.train.max_steps else ():
             fault(trainer.state.step)
             epochs_note(batch["epoch"])
@@ -332,13 +293,10 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
             if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
                 continue
             record = trainer.step()
-            if metrics is not None and record["step"] % config.train.log_every == 0:
-                metrics.write(orjson.dumps(record) + b"\n")
-                metrics.flush()
-                sinks.step(record)
+            log.step(record)
             bar.update(record)
             if evaluator and config.eval.every and trainer.state.step % config.eval.every == 0:
-                sinks.evaluation(evaluator.run(step=trainer.state.step))
+                log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
             done = trainer.state.step >= config.train.max_steps
             if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
                 lineage = {**lineage, "parent": save(parts, ctx, lineage).name}
@@ -348,8 +306,8 @@ def _run(config: TrainConfig, place: Placement, rank: int, world: int, out: Path
         if config.train.save_every and trainer.state.step != saved_step:
             save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
-            sinks.evaluation(evaluator.run(step=trainer.state.step))
-    export(trainer.policy, config, tokenizer, out, rank)
+            log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
+    export(trainer.policy, config, setup.tokenizer, out, rank)
     return out
 
 
@@ -360,49 +318,6 @@ def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _truncate_logs(out: Path, step: int) -> int:
-    """On resume, drop log lines of steps after the checkpoint: they are trained again (on a fresh
-    start, all of them); a torn last line (a crash mid-write) goes too. Returns how many lines were dropped."""
-    dropped = 0
-    for name, keep in (
-        (METRICS_LOG, lambda r: r["step"] < step),
-        (EVAL_LOG, lambda r: r["step"] <= step and step > 0),
-    ):
-        path = out / name
-        if path.is_file():
-            log = read_log(path)
-            kept = [line for record, line in zip(log.records, log.raw) if keep(record)]
-            path.write_bytes(b"".join(x + b"\n" for x in kept))
-            dropped += len(log.records) + log.torn - len(kept)
-    return dropped
-
-
-def _keeps_initial(config: TrainConfig) -> bool:
-    """The initial policy is kept (frozen) as the live reference, and for held-out evaluation."""
-    return (config.loss.needs_reference and config.reference.mode == "live") or bool(config.eval.path)
-
-
-def _check_settings(config: TrainConfig) -> None:
-    """Settings that cannot work together fail before anything starts."""
-    check_resume_config(config)
-    check_export(config)
-    check_report_to(config.train.report_to)
-    if config.reference.mode == "precomputed" and not config.reference.path:
-        raise ConfigError(
-            "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
-            "directory and create it with `dpo-train CONFIG --precompute-reference`"
-        )
-    if config.loss.needs_reference and config.reference.mode == "none":
-        raise ConfigError(
-            f"loss.type {config.loss.type} needs a reference; set reference.mode: live or precomputed, or use simpo"
-        )
-    if not config.data.path:
-        raise ConfigError(
-            "data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
-        )
-    check_model_paths(config.model)  # after the settings a config alone decides: those are named first
 
 
 def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
@@ -444,30 +359,6 @@ def _fault(rank: int) -> Callable[[int], None]:
             raise OSError(f"injected fault ({FAULT_ENV}={spec}): rank {rank} failed reading step {step}")
 
     return check
-
-
-def _metrics_file(out: Path, rank: int):
-    return open(out / METRICS_LOG, "ab") if rank == 0 else contextlib.nullcontext()
-
-
-def _wrap(policy, strategy: str, world: int, place: Placement):
-    if world > 1 and strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(policy, device_ids=[place.device] if place.device.type != "cpu" else None)
-    return shard(policy, strategy, world)
-
-
-def _no_sync(model, strategy: str, world: int, sync: bool):
-    """Gradient accumulation without a gradient sync on every micro-batch."""
-    if world == 1 or sync:
-        if world > 1 and strategy == "fsdp":
-            model.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if strategy == "ddp":
-        return model.no_sync()
-    model.set_requires_gradient_sync(False)
-    return contextlib.nullcontext()
 
 
 def _schedule(config: TrainConfig):

@@ -3,7 +3,7 @@
 Run by scripts/device_check.sh on a CUDA GPU (`--device cuda`, the default); `--device cpu` runs the same
 steps on gloo and CPU so that the script itself can be checked where no GPU is. Steps:
 
-1. every collective helper of `dpo_train.collectives` under a one-rank process group of the device's
+1. every collective helper of `dpo_train.parallel.collectives` under a one-rank process group of the device's
    backend (nccl on CUDA; the helpers are forced on, since one rank would otherwise skip them);
 2. per-pair log-probs of the demo model in bf16 autocast against fp32, with the attention the trainer
    picks (flash-attention varlen when installed, else sdpa);
@@ -37,7 +37,7 @@ def check_collectives(device: str) -> dict:
     """Each helper once, under a one-rank group of the device's backend."""
     import torch.distributed as dist
 
-    from dpo_train import collectives
+    from dpo_train.parallel import collectives
 
     backend = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[device]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
@@ -69,9 +69,9 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
     from dpo_train.config import ModelConfig
-    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
     from dpo_train.model import load_policy, prepare_for_training
+    from dpo_train.parallel.device import placement
 
     place = placement(device, "bf16")
     attention = attention_for("auto", place)

@@ -1,5 +1,5 @@
 """Run `dpo-train` with every torch.distributed collective wrapped: the project may issue one only through
-`dpo_train.collectives`, with tensors on that module's device; collectives issued inside torch (DDP,
+`dpo_train.parallel.collectives`, with tensors on that module's device; collectives issued inside torch (DDP,
 FSDP2, DCP) place their own. Used by tests/test_devices.py under torchrun; it writes what it saw to
 $COLLECTIVE_GUARD_OUT/rank-R.json and fails the rank on the first violation.
 """
@@ -39,7 +39,7 @@ _WRAPPED = (
     "recv",
 )
 _TORCH = str(Path(torch.__file__).parent)
-_HELPER = str(Path(__file__).parents[1] / "dpo_train" / "collectives.py")
+_HELPER = str(Path(__file__).parents[1] / "dpo_train" / "parallel" / "collectives.py")
 seen: Counter = Counter()
 
 
@@ -60,9 +60,9 @@ def _guarded(name, real):
             return real(*args, **kwargs)
         if where != _HELPER:
             raise AssertionError(
-                f"dist.{name} called directly from {where}:{caller.f_lineno}; use dpo_train.collectives"
+                f"dist.{name} called directly from {where}:{caller.f_lineno}; use dpo_train.parallel.collectives"
             )
-        from dpo_train import collectives
+        from dpo_train.parallel import collectives
 
         expected = collectives.device()
         for tensor in _tensors(args, kwargs):

@@ -35,7 +35,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
 
 def _load(model_type: str, path: str, layout: str, mesh=None):
     from dpo_train.attention.choice import load_model
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
     return load_model(spec, path, placement("cpu", "fp32"), mesh, layout)

@@ -87,3 +87,151 @@ def test_the_data_section_holds_the_loader_keys_with_the_loaders_own_defaults():
     loader = {f.name: f.default for f in fields(LoaderConfig)}
     assert set(data) - {"path", "verify"} == set(LOADER_KEYS) <= set(loader)
     assert {key: data[key] for key in LOADER_KEYS} == {key: loader[key] for key in LOADER_KEYS}
+
+
+# -- where the rules live: the schema (each key alone) and config_problems (keys together, the loss registry) --
+
+
+def test_the_schemas_loss_types_are_the_registrys():
+    """The schema's enum is for users' editors; the registry is the family: they must name the same types."""
+    from dpo_state.schema import load_schema
+    from dpo_train.loss import LOSSES
+
+    assert load_schema("train-config")["properties"]["loss"]["properties"]["type"]["enum"] == list(LOSSES)
+
+
+def test_every_conflict_is_listed_in_one_error():
+    overrides = [
+        "loss.type=hinge",
+        "loss.label_smoothing=0.2",
+        "reference.mode=none",
+        "train.weights_from=/ckpt/step-000004",
+        "train.resume=/ckpt/step-000002",
+        "train.export=merged",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config({}, overrides)  # no data.path: that one is a run's to name
+    assert str(info.value) == (
+        "the config's settings conflict:\n"
+        "  - loss.label_smoothing is 0.2, but hinge has none; set it to 0, or use a loss.type that takes it "
+        "(sigmoid, robust)\n"
+        "  - loss.type hinge needs a reference; set reference.mode: live or precomputed, or use a reference-free "
+        "loss.type (simpo)\n"
+        "  - train.weights_from starts a new run from a checkpoint's weights; it cannot be combined with "
+        "train.resume: /ckpt/step-000002; drop one of the two\n"
+        "  - train.export is merged, but model.lora is not set: without adapters final/ is always the whole "
+        "model; drop train.export, or set model.lora"
+    )
+
+
+SCHEMA = "the config does not match schemas/train-config.schema.json:\n  - "
+BOUNDS = ' (docs/train-config.md, "Bounds")'
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["loss.type=kto"],
+            SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo']",
+        ),
+        (
+            ["loss.beta=0"],
+            SCHEMA + "loss/beta: 0 is less than or equal to the minimum of 0; allowed: a number in (0, 1_000]" + BOUNDS,
+        ),
+        (
+            ["loss.nll_weight=-0.5"],
+            SCHEMA + "loss/nll_weight: -0.5 is less than the minimum of 0; allowed: a number in [0, 1_000]" + BOUNDS,
+        ),
+        (
+            ["loss.router_aux_coef=-1"],
+            SCHEMA + "loss/router_aux_coef: -1 is less than the minimum of 0; allowed: a number in [0, 1_000]" + BOUNDS,
+        ),
+        (
+            ["loss.type=robust", "loss.label_smoothing=0.5"],
+            "loss.label_smoothing is 0.5; robust allows [0, 0.5); set it inside that range",
+        ),
+        (
+            ["loss.type=ipo", "loss.label_smoothing=0.1"],
+            "loss.label_smoothing is 0.1, but ipo has none; set it to 0, or use a loss.type that takes it "
+            "(sigmoid, robust)",
+        ),
+        (
+            ["reference.mode=precomputed"],
+            "reference.mode is precomputed but reference.path is empty; set it to the sidecar directory and "
+            "create it with `dpo-train CONFIG --precompute-reference`",
+        ),
+    ],
+    ids=["type", "beta", "nll_weight", "router_aux_coef", "robust-smoothing", "ipo-smoothing", "sidecar"],
+)
+def test_each_rule_refuses_its_case_by_name(overrides, message):
+    """Once LossConfig's own checks (type, beta, smoothing, nll_weight, router_aux_coef) or the trainer's
+    (the reference sidecar): now the schema's bounds or config_problems, both run by load_config."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.type=sigmoid", "loss.label_smoothing=0.5"],
+        ["loss.type=robust", "loss.label_smoothing=0.49"],
+        ["loss.type=simpo", "reference.mode=none"],
+        ["loss.router_aux_coef=null", "loss.nll_weight=0"],
+        ["train.weights_from=/ckpt", "train.resume=never", "model.lora={r: 2}", "train.export=both"],
+    ],
+)
+def test_the_edges_of_each_rule_load(overrides):
+    load_config({}, overrides)
+
+
+def test_a_config_without_data_path_loads_and_only_a_run_refuses_it():
+    """Tools and tests load partial configs; `check_config` (the run setup's) names the missing dataset."""
+    from dpo_train.config import check_config, config_problems
+
+    config = load_config({})
+    assert config.data.path == "" and config_problems(config, for_run=False) == []
+    with pytest.raises(ConfigError) as info:
+        check_config(config)
+    assert str(info.value) == (
+        "data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
+    )
+
+
+def test_a_config_built_in_code_is_checked_against_the_registry_too():
+    """The run setup's check covers a TrainConfig that never went through the schema: a bad loss.type is
+    named with the registry's names (no KeyError), beside the run's other problems."""
+    from dpo_train.config import ReferenceConfig, TrainConfig, check_config
+    from dpo_train.loss import LOSSES, LossConfig
+
+    config = TrainConfig(loss=LossConfig(type="kto"), reference=ReferenceConfig(mode="none"))
+    with pytest.raises(ConfigError) as info:
+        check_config(config)
+    assert str(info.value) == (
+        "the config's settings conflict:\n"
+        f"  - loss.type is 'kto'; allowed: {', '.join(LOSSES)}; set loss.type to one of them "
+        '(docs/objective.md, "The loss family")\n'
+        "  - data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"
+    )
+
+
+def test_the_config_rules_read_the_loss_registry(monkeypatch):
+    """A type added to `LOSSES` is one entry: its reference need and label_smoothing range are what the
+    config's rules check, with no other list of names to update (the schema's enum is the test above's)."""
+    from dpo_train.config import ReferenceConfig, TrainConfig, config_problems
+    from dpo_train.loss import LOSSES, Interval, LossConfig, LossType
+
+    monkeypatch.setitem(LOSSES, "smoothed", LossType(LOSSES["sigmoid"].form, label_smoothing=Interval(0.0, 0.2)))
+    monkeypatch.setitem(LOSSES, "free", LossType(LOSSES["simpo"].form, needs_reference=False))
+
+    def problems(**loss):
+        return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
+
+    assert problems(type="smoothed", label_smoothing=0.2) == []
+    assert problems(type="smoothed", label_smoothing=0.3) == [
+        "loss.label_smoothing is 0.3; smoothed allows [0, 0.2]; set it inside that range"
+    ]
+    assert problems(type="hinge", label_smoothing=0.1)[0].endswith("takes it (sigmoid, robust, smoothed)")
+    none = config_problems(TrainConfig(reference=ReferenceConfig(mode="none")), for_run=False)  # sigmoid
+    assert none[0].endswith("or use a reference-free loss.type (simpo, free)")

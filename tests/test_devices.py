@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpo_train import collectives
+from dpo_train.parallel import collectives
 from tests.harness import join_gloo, spawn
 from tests.test_trainer import write_config
 
@@ -20,7 +20,7 @@ GUARD = Path(__file__).with_name("collective_guard.py")
 
 _HCCL = """
 import types, torch
-from dpo_train import collectives
+from dpo_train.parallel import collectives
 torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does first
 torch.npu = types.SimpleNamespace(current_device=lambda: 5)
 assert collectives.device_for("hccl") == torch.device("npu", 5), collectives.device_for("hccl")
@@ -67,7 +67,7 @@ def _to_meta_and_back(self, where, *args, **kwargs):
 
 
 def test_no_module_calls_a_collective_directly():
-    """The static half of the guard below: only dpo_train/collectives.py names dist.<collective>."""
+    """The static half of the guard below: only dpo_train/parallel/collectives.py names dist.<collective>."""
     root = Path(__file__).parents[1]
     offenders = []
     for package in ("dpo_train", "dpo_data", "dpo_state", "cli"):
@@ -194,7 +194,7 @@ def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) 
 
     from dpo_data.dataset.store import PairStore
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.test_invariance import MODEL
 
@@ -222,16 +222,16 @@ def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) 
     policy_params = dict(trainer.policy.named_parameters())
     same_weights = all(
         torch.equal(p.full_tensor(), policy_params[name].full_tensor())
-        for name, p in trainer.live_reference.named_parameters()
+        for name, p in trainer.reference.initial.named_parameters()
     )
     policy_buffers = dict(trainer.policy.named_buffers())
-    same_buffers = all(torch.equal(b, policy_buffers[n]) for n, b in trainer.live_reference.named_buffers())
+    same_buffers = all(torch.equal(b, policy_buffers[n]) for n, b in trainer.reference.initial.named_buffers())
     report = {
-        "same_weights": same_weights and len(policy_params) == len(list(trainer.live_reference.parameters())),
+        "same_weights": same_weights and len(policy_params) == len(list(trainer.reference.initial.parameters())),
         "same_buffers": same_buffers and bool(policy_buffers),
         "policy": describe(trainer.policy),
-        "reference": describe(trainer.live_reference),
-        "reference_in_optimizer": any(id(p) in in_optimizer for p in trainer.live_reference.parameters()),
+        "reference": describe(trainer.reference.initial),
+        "reference_in_optimizer": any(id(p) in in_optimizer for p in trainer.reference.initial.parameters()),
     }
     Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

@@ -61,7 +61,7 @@ def test_a_template_error_is_still_a_row_reject(tokenizer):
 
 def test_a_pair_over_the_budget_is_the_same_data_error_in_the_loader_and_in_scoring(sample_dataset):
     from dpo_data import DPOLoader, LoaderConfig, PairStore
-    from dpo_train.scoring import score_pairs
+    from dpo_train.reference.scoring import score_pairs
 
     with pytest.raises(DataError, match=r"more than max_tokens_per_microbatch 16.*never skipped or cut"):
         DPOLoader([sample_dataset], LoaderConfig(max_tokens_per_microbatch=16))

@@ -261,8 +261,8 @@ def test_a_source_name_is_its_own_legend_entry(tmp_path, name, label):
     """The legend of sources.png, in-process: each entry literal text, in rank order, the figure drawable."""
     import matplotlib.cbook
 
-    from dpo_state.report_charts import _pyplot, _sources
-    from dpo_state.run_report import run_report
+    from dpo_report.charts import _pyplot, _sources
+    from dpo_report.summary import run_report
 
     sources = {name: {"pairs": 3, "loss": 0.5, "accuracy": 1.0}, "other": {"pairs": 1, "loss": 0.7, "accuracy": 0.0}}
     plt = _pyplot()
@@ -318,8 +318,8 @@ def test_extreme_values_the_schemas_allow_are_drawn_or_named_never_a_crash(tmp_p
 
 
 def test_values_beyond_the_plot_limit_are_left_out_and_counted_on_the_chart(tmp_path):
-    from dpo_state.report_charts import _pyplot, _training
-    from dpo_state.run_report import run_report
+    from dpo_report.charts import _pyplot, _training
+    from dpo_report.summary import run_report
 
     records = [_record(0, loss=1e308), _record(1, loss=-1e308), _record(2, loss=1.0)]
     plt = _pyplot()

@@ -73,7 +73,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
 
     if reduction == "mean_of_means":
         trainer_module.microbatch_loss = _mean_of_means

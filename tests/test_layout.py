@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = {"dpo_data", "dpo_state", "dpo_train", "dpo_cli", "cli"}
+PROJECT = {"dpo_data", "dpo_state", "dpo_report", "dpo_train", "dpo_cli", "cli"}
 # What each part may import, among the project's own parts (dpo_data.errors is shared by all of dpo_data).
 ALLOWED = {
     "dpo_state": {"dpo_state"},
@@ -19,6 +19,7 @@ ALLOWED = {
     "dpo_data.prepare": {"dpo_data", "dpo_data.prepare", "dpo_data.dataset", "dpo_data.errors", "dpo_state"},
     "dpo_data.loading": {"dpo_data", "dpo_data.loading", "dpo_data.dataset", "dpo_data.errors", "dpo_state"},
 }
+ALLOWED["dpo_report"] = {"dpo_report", "dpo_state"}
 ALLOWED["dpo_train"] = {"dpo_train", "dpo_state", "dpo_data", "dpo_data.errors", *(p for p in ALLOWED if "." in p)}
 
 
@@ -60,23 +61,59 @@ def test_dependencies_point_one_way(part):
     assert wrong == {}
 
 
-# The attention room (dpo_train/attention/) uses these flat trainer modules only: the trainer's steps,
-# checkpoints, metrics and reference never reach into how a row is attended.
-ROOM_USES = {"dpo_train.errors", "dpo_train.collectives", "dpo_train.model", "dpo_train.logps"}
+# dpo_train's rooms and what each may use of the rest of dpo_train (a room or a flat module, by name):
+# how a row is attended knows nothing of steps, checkpoints, metrics or the reference; the ranks' plumbing
+# knows nothing of models or losses; the reference is built from the initial policy and the run setup,
+# never from the trainer's loop, its checkpoints or its logs.
+ROOMS = {
+    "attention": {"errors", "model", "logps", "parallel"},
+    "parallel": {"errors"},
+    "reference": {"errors", "config", "model", "logps", "parallel", "attention", "initial_policy", "run_setup"},
+}
 
 
-def test_the_attention_room_imports_nothing_of_the_trainer_beyond_its_few_needs():
+def dpo_train_uses(path: Path) -> set[str]:
+    """The rooms and flat modules of dpo_train that a file imports: `dpo_train.parallel.device` -> parallel,
+    `dpo_train.config` -> config, `from dpo_train import collectives` -> collectives."""
     used = set()
-    for path in sorted((ROOT / "dpo_train" / "attention").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                used |= {n for n in names if n.startswith("dpo_train.") and n.count(".") == 1}
-            elif isinstance(node, ast.Import):
-                used |= {a.name for a in node.names if a.name.startswith("dpo_train.") and a.name.count(".") == 1}
-    flat = {n for n in used if not n.startswith("dpo_train.attention")}
-    assert "dpo_train.errors" in flat, "the walk found no import: it would check nothing"
-    assert flat <= ROOM_USES, flat - ROOM_USES
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "dpo_train" else [f"dpo_train.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        used |= {n.split(".")[1] for n in names if n.startswith("dpo_train.")}
+    return used
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_uses_only_what_its_rule_allows(room):
+    files = sorted((ROOT / "dpo_train" / room).rglob("*.py"))
+    used = {path.name: dpo_train_uses(path) - {room} for path in files}
+    assert any(used.values()), f"no import found under dpo_train/{room}: the walk would check nothing"
+    wrong = {name: sorted(found - ROOMS[room]) for name, found in used.items() if found - ROOMS[room]}
+    assert wrong == {}
+
+
+def test_the_room_rule_walk_catches_a_forbidden_import(tmp_path):
+    """The check can fail: a room file importing the trainer is seen."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from dpo_train.trainer import Trainer\nfrom dpo_train import checkpointing\n")
+    assert dpo_train_uses(bad) - ROOMS["attention"] == {"trainer", "checkpointing"}
+
+
+def test_every_package_directory_ships():
+    """A package directory missing from pyproject's list would be absent from an installed wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for top in ("dpo_data", "dpo_state", "dpo_train", "dpo_report")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    assert found and found <= listed, found - listed
 
 
 def test_the_walk_sees_subpackages():

@@ -104,7 +104,7 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
     import dpo_train.attention.segments as seg
     from dpo_data.loading.microbatch import pack_shared_prompt
     from dpo_train.attention.choice import attention_for
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
 
     pairs = random_pairs(4)
     pack = pack_microbatch if layout == "separate" else pack_shared_prompt

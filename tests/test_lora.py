@@ -63,7 +63,7 @@ def test_only_adapters_get_gradients_and_optimizer_state(small_dataset, smollm2_
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
     path, _ = lora_config(tmp_path, small_dataset, smollm2_dir, "grads")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from dpo_train.errors import ConfigError
-from dpo_train.loss import LossConfig, pair_losses
+from dpo_train.loss import LOSSES, LossConfig, LossType, pair_losses
 
 # Three pairs: summed completion log-probs under the policy and the reference, and token counts.
 C, R = torch.tensor([-10.0, -4.0, -7.5]), torch.tensor([-12.0, -3.0, -7.5])
@@ -93,20 +95,46 @@ def test_average_log_prob_divides_by_token_counts():
     )
 
 
-@pytest.mark.parametrize(
-    "config, message",
-    [
-        (dict(type="kto"), "loss.type is 'kto'; allowed: sigmoid, ipo, hinge, robust, simpo"),
-        (dict(beta=0.0), "loss.beta is 0.0; it must be > 0"),
-        (dict(type="robust", label_smoothing=0.5), r"loss.label_smoothing is 0.5; robust allows \[0, 0.5\)"),
-        (dict(type="hinge", label_smoothing=0.1), "but hinge has none"),
-    ],
-)
-def test_bad_settings_are_named(config, message):
-    with pytest.raises(ConfigError, match=message):
-        LossConfig(**config)
+def test_a_loss_type_is_one_registry_entry(monkeypatch):
+    """The per-pair computation and `needs_reference` read `LOSSES` alone: an entry added there is computed,
+    its form given the token counts because it asks for per-token means, and no reference because it
+    needs none (the config's checks read the same entry: tests/test_config.py)."""
+    given = []
+
+    def form(config, chosen, rejected, counts):
+        given.append(counts)
+        return chosen / counts[0] - rejected / counts[1], chosen, rejected
+
+    monkeypatch.setitem(LOSSES, "mean_gap", LossType(form, needs_reference=False, per_token_means=True))
+    config = LossConfig(type="mean_gap")
+    assert config.needs_reference is False and LossConfig(type="sigmoid").needs_reference is True
+    out = pair_losses(config, C, R, None, None, NC, NR)
+    torch.testing.assert_close(out.losses, C / NC - R / NR, rtol=0, atol=0)
+    assert [c.tolist() for c in given[0]] == [NC.float().tolist(), NR.float().tolist()]
+
+
+def test_an_unknown_loss_type_is_named_with_the_registrys_names():
+    with pytest.raises(ConfigError) as info:
+        pair_losses(LossConfig(type="kto"), C, R, C0, R0, NC, NR)
+    assert str(info.value).startswith(f"loss.type is 'kto'; allowed: {', '.join(LOSSES)}; set loss.type to one")
 
 
 def test_reference_losses_refuse_a_missing_reference():
     with pytest.raises(ConfigError, match="needs reference log-probs"):
         pair_losses(LossConfig(), C, R, None, None, NC, NR)
+
+
+def test_the_docs_loss_table_is_the_registry():
+    """docs/objective.md's table states each type's facts; they must be its `LOSSES` entry's, row for row."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "objective.md").read_text()
+    table = text.split("| `loss.type` | per-pair loss | reference |")[1].split("\n\n")[0].splitlines()[2:]
+    rows = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
+    documented = {name.strip("`"): (reference, smoothing, means) for name, _, reference, smoothing, means, _ in rows}
+    assert documented == {
+        name: (
+            "needed" if kind.needs_reference else "none",
+            str(kind.label_smoothing) if kind.label_smoothing else "none",
+            "always" if kind.per_token_means else "with `average_log_prob`",
+        )
+        for name, kind in LOSSES.items()
+    }

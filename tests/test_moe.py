@@ -16,7 +16,7 @@ from tests.architectures import model_spec, pairs
 
 def _model(model_type: str, attention: str = "segments"):
     from dpo_train.attention.choice import load_model
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
     return load_model(spec, attention, placement("cpu", "fp32"), None, "separate")

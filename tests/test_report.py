@@ -153,7 +153,7 @@ def test_a_running_run_a_run_without_eval_and_bad_logs(run, tmp_path):
 
 def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
     """A log carried across a crash by a trainer that did not truncate it: the continued run's line wins."""
-    from dpo_state.run_report import run_report
+    from dpo_report.summary import run_report
     from dpo_state.schema import schema_problems
 
     def record(step, loss):
@@ -180,8 +180,8 @@ def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
 
 def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):
     """An unknown sink is a config error; a missing optional package names the extra to install."""
+    from dpo_report.charts import write_report
     from dpo_state.errors import ToolkitError
-    from dpo_state.report_charts import write_report
     from dpo_train.config import load_config
     from dpo_train.errors import ConfigError
     from dpo_train.sinks import check_report_to

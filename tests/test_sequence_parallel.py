@@ -67,8 +67,8 @@ def _model():
 
 def _logps_and_gradients(model, batch, mesh=None) -> dict:
     """Per-pair sums and the gradient of a fixed function of them (summed over the group's ranks)."""
-    from dpo_train import collectives
     from dpo_train.logps import pair_logps
+    from dpo_train.parallel import collectives
 
     model.zero_grad(set_to_none=True)
     out = pair_logps(model, batch, mesh)
@@ -91,11 +91,11 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
 
     from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train import collectives
     from dpo_train.attention.choice import attention_for
     from dpo_train.attention.sequence_parallel import check_same_row, sequence_mesh
-    from dpo_train.device import placement
     from dpo_train.logps import row_inputs
+    from dpo_train.parallel import collectives
+    from dpo_train.parallel.device import placement
 
     join_gloo(rank, world, port)
     meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in MESHES}
@@ -211,10 +211,10 @@ def _train_worker(rank: int, world: int, port: int, jobs: list) -> None:
 def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from dpo_train import collectives
     from dpo_train.attention.sequence_parallel import run_mesh
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel import collectives
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import DPOLoader, Trainer
 
     exact = collectives.sum_same_loss
@@ -313,8 +313,8 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
     that cannot run split are config errors before training (exit 2, named, no traceback)."""
     from dpo_train.attention.choice import attention_for
     from dpo_train.attention.sequence_parallel import check_heads, sequence_mesh
-    from dpo_train.device import placement
     from dpo_train.errors import ConfigError
+    from dpo_train.parallel.device import placement
 
     with pytest.raises(ConfigError, match=r"ulysses 2 x context 2 = 4 must divide the world size 6"):
         sequence_mesh(0, 6, 2, 2)

@@ -11,7 +11,7 @@ import yaml
 
 from dpo_data.dataset.store import PairStore
 from dpo_train.errors import SidecarError
-from dpo_train.reference import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
+from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
 
 WEIGHTS = "sha256:" + "0" * 64
 

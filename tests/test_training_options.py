@@ -14,7 +14,7 @@ MODEL = TINY_LLAMA
 
 def _trainer(dataset, **train):
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
     config = load_config(
@@ -65,8 +65,8 @@ def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(sample_data
 
 
 def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
-    from dpo_train.device import placement
     from dpo_train.errors import ConfigError
+    from dpo_train.parallel.device import placement
 
     assert placement("cpu", "auto").precision == "fp32" and placement("cpu", "auto").backend == "gloo"
     if not torch.cuda.is_available():
@@ -78,8 +78,8 @@ def test_cpu_precision_auto_is_fp32_and_missing_devices_are_named():
 def test_attention_is_per_segment_on_cpu_and_flash_attention_needs_cuda_bf16():
     from dpo_train.attention.choice import attention_for
     from dpo_train.attention.segments import ATTENTION
-    from dpo_train.device import placement
     from dpo_train.errors import ConfigError
+    from dpo_train.parallel.device import placement
 
     cpu = placement("cpu", "fp32")
     assert attention_for("auto", cpu) == ATTENTION == attention_for("segments", cpu)

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from dpo_data.errors import DataError
-from dpo_train import collectives
 from dpo_train.attention.features import LayerAttention, call_attention
 from dpo_train.attention.kernel import attend, expand_kv
 from dpo_train.attention.masks import segment_mask
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.parallel import collectives
 
 ATTENTION = "dpo_sequence_parallel"
 """The attention implementation name a sequence-parallel model runs with (registered with transformers)."""

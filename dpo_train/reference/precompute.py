@@ -5,16 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpo_data.dataset.store import PairStore
-from dpo_train import collectives
-from dpo_train.attention.sequence_parallel import run_mesh
 from dpo_train.config import TrainConfig
-from dpo_train.device import init_distributed, placement
 from dpo_train.errors import ConfigError
 from dpo_train.initial_policy import initial_policy
-from dpo_train.model import check_model_paths
-from dpo_train.preflight import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
-from dpo_train.reference import SIDECAR_DOCUMENT, write_sidecar
-from dpo_train.scoring import score_pairs
+from dpo_train.parallel import collectives
+from dpo_train.reference.scoring import score_pairs
+from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, write_sidecar
+from dpo_train.run_setup import setup_run
 
 
 def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
@@ -31,20 +28,15 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
             f"reference.path {config.reference.path} already holds a sidecar ({existing.name}); a run may be "
             "bound to it. Pass --overwrite to replace it, or set reference.path to a new directory"
         )
-    check_model_paths(config.model)
-    place = placement(config.distributed.device, config.train.precision)
-    rank, world = init_distributed(place)
-    store = PairStore(config.data.paths)
-    check_data({"data.path": store}, config.data.verify, rank, world)
-    check_tokenizer(load_run_tokenizer(config), config, {"data.path": store})
-    mesh = run_mesh(config, rank, world)
-    model, weights = initial_policy(config, place, mesh)  # the trainer's own: weights_from included
-    check_vocabulary(model, {"data.path": store})
-    model.to(place.device)
-    layout = config.data.layout
-    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, mesh, layout)
+    setup = setup_run(config)
+    store = setup.check_dataset("data.path", PairStore(config.data.paths))
+    model, weights = initial_policy(config, setup.place, setup.mesh)  # the trainer's own: weights_from included
+    setup.check_model(model)
+    model.to(setup.place.device)
+    layout, place = config.data.layout, setup.place
+    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, setup.mesh, layout)
     path = Path(config.reference.path)
-    if rank == 0:
+    if setup.rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")
     collectives.barrier()
     return path

@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dpo_report.summary import run_report
 from dpo_state.errors import ToolkitError
-from dpo_state.run_report import run_report
 
 REPORT_DIR = "report"
 PNG_META = {"Software": None}  # no version string: a regenerated chart differs only when the run does

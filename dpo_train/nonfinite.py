@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from dpo_train import collectives
 from dpo_train.metrics import SUMS
+from dpo_train.parallel import collectives
 
 CHECKED = {"loss": "loss", "chosen_logp": "logps/chosen", "rejected_logp": "logps/rejected"}
 """Step sums whose non-finite value stops the step, and their metric names."""

@@ -1,0 +1,75 @@
+"""Which reference a run's loss sees (live, LoRA adapters off, a precomputed sidecar, or none), behind one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpo_data.dataset.store import PairStore
+from dpo_train.config import TrainConfig
+from dpo_train.logps import pair_logps
+from dpo_train.parallel.device import Placement
+from dpo_train.reference.live import AdaptersDisabled, frozen_reference
+from dpo_train.reference.sidecar import ReferenceTable, load_sidecar
+
+
+def reference_mode(config: TrainConfig) -> str:
+    """What the loss compares against: none for a reference-free loss, else `reference.mode`."""
+    return config.reference.mode if config.loss.needs_reference else "none"
+
+
+@dataclass
+class Reference:
+    """The reference's log-probs of a micro-batch's pairs, however this run gets them.
+
+    `initial` is the frozen initial policy where the run keeps one: the live reference, and held-out
+    evaluation's baseline (whatever the mode)."""
+
+    mode: str
+    place: Placement
+    mesh: Any
+    initial: Any = None
+    table: ReferenceTable | None = None
+
+    @property
+    def sidecar_sha256(self) -> str | None:
+        """The precomputed table's sha256 (part of the run identity), or None."""
+        return self.table.sha256 if self.table is not None else None
+
+    def logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(chosen, rejected) summed log-probs of the batch's pairs; (None, None) for a reference-free loss."""
+        if self.mode == "precomputed":
+            return self.table.lookup(batch["pair_index"], self.place.device)
+        if self.mode == "none":
+            return None, None
+        with torch.no_grad():
+            ref = pair_logps(self.initial, batch, self.mesh)
+        return ref.chosen, ref.rejected
+
+    def join(self, inputs: dict, world: int) -> None:
+        """An empty micro-batch: a sharded live reference still joins its ranks' all-gathers, in order."""
+        if self.mode == "live" and world > 1:
+            with torch.no_grad():
+                self.initial(**inputs)
+
+    def check_initial(self, policy: Any, batch: dict, step: int) -> None:
+        """Before the first optimizer step the policy is the reference: a sidecar's values must be its own."""
+        if self.table is not None and step == 0:
+            self.table.check_initial(policy, batch["pair_index"], self.place.precision)
+
+
+def build_reference(
+    config: TrainConfig, policy: Any, place: Placement, world: int, mesh: Any, store: PairStore, weights: str
+) -> Reference:
+    """The run's reference, from the initial policy before it is wrapped (a live copy is sharded like it)."""
+    mode = reference_mode(config)
+    initial = None
+    if mode == "live" or config.eval.path:
+        lora = config.model.lora
+        initial = AdaptersDisabled(policy) if lora else frozen_reference(policy, config.distributed.strategy, world)
+    table = None
+    if mode == "precomputed":
+        table = load_sidecar(config.reference.path, store, weights, place.precision, config.data.layout)
+    return Reference(mode, place, mesh, initial, table)
