@@ -128,7 +128,7 @@ def test_every_collective_goes_through_the_helper_on_its_device(sample_dataset, 
     sites = {site for run in (precompute, first, resumed, failing) for calls in run for site in calls}
     expected = {
         "all_reduce<-collectives.gather_failures",  # check_data, save
-        "all_reduce<-collectives.spread",  # guard.agree (non-finite vote, step_pairs), the step to save
+        "all_reduce<-collectives.spread",  # nonfinite.agree (non-finite vote, step_pairs), the step to save
         "all_reduce<-trainer.step",  # the step's metric sums
         "all_reduce<-scoring.score_pairs",  # precompute and eval tables
         "all_gather_object<-checkpointing.save",  # the ranks' loader positions
