@@ -1,0 +1,60 @@
+"""The run log, one owner: rank 0 writes metrics.jsonl every log_every steps and eval.jsonl, others nothing;
+a resume drops the lines of steps to be trained again, a fresh start replaces an earlier run's logs."""
+
+from __future__ import annotations
+
+import orjson
+
+from dpo_state.run_logs import EVAL_LOG, METRICS_LOG
+from dpo_train.evaluation import EVAL_FORMAT_VERSION
+from dpo_train.metrics import new_sums, step_record
+from dpo_train.run_log import RunLog
+
+
+def _step(step):
+    """A schema-valid metrics record, as the trainer's step writes it."""
+    return {**step_record(new_sums(1), ["train"], 1.0, 1e-5, step, 0.1, 1), "skipped_steps": 0}
+
+
+def _eval(step):
+    fields = ("accuracy", "ties", "margin", "logp_accuracy")
+    return {"format_version": EVAL_FORMAT_VERSION, "step": step, "pairs": 2, **dict.fromkeys(fields, 0.5)}
+
+
+def _lines(path):
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def _write(out, rank=0, log_every=1, resumed_at=None, steps=range(4), evals=()):
+    with RunLog(out, rank, [], log_every, resumed_at) as log:
+        for step in steps:
+            log.step(_step(step))
+        for step in evals:
+            log.evaluation(_eval(step))
+
+
+def test_rank_zero_writes_every_log_every_steps_and_other_ranks_write_nothing(tmp_path):
+    (tmp_path / "r1").mkdir()
+    _write(tmp_path / "r1", rank=1, evals=(0,))
+    assert list((tmp_path / "r1").iterdir()) == []
+    _write(tmp_path, log_every=2, evals=(0, 4))
+    assert [r["step"] for r in _lines(tmp_path / METRICS_LOG)] == [0, 2]
+    assert [r["step"] for r in _lines(tmp_path / EVAL_LOG)] == [0, 4]
+
+
+def test_a_resume_drops_the_steps_trained_again_and_a_torn_line(tmp_path):
+    _write(tmp_path, steps=range(5), evals=(0, 2, 4))
+    with open(tmp_path / METRICS_LOG, "ab") as f:
+        f.write(b'{"step": 5, "lo')  # a crash mid-write
+    _write(tmp_path, resumed_at=2, steps=range(2, 4), evals=(3,))
+    assert [r["step"] for r in _lines(tmp_path / METRICS_LOG)] == [0, 1, 2, 3]
+    assert [r["step"] for r in _lines(tmp_path / EVAL_LOG)] == [0, 2, 3]
+
+
+def test_a_fresh_start_replaces_an_earlier_runs_logs_and_says_so(tmp_path, capsys):
+    _write(tmp_path, steps=range(3), evals=(0,))
+    capsys.readouterr()
+    _write(tmp_path, steps=range(1))
+    assert [r["step"] for r in _lines(tmp_path / METRICS_LOG)] == [0]
+    assert not _lines(tmp_path / EVAL_LOG)
+    assert "held logs of an earlier run without a checkpoint to resume; they are replaced" in capsys.readouterr().err
