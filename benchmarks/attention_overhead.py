@@ -13,30 +13,30 @@ per-layer window, chunk, softcap and sink handling of `dpo_train/attention` cost
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import harness
 
 
 def child(root: str, layout: str, data: str) -> float:
-    """Seconds for 8 rows forward and backward (median of 3 passes), with `root`'s dpo_train."""
-    sys.path.insert(0, root)
+    """Seconds for 8 rows forward and backward (median of 3 passes), with `root`'s dpo_train (the parent puts
+    `root` on this process's PYTHONPATH)."""
     import torch
 
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.bundled_model import materialize_smollm2
     from dpo_train.config import ModelConfig
-    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
     from dpo_train.model import load_policy, prepare_for_training
 
+    if (Path(root) / "dpo_train" / "parallel").is_dir():
+        from dpo_train.parallel.device import placement
+    else:  # before dpo_train/parallel
+        from dpo_train.device import placement
     if (Path(root) / "dpo_train" / "attention").is_dir():
         from dpo_train.attention.choice import attention_for
     else:  # before the attention room
@@ -59,22 +59,9 @@ def child(root: str, layout: str, data: str) -> float:
     return statistics.median(times)
 
 
-def _dataset(work: Path) -> str:
-    from dpo_data.prepare.build import BuildOptions, build
-    from dpo_train.bundled_model import materialize_smollm2
-
-    sample = ROOT / "examples" / "sample"
-    inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
-    build(inputs, str(materialize_smollm2()), work / "train", BuildOptions())
-    return str(work / "train")
-
-
 def _run(root: str, layout: str, data: str) -> float:
-    # the child imports `root`'s dpo_train first; the script itself always comes from this checkout
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    args = [sys.executable, __file__, "--child", root, layout, data]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
-    return float(out.strip().splitlines()[-1])
+    # the child imports `root`'s dpo_train first; the benchmark itself always comes from this checkout
+    return harness.call(child, root, layout, data, env={"TRANSFORMERS_VERBOSITY": "error"}, pythonpath=root)
 
 
 def main() -> None:
@@ -82,21 +69,16 @@ def main() -> None:
     parser.add_argument("--other", help="the checkout to compare with (a git worktree)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved fresh processes per checkout")
     parser.add_argument("--layouts", nargs="+", default=["separate", "shared_prompt"])
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        print(child(*args.child))
-        return
     if not args.other:
         parser.error("--other CHECKOUT is required")
-    sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="dpo-attention-bench-") as work:
-        data = _dataset(Path(work))
+        data = harness.smollm2_and_sample(Path(work))[1]
         for layout in args.layouts:
             this, other = [], []
             for _ in range(args.repeats):
                 other.append(_run(args.other, layout, data))
-                this.append(_run(str(ROOT), layout, data))
+                this.append(_run(str(harness.ROOT), layout, data))
             ratio = statistics.median(this) / statistics.median(other)
             print(
                 f"{layout}: this {[round(t, 2) for t in this]} s, other {[round(t, 2) for t in other]} s, "

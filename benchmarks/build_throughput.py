@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -41,206 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-# The installed (editable) dpo_data, or one named by PYTHONPATH (e.g. a frozen snapshot of a commit);
-# this checkout's only when neither is importable.
-if importlib.util.find_spec("dpo_data") is None:
-    sys.path.append(str(REPO))
+import harness
 
 METHODS = ("ours", "trl", "floor")
 WARMUP_ROWS = 64
 FLOOR_BATCH_ROWS = 1024  # rows per encode_batch_fast call of the floor
-
-# -- deterministic data ---------------------------------------------------------------------------
-
-_WORDS = """
-the of and to in is that for it as with was on be by this are or from at an have not which but
-all they one can more has were their there been if would will when what so about out up into
-them some could other time only new these two may then do first any my now such like our over
-also its after most made many before must through back years where much your way well down
-should because each just those people how too little state good very make world still own see
-men work long get here between both life being under never day same another know while last
-might us great old year off come since against go came right used take three system data model
-value error file process result memory network server client request response token sequence
-batch gradient loss learning rate optimizer checkpoint dataset record field column index table
-query cache thread worker queue lock buffer stream packet latency throughput bandwidth storage
-disk volume cluster node region budget invoice customer order payment account balance report
-chapter section paragraph sentence summary argument evidence claim theory experiment sample
-measure average median variance estimate interval probability function variable constant loop
-branch compile debug deploy release version patch feature option setting parameter default
-river mountain forest valley ocean island desert city village bridge road garden kitchen window
-coffee breakfast dinner recipe flour sugar butter salt pepper onion garlic tomato cheese bread
-history culture language music painting theatre museum library novel poem author reader editor
-doctor patient symptom treatment dose hospital clinic nurse health exercise sleep weather storm
-quickly carefully roughly exactly probably usually rarely clearly simply directly easily gently
-important different possible available similar common specific general simple difficult large
-small recent early late local global public private correct wrong strong weak bright dark warm
-explain describe compare consider suggest include provide require allow ensure improve reduce
-increase change check verify update create delete remove replace convert translate calculate
-""".split()
-_RARE = [
-    "café",
-    "naïve",
-    "façade",
-    "Zürich",
-    "São",
-    "Paulo",
-    "résumé",
-    "jalapeño",
-    "Ångström",
-    "–",
-    "€",
-    "£",
-    "μs",
-    "°C",
-    "×",
-    "≈",
-    "François",
-    "Kraków",
-    "Dvořák",
-]
-_NAMES = [
-    "Alice",
-    "Bob",
-    "Chen",
-    "Dana",
-    "Emeka",
-    "Farah",
-    "Goran",
-    "Hiro",
-    "Ines",
-    "Jonas",
-    "Python",
-    "Rust",
-    "Linux",
-    "PostgreSQL",
-    "Kubernetes",
-    "Paris",
-    "Tokyo",
-    "Nairobi",
-    "Lima",
-    "Oslo",
-    "Monday",
-    "March",
-]
-_SYSTEMS = [
-    "You are a helpful assistant.",
-    "You are a concise technical assistant. Answer in at most three sentences.",
-    "You are a friendly tutor for high-school students; explain each step and avoid jargon.",
-    "You answer questions about cooking. Use metric units and give exact quantities.",
-    "You are a careful code reviewer. Point out bugs first, then style issues.",
-    "Reply in plain English. If you are not sure, say so and explain what would settle it.",
-]
-_OPENERS = [
-    "Can you",
-    "Could you",
-    "Please",
-    "How do I",
-    "Why does",
-    "What is the best way to",
-    "Is it true that",
-    "I need to",
-    "Help me",
-    "Explain how to",
-    "Compare",
-    "Write a short note that",
-]
-
-
-def _token(rng: random.Random) -> str:
-    r = rng.random()
-    if r < 0.80:
-        return rng.choice(_WORDS)
-    if r < 0.86:
-        return rng.choice(_NAMES)
-    if r < 0.94:
-        kind = rng.randrange(6)
-        if kind == 0:
-            return str(rng.randrange(1, 100))
-        if kind == 1:
-            return f"{rng.uniform(0, 1000):.{rng.randrange(1, 4)}f}"
-        if kind == 2:
-            return f"{rng.randrange(1, 99)},{rng.randrange(0, 999):03d}"
-        if kind == 3:
-            return f"{rng.randrange(1, 100)}%"
-        if kind == 4:
-            return str(rng.randrange(1900, 2030))
-        return f"{rng.randrange(1, 500)}{rng.choice(['kg', 'ms', 'GB', 'km', 'mL', 'px'])}"
-    if r < 0.97:
-        return rng.choice(_RARE)
-    return rng.choice(["(", '"', "'"]) + rng.choice(_WORDS) + rng.choice([")", '"', "'"])
-
-
-def _text(rng: random.Random, n_words: int, opener: bool = False) -> str:
-    """About n_words words in sentences, with punctuation, the odd list, code span or paragraph break."""
-    out: list[str] = []
-    words = 0
-    first = True
-    while words < n_words:
-        length = min(n_words - words, rng.randrange(4, 18))
-        if first and opener:
-            head = rng.choice(_OPENERS).split()
-            sent = head + [_token(rng) for _ in range(max(1, length - len(head)))]
-        else:
-            sent = [_token(rng) for _ in range(length)]
-            sent[0] = sent[0][:1].upper() + sent[0][1:]
-        if len(sent) > 6 and rng.random() < 0.35:
-            k = rng.randrange(2, len(sent) - 2)
-            sent[k] += rng.choice([",", ",", ";", ":", " -"])
-        if rng.random() < 0.06:
-            sent.append(f"`{rng.choice(_WORDS)}_{rng.randrange(10)} = {rng.randrange(1000)}`")
-        end = "?" if first and opener else rng.choice([".", ".", ".", ".", "!", "?", "..."])
-        text = " ".join(sent) + end
-        if out and rng.random() < 0.12:
-            text = "\n\n" + text
-        elif out and rng.random() < 0.08:
-            text = "\n- " + text
-        out.append(text)
-        words += len(sent)
-        first = False
-    return " ".join(out).replace(" \n", "\n")
-
-
-def make_row(rng: random.Random) -> dict:
-    """One conversational explicit-prompt pair: prompt ~30-120 words (some with a system message and an
-    earlier exchange or two), chosen and rejected ~20-100 words each."""
-    prompt_words = rng.randint(30, 120)
-    messages = []
-    if rng.random() < 0.3:
-        system = rng.choice(_SYSTEMS)
-        messages.append({"role": "system", "content": system})
-        prompt_words = max(15, prompt_words - len(system.split()))
-    turns = rng.choices([0, 1, 2], weights=[60, 28, 12])[0]
-    if turns:
-        # history: user / assistant exchanges, then the final user message
-        shares = [rng.random() + 0.5 for _ in range(2 * turns + 1)]
-        total = sum(shares)
-        sizes = [max(5, round(prompt_words * s / total)) for s in shares]
-        for t in range(turns):
-            messages.append({"role": "user", "content": _text(rng, sizes[2 * t], opener=True)})
-            messages.append({"role": "assistant", "content": _text(rng, sizes[2 * t + 1])})
-        messages.append({"role": "user", "content": _text(rng, sizes[-1], opener=True)})
-    else:
-        messages.append({"role": "user", "content": _text(rng, prompt_words, opener=True)})
-    chosen = _text(rng, rng.randint(20, 100))
-    rejected = _text(rng, rng.randint(20, 100))
-    while rejected == chosen:
-        rejected = _text(rng, rng.randint(20, 100))
-    return {
-        "prompt": messages,
-        "chosen": [{"role": "assistant", "content": chosen}],
-        "rejected": [{"role": "assistant", "content": rejected}],
-    }
-
-
-def write_rows(path: Path, n: int, seed: int) -> None:
-    import orjson
-
-    rng = random.Random(seed)
-    with open(path, "wb") as f:
-        for _ in range(n):
-            f.write(orjson.dumps(make_row(rng)) + b"\n")
-
 
 # -- one measurement (runs in a fresh child process) ----------------------------------------------
 
@@ -422,24 +225,9 @@ def _wait_quiet(max_wait: float, threshold: float = 0.3) -> None:
 
 
 def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str, threads: str) -> dict:
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_child",
-        method,
-        str(num_proc),
-        str(data),
-        str(warmup),
-        tokenizer_dir,
-    ]
-    env = dict(os.environ)
-    if threads == "off":  # the Rust tokenizer's thread pool off: one core per process for every method
-        env["TOKENIZERS_PARALLELISM"] = "false"
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{method} num_proc={num_proc} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    # threads off: the Rust tokenizer's thread pool off, one core per process for every method
+    env = {"TOKENIZERS_PARALLELISM": "false"} if threads == "off" else {}
+    return harness.call(measure_child, method, num_proc, str(data), str(warmup), tokenizer_dir, env=env)
 
 
 def _summarize(runs: list[dict]) -> dict:
@@ -465,13 +253,6 @@ def _summarize(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--_child":
-        method, num_proc, data, warmup, tokenizer_dir = argv[1:6]
-        result = measure_child(method, int(num_proc), data, warmup, tokenizer_dir)
-        print("RESULT " + json.dumps(result), flush=True)
-        return 0
-
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -514,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
         data, warmup = Path(tmp) / "pairs.jsonl", Path(tmp) / "warmup.jsonl"
         t = time.perf_counter()
-        write_rows(data, args.pairs, args.seed)
-        write_rows(warmup, WARMUP_ROWS, args.seed + 1)
+        harness.write_rows(data, args.pairs, args.seed)
+        harness.write_rows(warmup, WARMUP_ROWS, args.seed + 1)
         print(
             f"generated {args.pairs} pairs ({data.stat().st_size / 1e6:.1f} MB, seed {args.seed}) "
             f"in {time.perf_counter() - t:.1f} s",

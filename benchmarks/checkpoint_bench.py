@@ -23,11 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness
 
 MODEL = {
     "model_type": "llama",
@@ -40,22 +38,10 @@ MODEL = {
 }
 
 
-def _dataset(work: Path) -> str:
-    from dpo_data.prepare.build import BuildOptions, build
-    from dpo_train.bundled_model import materialize_smollm2
-
-    data = work / "train"
-    sample = ROOT / "examples" / "sample"
-    inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
-    build(inputs, str(materialize_smollm2()), data, BuildOptions())
-    return str(data)
-
-
 def _trainer(data: str, out: Path):
-
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
     config = load_config(
@@ -88,12 +74,6 @@ def _save_fsync(torch, state, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
@@ -105,7 +85,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="dpo-ckpt-bench-"))
     try:
-        data = _dataset(work)
+        data = harness.smollm2_and_sample(work)[1]
         trainer, loader = _trainer(data, work / "run")
         parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, work / "run")
         model_sd, optim_sd = trainer.policy.state_dict(), trainer.optimizer.state_dict()
@@ -114,29 +94,33 @@ def main() -> None:
         }
         for i in range(args.repeat):
             plain = work / f"plain-{i}.pt"
-            times["torch.save"].append(_time(lambda: torch.save({"model": model_sd, "optim": optim_sd}, plain)))
+            times["torch.save"].append(
+                harness.seconds(lambda: torch.save({"model": model_sd, "optim": optim_sd}, plain))
+            )
             plain_bytes = plain.stat().st_size
             durable = work / f"durable-{i}.pt"
             times["torch.save+fsync"].append(
-                _time(lambda: _save_fsync(torch, {"model": model_sd, "optim": optim_sd}, durable))
+                harness.seconds(lambda: _save_fsync(torch, {"model": model_sd, "optim": optim_sd}, durable))
             )
             durable.unlink()
             trainer.state.step = i + 1
-            times["save"].append(_time(lambda: save(parts, ctx, new_lineage())))
+            times["save"].append(harness.seconds(lambda: save(parts, ctx, new_lineage())))
 
             def plain_load():
                 state = torch.load(plain, weights_only=True)
                 trainer.policy.load_state_dict(state["model"])
                 trainer.optimizer.load_state_dict(state["optim"])
 
-            times["torch.load"].append(_time(plain_load))
-            times["load"].append(_time(lambda: restore(parts, ctx, step_dir(work / "run", i + 1))))
+            times["torch.load"].append(harness.seconds(plain_load))
+            times["load"].append(harness.seconds(lambda: restore(parts, ctx, step_dir(work / "run", i + 1))))
             cli = [sys.executable, "-m", "dpo_cli.state"]
             a, b = step_dir(work / "run", i + 1), step_dir(work / "run", max(1, i))
             times["inspect"].append(
-                _time(lambda: subprocess.run([*cli, "inspect", str(a)], check=True, capture_output=True))
+                harness.seconds(lambda: subprocess.run([*cli, "inspect", str(a)], check=True, capture_output=True))
             )
-            times["diff"].append(_time(lambda: subprocess.run([*cli, "diff", str(a), str(b)], capture_output=True)))
+            times["diff"].append(
+                harness.seconds(lambda: subprocess.run([*cli, "diff", str(a), str(b)], capture_output=True))
+            )
             plain.unlink()
         size = sum(p.stat().st_size for p in step_dir(work / "run", 1).rglob("*") if p.is_file())
         med = {k: statistics.median(v) for k, v in times.items()}

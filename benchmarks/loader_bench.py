@@ -59,16 +59,12 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402 - after the sys.path set-up above, so the repo checkout wins
+import harness
+import numpy as np
 
 TARGETS = {"tokens_eff": 0.97, "pairs_eff": 0.93, "trainer_ratio": 20.0, "restore_ratio": 1.5, "memory_ratio": 1.10}
 WORLD, TOKENS_MB_PER_STEP, PAIRS_PER_STEP, SEED = 2, 2, 32, 0
@@ -162,24 +158,9 @@ def synth_rows(n: int, seed: int = SEED):
         }
 
 
-def write_jsonl(path: Path, rows) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def sample_files() -> list[str]:
-    root = REPO / "examples" / "sample"
-    return sorted(str(p) for p in root.iterdir() if p.is_file() and p.name != "README.md")
-
-
 def build_dataset(inputs: list[str], tok_dir: Path, out: Path) -> dict:
-    from dpo_data.prepare.build import BuildOptions, build
-
     t0 = time.perf_counter()
-    result = build(inputs, str(tok_dir), out, BuildOptions(overwrite=True))
-    if result.error is not None:
-        raise SystemExit(f"build of {out} refused: {result.error}")
+    result = harness.build_dataset(inputs, tok_dir, out, overwrite=True)
     return {"seconds": round(time.perf_counter() - t0, 2), "pairs": result.manifest["totals"]["pairs"]}
 
 
@@ -236,7 +217,9 @@ def code_version() -> dict:
 
     def git(*a):
         try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.rstrip()
+            return subprocess.run(
+                ["git", *a], cwd=harness.ROOT, capture_output=True, text=True, check=True
+            ).stdout.rstrip()
         except (OSError, subprocess.CalledProcessError):
             return None
 
@@ -384,11 +367,7 @@ def trainer_step_time(batch: dict, repeat: int) -> dict:
 
     for _ in range(2):
         step()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = [harness.seconds(step) for _ in range(repeat)]
     return {
         "step_s": med(times),
         "step_s_all": [round(t, 4) for t in times],
@@ -496,7 +475,7 @@ def _status() -> dict:
     return vals
 
 
-def memory_child(ds: str, budget: int) -> None:
+def memory_child(ds: str, budget: int) -> dict:
     """Runs in a fresh process: RSS before the loader, and after 200 micro-batches."""
     import torch  # noqa: F401 - loaded before the "before" RSS, so it is not counted as the loader's
     from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401 - likewise
@@ -524,39 +503,25 @@ def memory_child(ds: str, budget: int) -> None:
             loader.stream.schedule.pair_tokens,
         )
     )
-    print(
-        "MEM "
-        + json.dumps(
-            {
-                "pairs": store.num_pairs,
-                "microbatches": n,
-                "rss_before": before["VmRSS"],
-                "rss_after": after["VmRSS"],
-                "anon_before": before["RssAnon"],
-                "anon_after": after["RssAnon"],
-                "file_before": before["RssFile"],
-                "file_after": after["RssFile"],
-                "hwm_after": after["VmHWM"],
-                "in_memory_bytes_per_pair": round(per_pair / store.num_pairs, 1),
-                "dataset_bytes": sum(p.stat().st_size for p in Path(ds).rglob("*") if p.is_file()),
-            }
-        )
-    )
+    return {
+        "pairs": store.num_pairs,
+        "microbatches": n,
+        "rss_before": before["VmRSS"],
+        "rss_after": after["VmRSS"],
+        "anon_before": before["RssAnon"],
+        "anon_after": after["RssAnon"],
+        "file_before": before["RssFile"],
+        "file_after": after["RssFile"],
+        "hwm_after": after["VmHWM"],
+        "in_memory_bytes_per_pair": round(per_pair / store.num_pairs, 1),
+        "dataset_bytes": sum(p.stat().st_size for p in Path(ds).rglob("*") if p.is_file()),
+    }
 
 
 def memory(datasets: dict[str, Path], budget: int, repeat: int) -> dict:
     out = {}
     for name, ds in datasets.items():
-        runs = []
-        for _ in range(repeat):
-            proc = subprocess.run(
-                [sys.executable, __file__, "--memory-child", str(ds), str(budget)],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            line = [x for x in proc.stdout.splitlines() if x.startswith("MEM ")][-1]
-            runs.append(json.loads(line[4:]))
+        runs = [harness.call(memory_child, str(ds), budget) for _ in range(repeat)]
         r = dict(runs[0])
         for key in ("rss_before", "rss_after", "hwm_after", "anon_before", "anon_after", "file_before", "file_after"):
             r[key] = int(med([x[key] for x in runs]))
@@ -700,12 +665,8 @@ def main() -> None:
     ap.add_argument(
         "--pairs-per-step", type=int, default=32, help="pairs mode: pairs per step (default 32)", dest="pairs_per_step"
     )
-    ap.add_argument("--memory-child", nargs=2, metavar=("DATASET", "BUDGET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     globals()["PAIRS_PER_STEP"] = args.pairs_per_step
-    if args.memory_child:
-        memory_child(args.memory_child[0], int(args.memory_child[1]))
-        return
     n = args.pairs or (1000 if args.quick else 5000)
     repeat = args.repeat or (3 if args.quick else 11)
     epoch_repeat, trainer_repeat, mem_repeat = (1, 3, 1) if args.quick else (3, 10, 3)
@@ -729,12 +690,12 @@ def main() -> None:
             },
         }
         rows = list(synth_rows(4 * n))
-        write_jsonl(work / "synth.jsonl", rows[:n])
-        write_jsonl(work / "synth4x.jsonl", rows)
+        harness.write_jsonl(work / "synth.jsonl", rows[:n])
+        harness.write_jsonl(work / "synth4x.jsonl", rows)
         del rows
         ds = {"sample": work / "sample", "synth": work / "synth", "synth4x": work / "synth4x"}
         res["build"] = {
-            "sample": build_dataset(sample_files(), tok, ds["sample"]),
+            "sample": build_dataset(harness.sample_inputs(), tok, ds["sample"]),
             "synth": build_dataset([str(work / "synth.jsonl")], tok, ds["synth"]),
             "synth4x": build_dataset([str(work / "synth4x.jsonl")], tok, ds["synth4x"]),
         }

@@ -24,23 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import harness
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "full-replicated": {"patch": "replicated-reference"},
     "full-sharded": {},
     "lora": {"lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
 }
-
-
-def _model_and_data(work: Path) -> tuple[str, str]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from train_throughput import _model_and_data as shared  # the same model and sample build
-
-    return shared(work)
 
 
 def run(variant: str, model: str, data: str, work: Path, steps: int) -> dict:
@@ -60,8 +51,8 @@ def run(variant: str, model: str, data: str, work: Path, steps: int) -> dict:
     env = {**os.environ, "RANK_PEAK_OUT": str(peaks), "RANK_PEAK_PATCH": spec.get("patch", "")}
     env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # RSS follows the live tensors (see above)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    args += [str(ROOT / "benchmarks" / "rank_peak.py"), str(path), "--quiet"]
-    subprocess.run(args, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    args += [str(harness.HERE / "rank_peak.py"), str(path), "--quiet"]
+    subprocess.run(args, check=True, env=env, cwd=harness.ROOT, stdout=subprocess.DEVNULL)
     ranks = [json.loads(p.read_text()) for p in sorted(peaks.glob("rank-*.json"))]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {
@@ -80,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, data = _model_and_data(work)
+        model, data = harness.smollm2_and_sample(work)
         results = [run(v, model, data, work, args.steps) for v in args.variants]
     base = {r["variant"]: r for r in results}
     for r in results:

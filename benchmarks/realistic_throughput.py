@@ -32,16 +32,12 @@ import os
 import random
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer  # noqa: E402 - benchmarks/, next to this script
+import harness
+from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer
 
 CAP = 4096  # the generator keeps every pair's separate row (2 prompts + both completions) within this
 MEMORY_LIMIT = 17 << 30  # address space of each child: a trainer that needs more fails cleanly instead of
@@ -134,14 +130,10 @@ def generate_rows(n: int, seed: int, tokenizer) -> tuple[list[dict], int]:
 
 
 def _build(rows: list[dict], model: str, out: Path) -> dict:
-    from dpo_data.prepare.build import BuildOptions, build
-
     out.parent.mkdir(parents=True, exist_ok=True)
     src = out.parent / (out.name + ".jsonl")
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = build([str(src)], model, out, BuildOptions(overwrite=True))
-    if result.error:
-        sys.exit(f"build failed: {result.error}")
+    harness.write_jsonl(src, rows)
+    result = harness.build_dataset([src], model, out, overwrite=True)
     return {"rows": result.rows_read, "kept": result.pairs, "rejects": result.rejects_by_reason}
 
 
@@ -326,10 +318,6 @@ def segment_score_pairs(micro: dict) -> int:
 # ---------------------------------------------------------------- the trainers (child processes)
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _config(info: dict, out: Path, steps: int, reference: dict, layout: str) -> dict:
     return {
         "model": {"path": info["model"]},
@@ -350,7 +338,7 @@ def _config(info: dict, out: Path, steps: int, reference: dict, layout: str) -> 
 
 def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, precomputed: bool) -> dict:
     from dpo_train.config import load_config
-    from dpo_train.precompute import precompute_reference
+    from dpo_train.reference.precompute import precompute_reference
     from dpo_train.trainer import train
 
     sidecar = work / f"sidecar-{layout}"
@@ -372,7 +360,7 @@ def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, preco
         "timed_pairs": sum(r["pairs"] for r in timed),
         "input_tokens_timed": sum(r["input_tokens"] for r in timed),
         "losses": [r["loss"] for r in rows],
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": harness.peak_rss_mib(),
     }
 
 
@@ -414,7 +402,7 @@ def run_trl(info: dict, work: Path, steps: int, warmup: int, micro: int, precomp
         "timed_pairs": PAIRS_PER_STEP * len(durations[warmup:]),
         "padded": padded,
         "losses": [e["loss"] for e in logs],
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": harness.peak_rss_mib(),
     }
 
 
@@ -430,8 +418,8 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.attention.choice import attention_for
-    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
+    from dpo_train.parallel.device import placement
 
     attention = attention_for("auto", placement("cpu", "fp32"), layout=layout)  # what dpo-train picks
 
@@ -487,7 +475,7 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
             }
             for e in top
         ],
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": harness.peak_rss_mib(),
     }
 
 
@@ -498,12 +486,7 @@ def matmul_peak(sizes=(2048, 3072, 4096), repeats: int = 5) -> dict:
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - t)
-        best[n] = 2 * n**3 / min(times)
+        best[n] = 2 * n**3 / min(harness.seconds(lambda a=a, b=b: torch.mm(a, b)) for _ in range(repeats))
     return {
         "threads": torch.get_num_threads(),
         "by_size_gflops": {k: v / 1e9 for k, v in best.items()},
@@ -528,17 +511,17 @@ def child(method: str, work: Path, steps: int, warmup: int, info: dict) -> dict:
 
 
 def _spawn(method: str, args, work: Path) -> dict:
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, __file__, "--child", method, "--steps", str(args.steps), "--pairs", str(args.pairs)]
-    cmd += ["--seed", str(args.seed), "--work", str(work), "--warmup", str(args.warmup)]
+    """One method in a fresh process (this script's --child); a failure is recorded, not fatal."""
+    env = {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [__file__, "--child", method, "--steps", args.steps, "--pairs", args.pairs]
+    argv += ["--seed", args.seed, "--work", work, "--warmup", args.warmup]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not line:
-        reason = ([x for x in proc.stderr.splitlines() if x.strip()] or ["?"])[-1][:300]
-        print(f"{method} failed (rc {proc.returncode}): {reason}", flush=True)
-        return {"failed": proc.returncode, "reason": reason, "wall_s": time.perf_counter() - started}
-    result = json.loads(line[0][7:])
+    try:
+        result = harness.run_child(argv, env, label=method)
+    except harness.ChildFailed as failed:
+        reason = ([x for x in failed.stderr.splitlines() if x.strip()] or ["?"])[-1][:300]
+        print(f"{method} failed (rc {failed.returncode}): {reason}", flush=True)
+        return {"failed": failed.returncode, "reason": reason, "wall_s": time.perf_counter() - started}
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -711,7 +694,7 @@ def main() -> None:
             (saved / f"{args.child}.{os.getpid()}.json").write_text(json.dumps(failed))
             raise
         (saved / f"{args.child}.{os.getpid()}.json").write_text(json.dumps(result))
-        print("RESULT " + json.dumps(result))
+        harness.emit(result)
         return
     started = time.perf_counter()
     peaks = [_spawn("matmul", args, work)]

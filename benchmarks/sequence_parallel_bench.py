@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness
 
 MODEL = {
     "model_type": "llama",
@@ -41,11 +37,6 @@ MODEL = {
 }
 MESHES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)]  # (ulysses, context)
 COLLECTIVES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _count_collectives(traffic: dict) -> None:
@@ -75,8 +66,8 @@ def _worker(rank: int, world: int, port: int, ulysses: int, context: int, length
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
     from dpo_train.attention.sequence_parallel import sequence_mesh
-    from dpo_train.device import placement
     from dpo_train.logps import pair_logps
+    from dpo_train.parallel.device import placement
 
     torch.set_num_threads(1)  # ranks share the cores; one process gets the same one thread
     mesh = None
@@ -103,29 +94,20 @@ def _worker(rank: int, world: int, port: int, ulysses: int, context: int, length
         saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    peak = {"rss": 0, "on": True}
-
-    def sample():
-        while peak["on"]:
-            peak["rss"] = max(peak["rss"], _rss())
-            time.sleep(0.002)
-
     if mesh is not None:
         dist.barrier()
-    base = _rss()
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    base = harness.rss_bytes()
+    sampler = harness.RssSampler(0.002, on=True)
     started = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = pair_logps(model, batch, mesh)
     (out.chosen - out.rejected).sum().backward()
     seconds = time.perf_counter() - started
-    peak["on"] = False
-    sampler.join()
+    peak = sampler.stop()
     figures = {
         "rank": rank,
         "saved_mib": sum(saved.values()) / 2**20,
-        "peak_rss_above_model_mib": (peak["rss"] - base) / 2**20,
+        "peak_rss_above_model_mib": (peak - base) / 2**20,
         "collective_mib": {k: [v[0] / 2**20, v[1] / 2**20] for k, v in sorted(traffic.items())},
         "seconds": seconds,
         "chosen_logp": float(out.chosen.detach()),
@@ -140,12 +122,6 @@ def _worker(rank: int, world: int, port: int, ulysses: int, context: int, length
 
 def out_path(out: str, ulysses: int, context: int) -> str:
     return os.path.join(out, f"U{ulysses}C{context}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -163,7 +139,7 @@ def main() -> None:
             world = ulysses * context
             mp.start_processes(
                 _worker,
-                args=(world, _free_port(), ulysses, context, lengths, work),
+                args=(world, harness.free_port(), ulysses, context, lengths, work),
                 nprocs=world,
                 start_method="spawn",
             )

@@ -14,34 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer  # noqa: E402 - benchmarks/, next to this script
+import harness
+from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer
 
 METHODS = ("ours-precomputed", "ours-live", "trl-precomputed", "trl")
 MICRO = 4
-
-
-def _model_and_data(work: Path) -> tuple[str, str]:
-    from dpo_data.prepare.build import BuildOptions, build
-    from dpo_train.bundled_model import materialize_smollm2
-
-    model = str(materialize_smollm2())
-    data = work / "train"
-    if not (data / "manifest.json").is_file():
-        sample = ROOT / "examples" / "sample"
-        inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
-        build(inputs, model, data, BuildOptions())
-    return model, str(data)
 
 
 def _config(model: str, data: str, out: Path, steps: int, reference: dict) -> dict:
@@ -78,7 +60,7 @@ def _step_pairs(data: str, steps: int) -> list[list[int]]:
 
 def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
     from dpo_train.config import load_config
-    from dpo_train.precompute import precompute_reference
+    from dpo_train.reference.precompute import precompute_reference
     from dpo_train.trainer import train
 
     reference = {"mode": "precomputed", "path": str(work / "sidecar")} if precomputed else {"mode": "live"}
@@ -162,8 +144,10 @@ def ours_first_microbatch_logps(model: str, data: str, steps: int) -> dict:
     return {"chosen": out.chosen.tolist(), "rejected": out.rejected.tolist()}
 
 
-def child(method: str, work: Path, steps: int) -> dict:
-    model, data = _model_and_data(work)
+def child(method: str, work: str, steps: int) -> dict:
+    """One method's run, in a fresh process."""
+    work = Path(work)
+    model, data = harness.smollm2_and_sample(work)
     precomputed = method.endswith("precomputed")
     if method.startswith("trl"):
         return run_trl(model, data, work, steps, precomputed)
@@ -178,27 +162,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per method (the first is not timed)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="dpo-train-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.child:
-        print("RESULT " + json.dumps(child(args.child, work, args.steps)))
-        return
-    _model_and_data(work)
+    harness.smollm2_and_sample(work)
     results = {}
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     for method in args.methods:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", method, "--steps", str(args.steps), "--work", str(work)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            sys.exit(f"{method} failed:\n{proc.stderr[-4000:]}")
-        results[method] = json.loads(line[0][7:])
+        results[method] = harness.call(child, method, str(work), args.steps, env=env)
         print(
             f"{method:18s} {results[method]['pairs_per_s']:.3f} pairs/s  losses "
             + " ".join(f"{x:.5f}" for x in results[method]["losses"]),

@@ -19,35 +19,20 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness
 
 
 def _build(inputs: list[str], tokenizer_dir: str, out: Path) -> Path:
-    from dpo_data import BuildOptions, build
-
-    result = build(inputs, tokenizer_dir, out, BuildOptions(num_proc=2))
-    assert result.manifest is not None, result.error
+    harness.build_dataset(inputs, tokenizer_dir, out, num_proc=2)
     return out
 
 
 def _shard_bytes(dataset: Path) -> int:
     return sum(p.stat().st_size for p in (dataset / "shards").iterdir())
-
-
-def _time(fn, repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def verification(dataset: Path) -> dict:
@@ -57,9 +42,9 @@ def verification(dataset: Path) -> dict:
     shard_problems([dataset], "full", threads=4)  # warm the page cache: every run below reads from memory
     out = {"bytes": size}
     for threads in (1, 2, 4):
-        seconds = _time(lambda t=threads: shard_problems([dataset], "full", threads=t))
+        seconds = harness.median_seconds(lambda t=threads: shard_problems([dataset], "full", threads=t))
         out[f"full_{threads}_threads"] = {"seconds": round(seconds, 4), "GB/s": round(size / seconds / 1e9, 3)}
-    out["size_only_seconds"] = round(_time(lambda: shard_problems([dataset], "size")), 5)
+    out["size_only_seconds"] = round(harness.median_seconds(lambda: shard_problems([dataset], "size")), 5)
     return out
 
 
@@ -67,7 +52,7 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
     """The demo's optimizer steps, in process; micro-batches kept to time the contract check on them."""
     from dpo_data import DPOLoader, contract_problems
     from dpo_train.config import load_config
-    from dpo_train.device import placement
+    from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
     config = load_config(
@@ -91,7 +76,7 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
             started = time.perf_counter()
             if len(step_seconds) > steps:
                 break
-    check = _time(lambda: [contract_problems(b) for b in batches], repeat=20)
+    check = harness.median_seconds(lambda: [contract_problems(b) for b in batches], repeat=20)
     per_step = check / (len(step_seconds))
     return {
         "first_step_s": round(step_seconds[0], 3),
@@ -107,17 +92,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    from build_throughput import write_rows
-
     from dpo_train.bundled_model import materialize_smollm2
 
     model_dir = str(materialize_smollm2())
     work = Path(tempfile.mkdtemp(prefix="dpo-trust-bench-"))
     try:
-        sample = ROOT / "examples" / "sample"
-        demo_inputs = sorted(str(p) for p in sample.iterdir() if p.is_file() and not p.name.endswith(".md"))
-        demo = _build(demo_inputs, model_dir, work / "demo")
-        write_rows(work / "synth.jsonl", args.pairs, seed=1234)
+        demo = _build(harness.sample_inputs(), model_dir, work / "demo")
+        harness.write_rows(work / "synth.jsonl", args.pairs, seed=1234)
         synth = _build([str(work / "synth.jsonl")], model_dir, work / "synth")
         result = {
             "synthetic": verification(synth),

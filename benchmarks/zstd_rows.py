@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import zstandard
 
-from dpo_data.prepare.inputs import iter_rows, open_input
+from dpo_data.prepare.inputs import OversizedLine, iter_rows, open_input
 
 
 def _row(mib: int) -> bytes:
@@ -57,15 +55,13 @@ def _long_rows(mib: int, counts: list[int], tmp: Path) -> list[dict]:
     return out
 
 
-_HUGE_CHILD = """
-import resource, sys
-from dpo_data.prepare.inputs import OversizedLine, iter_rows, open_input
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-items = [item for _, item in iter_rows(open_input(sys.argv[1]), max_row_bytes=1 << 20)]
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-assert len(items) == 1 and isinstance(items[0], OversizedLine), items
-print((after - before) // 1024, items[0].size)
-"""
+def huge_child(path: str) -> list[int]:
+    """In a fresh process: read the huge line at the default limit; [peak RSS growth in MiB, line bytes]."""
+    before = harness.peak_rss_mib()
+    items = [item for _, item in iter_rows(open_input(path), max_row_bytes=1 << 20)]
+    growth = harness.peak_rss_mib() - before
+    assert len(items) == 1 and isinstance(items[0], OversizedLine), items
+    return [int(growth), items[0].size]
 
 
 def _huge_line(gib: float, tmp: Path) -> dict:
@@ -77,8 +73,7 @@ def _huge_line(gib: float, tmp: Path) -> dict:
             w.write(block)
         w.write(b'"}\n')
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _HUGE_CHILD, str(path)], capture_output=True, text=True, check=True)
-    growth_mib, line = (int(x) for x in done.stdout.split())
+    growth_mib, line = harness.call(huge_child, str(path))
     return {
         "gib": gib,
         "file_bytes": path.stat().st_size,
@@ -104,7 +99,7 @@ def main() -> None:
         f"one {huge['gib']} GiB line ({huge['file_bytes']} bytes on disk): rejected as oversized, peak RSS grew "
         f"{huge['rss_growth_mib']} MiB, {huge['seconds']:.1f} s"
     )
-    print("JSON " + json.dumps({"rows": rows, "huge": huge, "self_rss_kib": resource.getrusage(0).ru_maxrss}))
+    print("JSON " + json.dumps({"rows": rows, "huge": huge, "self_rss_kib": round(harness.peak_rss_mib() * 1024)}))
 
 
 if __name__ == "__main__":

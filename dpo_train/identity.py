@@ -12,6 +12,7 @@ from dpo_state.state import normalized
 from dpo_train.config import TrainConfig
 from dpo_train.lora import lora_settings
 from dpo_train.parallel.device import Placement
+from dpo_train.reference.choice import reference_mode
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
@@ -49,7 +50,7 @@ def run_identity(
             },
             "tokenizer": {"fingerprint": store.tokenizer_fingerprint, "attestation": store.tokenizer_attestation},
             "reference": {
-                "mode": config.reference.mode if config.loss.needs_reference else "none",
+                "mode": reference_mode(config),
                 "weights_fingerprint": weights,
                 "sidecar_table": sidecar_sha256,
             },
