@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.schema import load_schema, schema_problems
 from dpo_train.errors import ConfigError
-from dpo_train.loss import LOSSES, LossConfig, loss_type
+from dpo_train.loss import F_DIVERGENCES, LOSSES, LossConfig, loss_type
 from dpo_train.strict_yaml import non_finite, parse_yaml, read_yaml_file
 
 CONFIG_SCHEMA = "train-config"
@@ -272,20 +273,136 @@ def config_problems(config: TrainConfig, for_run: bool = True) -> list[str]:
 
 
 def _loss_rules(config: TrainConfig) -> list[str]:
-    """loss.type is a name of the registry, and loss.label_smoothing lies in that type's range (or is 0)."""
+    """loss.type names types of the registry (one, or a list naming each once), and the other loss keys
+    agree with them: the weights, label_smoothing's range, the keys only some types read, the f-divergence,
+    and the NLL on chosen completions said one way."""
+    problems = _loss_type_problems(config.loss)
+    if problems:
+        return problems
+    rules = (_weight_problems, _smoothing_problems, _option_problems, _divergence_problems, _nll_problems)
+    return [problem for rule in rules for problem in rule(config.loss)]
+
+
+def _loss_type_problems(loss: LossConfig) -> list[str]:
+    """Each name is the registry's (a list's names by their place, loss.type[i]), and none comes twice."""
     try:
-        kind = loss_type(config.loss.type)
-    except ConfigError as error:
+        names = loss.types
+    except ConfigError as error:  # an empty list
         return [str(error)]
-    smoothing, allowed = config.loss.label_smoothing, kind.label_smoothing
-    if allowed is None and smoothing:
+    problems = []
+    for i, name in enumerate(names):
+        try:
+            loss_type(name, "loss.type" if isinstance(loss.type, str) else f"loss.type[{i}]")
+        except ConfigError as error:
+            problems.append(str(error))
+    twice = list(dict.fromkeys(name for i, name in enumerate(names) if name in names[:i]))
+    if twice:
+        problems.append(
+            f"loss.type {loss.type_text} names {', '.join(map(str, twice))} more than once; list each type "
+            "once (its weight in loss.weights says how much it counts)"
+        )
+    return problems
+
+
+def _weight_problems(loss: LossConfig) -> list[str]:
+    """loss.weights only with a list of types, one finite weight >= 0 per type, not all 0."""
+    weights = loss.weights
+    if weights is None:
+        return []
+    if isinstance(loss.type, str):
+        return [
+            f"loss.weights is {weights}, but loss.type is the one type {loss.type}; weights combine a list of "
+            f"types: drop loss.weights, or write loss.type as a list ([{loss.type}, ...])"
+        ]
+    if len(weights) != len(loss.types):
+        return [
+            f"loss.weights has {len(weights)} weights for the {len(loss.types)} types of loss.type "
+            f"{loss.type_text}; give one weight per type, in its order (or drop loss.weights: 1.0 each)"
+        ]
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf]
+    if bad:
+        return [f"loss.weights is {weights}; each weight is a finite number >= 0, and {bad} are not; fix them"]
+    if not any(weights):
+        return [
+            f"loss.weights is {weights}: every weight is 0, so the objective is 0 and nothing trains; "
+            "give a type a weight above 0"
+        ]
+    return []
+
+
+def _smoothing_problems(loss: LossConfig) -> list[str]:
+    """loss.label_smoothing lies in the range of every listed type that takes it, and is 0 if none does."""
+    smoothing = loss.label_smoothing
+    ranges = {name: LOSSES[name].label_smoothing for name in loss.types if LOSSES[name].label_smoothing}
+    if not ranges and smoothing:
         takers = ", ".join(name for name, other in LOSSES.items() if other.label_smoothing)
         return [
-            f"loss.label_smoothing is {smoothing}, but {config.loss.type} has none; set it to 0, or use a "
+            f"loss.label_smoothing is {smoothing}, but {loss.type_text} has none; set it to 0, or use a "
             f"loss.type that takes it ({takers})"
         ]
-    if allowed is not None and smoothing not in allowed:
-        return [f"loss.label_smoothing is {smoothing}; {config.loss.type} allows {allowed}; set it inside that range"]
+    return [
+        f"loss.label_smoothing is {smoothing}; {name} allows {allowed}; set it inside that range"
+        for name, allowed in ranges.items()
+        if smoothing not in allowed
+    ]
+
+
+def _option_problems(loss: LossConfig) -> list[str]:
+    """A key only some types read (their `LossType.options`) keeps its default unless a listed type reads it:
+    a value that changes nothing is refused, never dropped."""
+    defaults, problems = LossConfig(), []
+    for option in dict.fromkeys(option for kind in LOSSES.values() for option in kind.options):
+        readers = [name for name, kind in LOSSES.items() if option in kind.options]
+        value, default = getattr(loss, option), getattr(defaults, option)
+        if value != default and not set(readers) & set(loss.types):
+            problems.append(
+                f"loss.{option} is {value}, but loss.type {loss.type_text} does not read it (only "
+                f"{', '.join(readers)} does); drop it (default {default}), or list {' or '.join(readers)} in loss.type"
+            )
+    return problems
+
+
+def _divergence_problems(loss: LossConfig) -> list[str]:
+    """A non-default f-divergence only with types that read scores (TRL's rule; sft reads no log-ratio and
+    passes), and at least one of them; its alpha only with alpha_divergence."""
+    divergence, problems = loss.f_divergence_type, []
+    if divergence not in F_DIVERGENCES:
+        problems.append(
+            f"loss.f_divergence_type is {divergence!r}; allowed: {', '.join(F_DIVERGENCES)}; set it to one of them"
+        )
+    elif divergence != "reverse_kl":
+        takers = ", ".join(name for name, kind in LOSSES.items() if kind.f_divergence)
+        refusing = [name for name in loss.types if not (LOSSES[name].f_divergence or LOSSES[name].nll_term)]
+        if refusing:
+            problems.append(
+                f"loss.f_divergence_type is {divergence}, but {', '.join(refusing)} reads the log-ratios "
+                "themselves and has no f-divergence form (TRL 1.16 refuses it too); set loss.f_divergence_type: "
+                f"reverse_kl, or use types that take it ({takers})"
+            )
+        elif not any(LOSSES[name].f_divergence for name in loss.types):
+            problems.append(
+                f"loss.f_divergence_type is {divergence}, but loss.type {loss.type_text} reads no log-ratio, so "
+                f"it would change nothing; set loss.f_divergence_type: reverse_kl, or list a type that takes it "
+                f"({takers})"
+            )
+    coef, default = loss.f_alpha_divergence_coef, LossConfig().f_alpha_divergence_coef
+    if coef != default and divergence != "alpha_divergence":
+        problems.append(
+            f"loss.f_alpha_divergence_coef is {coef}, but loss.f_divergence_type is {divergence}: only "
+            f"alpha_divergence reads it; drop it (default {default}), or set loss.f_divergence_type: alpha_divergence"
+        )
+    return problems
+
+
+def _nll_problems(loss: LossConfig) -> list[str]:
+    """The NLL on chosen completions is said one way: a listed NLL type (sft) with its weight, or nll_weight."""
+    listed = [name for name in loss.types if LOSSES[name].nll_term]
+    if listed and loss.nll_weight:
+        return [
+            f"loss.type lists {listed[0]}, the NLL on chosen completions (weighted by its loss.weights entry), "
+            f"and loss.nll_weight is {loss.nll_weight}, the same term; say it one way: set loss.nll_weight: 0, "
+            f"or drop {listed[0]} from loss.type"
+        ]
     return []
 
 
@@ -297,11 +414,11 @@ def _reference_rules(config: TrainConfig) -> list[str]:
             "reference.mode is precomputed but reference.path is empty; set it to the sidecar "
             "directory and create it with `dpo-train CONFIG --precompute-reference`"
         )
-    kind = LOSSES.get(config.loss.type)  # an unknown type is _loss_rules' to name
-    if kind is not None and kind.needs_reference and config.reference.mode == "none":
+    known = not _loss_type_problems(config.loss)  # an unknown type is _loss_rules' to name
+    if known and config.loss.needs_reference and config.reference.mode == "none":
         free = ", ".join(name for name, other in LOSSES.items() if not other.needs_reference)
         problems.append(
-            f"loss.type {config.loss.type} needs a reference; set reference.mode: live or precomputed, "
+            f"loss.type {config.loss.type_text} needs a reference; set reference.mode: live or precomputed, "
             f"or use a reference-free loss.type ({free})"
         )
     return problems

@@ -11,19 +11,28 @@ from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
 from dpo_train.config import TrainConfig
 from dpo_train.lora import lora_settings
+from dpo_train.loss import LossConfig
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.choice import reference_mode
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
 
+_LATER_LOSS_KEYS = ("weights", "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef")
+"""Loss keys added after checkpoints recorded the objective: each is recorded only when it is not its default,
+so that the identity of a run that leaves them alone is what it was before they existed."""
+
+
 def _objective(config: TrainConfig, router_aux_coef: float) -> dict:
     """The loss settings, with the router coefficient as resolved from the model (and only when it is
-    on, so that a dense model's identity is what it was before the coefficient existed)."""
-    settings = {k: v for k, v in vars(config.loss).items() if k not in ("type", "router_aux_coef")}
+    on, so that a dense model's identity is what it was before the coefficient existed), and the later
+    keys only where they are set."""
+    loss, default = config.loss, LossConfig()
+    settings = {k: v for k, v in vars(loss).items() if k not in ("type", "router_aux_coef", *_LATER_LOSS_KEYS)}
+    settings.update({k: getattr(loss, k) for k in _LATER_LOSS_KEYS if getattr(loss, k) != getattr(default, k)})
     if router_aux_coef:
         settings["router_aux_coef"] = router_aux_coef
-    return {"type": config.loss.type, **settings}
+    return {"type": loss.type, **settings}
 
 
 def run_identity(

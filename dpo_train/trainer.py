@@ -185,7 +185,7 @@ class Trainer:
                 batch["step_pairs"],
                 -policy.chosen.sum(),
                 batch["step_chosen_tokens"],
-                self.config.loss.nll_weight,
+                self.config.loss.sft_weight,
                 policy.aux_loss,
                 self.router_aux_coef,
             ).backward()

@@ -95,9 +95,13 @@ def test_the_data_section_holds_the_loader_keys_with_the_loaders_own_defaults():
 def test_the_schemas_loss_types_are_the_registrys():
     """The schema's enum is for users' editors; the registry is the family: they must name the same types."""
     from dpo_state.schema import load_schema
-    from dpo_train.loss import LOSSES
+    from dpo_train.loss import F_DIVERGENCES, LOSSES
 
-    assert load_schema("train-config")["properties"]["loss"]["properties"]["type"]["enum"] == list(LOSSES)
+    schema = load_schema("train-config")
+    loss = schema["properties"]["loss"]["properties"]
+    assert schema["$defs"]["loss_type"]["enum"] == list(LOSSES)
+    assert loss["type"]["then"] == {"$ref": "#/$defs/loss_type"} == loss["type"]["else"]["items"]
+    assert loss["f_divergence_type"]["enum"] == list(F_DIVERGENCES)
 
 
 def test_every_conflict_is_listed_in_one_error():
@@ -114,9 +118,9 @@ def test_every_conflict_is_listed_in_one_error():
     assert str(info.value) == (
         "the config's settings conflict:\n"
         "  - loss.label_smoothing is 0.2, but hinge has none; set it to 0, or use a loss.type that takes it "
-        "(sigmoid, robust)\n"
+        "(sigmoid, robust, exo_pair)\n"
         "  - loss.type hinge needs a reference; set reference.mode: live or precomputed, or use a reference-free "
-        "loss.type (simpo)\n"
+        "loss.type (simpo, sft)\n"
         "  - train.weights_from starts a new run from a checkpoint's weights; it cannot be combined with "
         "train.resume: /ckpt/step-000002; drop one of the two\n"
         "  - train.export is merged, but model.lora is not set: without adapters final/ is always the whole "
@@ -133,7 +137,8 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
     [
         (
             ["loss.type=kto"],
-            SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo']",
+            SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo', 'exo_pair', "
+            "'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm']",
         ),
         (
             ["loss.beta=0"],
@@ -154,7 +159,7 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         (
             ["loss.type=ipo", "loss.label_smoothing=0.1"],
             "loss.label_smoothing is 0.1, but ipo has none; set it to 0, or use a loss.type that takes it "
-            "(sigmoid, robust)",
+            "(sigmoid, robust, exo_pair)",
         ),
         (
             ["reference.mode=precomputed"],
@@ -232,6 +237,228 @@ def test_the_config_rules_read_the_loss_registry(monkeypatch):
     assert problems(type="smoothed", label_smoothing=0.3) == [
         "loss.label_smoothing is 0.3; smoothed allows [0, 0.2]; set it inside that range"
     ]
-    assert problems(type="hinge", label_smoothing=0.1)[0].endswith("takes it (sigmoid, robust, smoothed)")
+    assert problems(type="hinge", label_smoothing=0.1)[0].endswith("takes it (sigmoid, robust, exo_pair, smoothed)")
     none = config_problems(TrainConfig(reference=ReferenceConfig(mode="none")), for_run=False)  # sigmoid
-    assert none[0].endswith("or use a reference-free loss.type (simpo, free)")
+    assert none[0].endswith("or use a reference-free loss.type (simpo, sft, free)")
+
+
+def test_the_loss_keys_only_some_types_read_follow_the_registry(monkeypatch):
+    """`LossType.options` and `f_divergence` decide which keys a type lets change: an entry that reads
+    discopop_tau and scores makes both legal, with no list of names in config.py."""
+    from dpo_train.config import TrainConfig, config_problems
+    from dpo_train.loss import LOSSES, LossConfig, LossType
+
+    def problems(**loss):
+        return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
+
+    assert len(problems(type="bco_pair", discopop_tau=0.2, f_divergence_type="forward_kl")) == 2
+    monkeypatch.setitem(
+        LOSSES, "bco_pair", LossType(LOSSES["bco_pair"].form, f_divergence=True, options=("discopop_tau",))
+    )
+    assert problems(type="bco_pair", discopop_tau=0.2, f_divergence_type="forward_kl") == []
+
+
+# -- a list of loss types: loss.type [a, b], loss.weights, and the keys that must agree with them --
+
+
+def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
+    config = load_config(
+        {"data": {"path": "x"}}, ["loss.type=[sigmoid, bco_pair, sft]", "loss.weights=[0.8, 0.2, 1.0]"]
+    )
+    assert (config.loss.type, config.loss.weights, config.loss.sft_weight) == (
+        ["sigmoid", "bco_pair", "sft"],
+        [0.8, 0.2, 1.0],
+        1.0,
+    )
+    assert load_config(config.resolved()) == config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss.type=[sigmoid, kto]"], SCHEMA + "loss/type/1: 'kto' is not one of ['sigmoid', 'ipo'"),
+        (["loss.type=[]"], SCHEMA + "loss/type: [] should be non-empty"),
+        (["loss.type=[sigmoid]", "loss.weights=[-0.5]"], SCHEMA + "loss/weights/0: -0.5 is less than the minimum of 0"),
+        (
+            ["loss.type=[sigmoid, hinge, sigmoid, sigmoid]"],
+            "loss.type [sigmoid, hinge, sigmoid, sigmoid] names sigmoid more than once; list each type once "
+            "(its weight in loss.weights says how much it counts)",
+        ),
+        (
+            ["loss.weights=[0.5]"],
+            "loss.weights is [0.5], but loss.type is the one type sigmoid; weights combine a list of types: drop "
+            "loss.weights, or write loss.type as a list ([sigmoid, ...])",
+        ),
+        (
+            ["loss.type=[sigmoid, bco_pair]", "loss.weights=[1.0]"],
+            "loss.weights has 1 weights for the 2 types of loss.type [sigmoid, bco_pair]; give one weight per "
+            "type, in its order (or drop loss.weights: 1.0 each)",
+        ),
+        (
+            ["loss.type=[sigmoid, sft]", "loss.weights=[0, 0]"],
+            "loss.weights is [0, 0]: every weight is 0, so the objective is 0 and nothing trains; give a type a "
+            "weight above 0",
+        ),
+        (
+            ["loss.type=[hinge, ipo]", "loss.label_smoothing=0.1"],
+            "loss.label_smoothing is 0.1, but [hinge, ipo] has none; set it to 0, or use a loss.type that takes it "
+            "(sigmoid, robust, exo_pair)",
+        ),
+        (
+            ["loss.type=exo_pair"],
+            "loss.label_smoothing is 0.0; exo_pair allows (0, 1); set it inside that range",
+        ),
+        (
+            ["loss.type=[sigmoid, exo_pair]", "loss.label_smoothing=0.7"],
+            "loss.label_smoothing is 0.7; sigmoid allows [0, 0.5]; set it inside that range",
+        ),
+        (
+            ["loss.discopop_tau=0.2"],
+            "loss.discopop_tau is 0.2, but loss.type sigmoid does not read it (only discopop does); drop it "
+            "(default 0.05), or list discopop in loss.type",
+        ),
+        (
+            ["loss.type=[sigmoid, hinge]", "loss.target_margin=1.0"],
+            "loss.target_margin is 1.0, but loss.type [sigmoid, hinge] does not read it (only simpo does); drop "
+            "it (default 0.5), or list simpo in loss.type",
+        ),
+        (
+            ["loss.type=[sigmoid, bco_pair]", "loss.f_divergence_type=js_divergence"],
+            "loss.f_divergence_type is js_divergence, but bco_pair reads the log-ratios themselves and has no "
+            "f-divergence form (TRL 1.16 refuses it too); set loss.f_divergence_type: reverse_kl, or use types "
+            "that take it (sigmoid, ipo, hinge, robust, exo_pair, discopop, sigmoid_norm)",
+        ),
+        (
+            ["loss.type=sft", "reference.mode=none", "loss.f_divergence_type=forward_kl"],
+            "loss.f_divergence_type is forward_kl, but loss.type sft reads no log-ratio, so it would change "
+            "nothing; set loss.f_divergence_type: reverse_kl, or list a type that takes it (sigmoid, ipo, hinge, "
+            "robust, exo_pair, discopop, sigmoid_norm)",
+        ),
+        (
+            ["loss.f_divergence_type=js_divergence", "loss.f_alpha_divergence_coef=0.3"],
+            "loss.f_alpha_divergence_coef is 0.3, but loss.f_divergence_type is js_divergence: only "
+            "alpha_divergence reads it; drop it (default 0.5), or set loss.f_divergence_type: alpha_divergence",
+        ),
+        (
+            ["loss.type=[sigmoid, sft]", "loss.nll_weight=0.5"],
+            "loss.type lists sft, the NLL on chosen completions (weighted by its loss.weights entry), and "
+            "loss.nll_weight is 0.5, the same term; say it one way: set loss.nll_weight: 0, or drop sft from "
+            "loss.type",
+        ),
+        (
+            ["loss.type=[simpo, sigmoid]", "reference.mode=none"],
+            "loss.type [simpo, sigmoid] needs a reference; set reference.mode: live or precomputed, or use a "
+            "reference-free loss.type (simpo, sft)",
+        ),
+    ],
+    ids=[
+        "unknown-in-list",
+        "empty-list",
+        "negative-weight",
+        "twice",
+        "weights-without-list",
+        "weights-length",
+        "all-zero",
+        "smoothing-none-listed",
+        "exo-needs-smoothing",
+        "smoothing-every-range",
+        "discopop-tau",
+        "target-margin",
+        "f-divergence-refused",
+        "f-divergence-applies-to-none",
+        "alpha-coef",
+        "sft-and-nll-weight",
+        "list-needs-reference",
+    ],
+)
+def test_each_list_rule_refuses_its_case_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value).startswith(message) if message.startswith(SCHEMA) else str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.type=[sigmoid, bco_pair, sft]", "loss.weights=[0.8, 0.2, 1.0]"],
+        ["loss.type=[sigmoid, sft]", "loss.weights=[1, 0]"],
+        ["loss.type=[simpo, sft]", "reference.mode=none", "loss.target_margin=1.0"],
+        ["loss.type=[discopop, hinge]", "loss.discopop_tau=0.5"],
+        ["loss.type=exo_pair", "loss.label_smoothing=1e-3"],
+        ["loss.type=[sigmoid, robust]", "loss.label_smoothing=0.49"],
+        ["loss.type=[sigmoid, hinge]", "loss.label_smoothing=0.2"],
+        [
+            "loss.type=[sigmoid_norm, sft]",
+            "loss.f_divergence_type=alpha_divergence",
+            "loss.f_alpha_divergence_coef=0.2",
+        ],
+        ["loss.type=sft", "reference.mode=none"],
+    ],
+)
+def test_the_edges_of_each_list_rule_load(overrides):
+    load_config({}, overrides)
+
+
+def test_a_list_built_in_code_is_checked_too():
+    """A TrainConfig that never went through the schema: a bad name by its place, a NaN or negative weight,
+    an unknown f-divergence, each named."""
+    from dpo_train.config import TrainConfig, config_problems
+    from dpo_train.loss import LOSSES, LossConfig
+
+    def problems(**loss):
+        return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
+
+    assert problems(type=["sigmoid", "kto"]) == [
+        f"loss.type[1] is 'kto'; allowed: {', '.join(LOSSES)}; set loss.type[1] to one of them "
+        '(docs/objective.md, "The loss family")'
+    ]
+    assert problems(type=[]) == [
+        'loss.type is an empty list; name one loss type or more (docs/objective.md, "The loss family")'
+    ]
+    assert problems(type=["sigmoid", "hinge"], weights=[float("nan"), -1.0]) == [
+        "loss.weights is [nan, -1.0]; each weight is a finite number >= 0, and [nan, -1.0] are not; fix them"
+    ]
+    assert problems(f_divergence_type="kl") == [
+        "loss.f_divergence_type is 'kl'; allowed: reverse_kl, forward_kl, js_divergence, alpha_divergence; set it "
+        "to one of them"
+    ]
+
+
+# -- the run identity: the objective a checkpoint records --
+
+
+def test_a_default_objective_is_what_checkpoints_recorded_before_the_new_loss_keys():
+    """A checkpoint written before loss.weights, discopop_tau and the f-divergence keys existed must still
+    resume: with those keys at their defaults the objective is the one main's identity.py wrote (this dict
+    is its output for these configs); each key joins it only when set."""
+    from dpo_train.config import TrainConfig
+    from dpo_train.identity import _objective
+    from dpo_train.loss import LossConfig
+
+    before = {"type": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "nll_weight": 0.0, "average_log_prob": False}
+    assert _objective(TrainConfig(), 0.0) == {**before, "target_margin": 0.5}
+    simpo = LossConfig(type="simpo", beta=2.0, target_margin=0.3, average_log_prob=True)
+    assert _objective(TrainConfig(loss=simpo), 0.001) == {
+        **before,
+        "type": "simpo",
+        "beta": 2.0,
+        "average_log_prob": True,
+        "target_margin": 0.3,
+        "router_aux_coef": 0.001,
+    }
+    set_ = LossConfig(
+        type=["discopop", "sft"],
+        weights=[1.0, 0.5],
+        discopop_tau=0.1,
+        f_divergence_type="alpha_divergence",
+        f_alpha_divergence_coef=0.2,
+    )
+    assert _objective(TrainConfig(loss=set_), 0.0) == {
+        **before,
+        "type": ["discopop", "sft"],
+        "target_margin": 0.5,
+        "weights": [1.0, 0.5],
+        "discopop_tau": 0.1,
+        "f_divergence_type": "alpha_divergence",
+        "f_alpha_divergence_coef": 0.2,
+    }

@@ -1,8 +1,11 @@
-"""sigmoid, ipo and hinge against TRL 1.16's own loss code on identical log-probabilities.
+"""The loss family against TRL 1.16's own loss code on identical log-probabilities.
 
 TRL computes its loss inside `DPOTrainer._compute_loss(model, inputs)`, from the per-token log-probs the
-model returns. A stand-in model returns per-token log-probs whose row sums are our summed log-probs,
-and the reference log-probs go in as precomputed: TRL's real code then turns them into its loss.
+model returns. A stand-in model returns per-token log-probs spread evenly over each completion's tokens, so
+that their row sums are our summed log-probs and TRL's mean over the chosen tokens (its `sft`) is our NLL per
+chosen token; the reference log-probs go in as precomputed: TRL's real code then turns them into its loss.
+Ours is what the trainer calls: `microbatch_loss` over `pair_losses`, with the config's `sft_weight`, for one
+micro-batch that is the whole step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from dpo_train.loss import LossConfig, pair_losses
+from dpo_train.objective import microbatch_loss
 
 CHOSEN = torch.tensor([-10.0, -4.0, -7.5, -3.0])
 REJECTED = torch.tensor([-12.0, -3.0, -7.5, -9.0])
@@ -56,13 +60,16 @@ def trl_trainer(tmp_path_factory, smollm2_dir):
     return trainer
 
 
-def trl_loss(trainer, loss_type: str, beta: float) -> float:
+def trl_loss(trainer, config: LossConfig, dtype: torch.dtype, trl_label_smoothing: float | None = None) -> float:
+    """TRL's loss for the config's keys, as TRL names them (its label_smoothing may be set apart)."""
     n = len(CHOSEN)
     completion = torch.zeros(2 * n, LENGTH, dtype=torch.long)
-    for i, count in enumerate(torch.cat([CHOSEN_TOKENS, REJECTED_TOKENS]).tolist()):
+    per_token = torch.zeros(2 * n, LENGTH - 1, dtype=dtype)
+    for i, (count, total) in enumerate(
+        zip(torch.cat([CHOSEN_TOKENS, REJECTED_TOKENS]).tolist(), torch.cat([CHOSEN, REJECTED]).tolist())
+    ):
         completion[i, LENGTH - count :] = 1  # completion tokens at the end, as TRL's collator lays them out
-    per_token = torch.zeros(2 * n, LENGTH - 1)
-    per_token[:, -1] = torch.cat([CHOSEN, REJECTED])  # rows sum to our summed log-probs
+        per_token[i, -count:] = total / count  # the shifted positions that predict them: rows sum to ours
 
     def model(**kwargs):
         return types.SimpleNamespace(
@@ -72,27 +79,101 @@ def trl_loss(trainer, loss_type: str, beta: float) -> float:
             is_top1=torch.zeros_like(per_token, dtype=torch.bool),
         )
 
-    trainer.loss_types, trainer.loss_weights, trainer.beta = [loss_type], [1.0], beta
+    trainer.loss_types, trainer.loss_weights = config.types, [weight for _, weight in config.members]
+    trainer.beta = config.beta
+    trainer.label_smoothing = config.label_smoothing if trl_label_smoothing is None else trl_label_smoothing
+    trainer.f_divergence_type, trainer.f_alpha_divergence_coef = (
+        config.f_divergence_type,
+        config.f_alpha_divergence_coef,
+    )
+    trainer.args.discopop_tau = config.discopop_tau
     trainer.precompute_ref_logps = True
     inputs = {
         "input_ids": torch.zeros(2 * n, LENGTH, dtype=torch.long),
         "attention_mask": torch.ones(2 * n, LENGTH),
         "completion_mask": completion,
-        "ref_chosen_logps": REF_CHOSEN,
-        "ref_rejected_logps": REF_REJECTED,
+        "ref_chosen_logps": REF_CHOSEN.to(dtype),
+        "ref_rejected_logps": REF_REJECTED.to(dtype),
     }
     return float(trainer._compute_loss(model, inputs, return_outputs=False))
 
 
-@pytest.mark.parametrize("loss_type, beta", [("sigmoid", 0.1), ("sigmoid", 0.7), ("ipo", 0.5), ("hinge", 0.3)])
-def test_pair_losses_average_to_trls_loss(trl_trainer, loss_type, beta):
-    ours = pair_losses(
-        LossConfig(type=loss_type, beta=beta),
-        CHOSEN,
-        REJECTED,
-        REF_CHOSEN,
-        REF_REJECTED,
-        CHOSEN_TOKENS,
-        REJECTED_TOKENS,
-    ).losses.mean()
-    assert float(ours) == pytest.approx(trl_loss(trl_trainer, loss_type, beta), rel=1e-6, abs=1e-7)
+def our_loss(config: LossConfig, dtype: torch.dtype) -> float:
+    """The step loss the trainer backpropagates for these pairs as one micro-batch (the whole step)."""
+    chosen, rejected, ref_chosen, ref_rejected = (t.to(dtype) for t in (CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED))
+    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, CHOSEN_TOKENS, REJECTED_TOKENS)
+    return float(
+        microbatch_loss(terms.losses, len(CHOSEN), -chosen.sum(), float(CHOSEN_TOKENS.sum()), config.sft_weight)
+    )
+
+
+F64 = dict(rel=1e-6, abs=1e-12)
+ALONE = [
+    dict(type="sigmoid", beta=0.1),
+    dict(type="sigmoid", beta=0.7),
+    dict(type="ipo", beta=0.5),
+    dict(type="hinge", beta=0.3),
+    dict(type="robust", beta=0.3, label_smoothing=0.2),
+    dict(type="exo_pair", beta=0.3, label_smoothing=1e-3),
+    dict(type="nca_pair", beta=0.4),
+    dict(type="bco_pair", beta=0.4),
+    dict(type="sppo_hard", beta=0.5),
+    dict(type="apo_zero", beta=0.7),
+    dict(type="apo_down", beta=0.7),
+    dict(type="discopop", beta=0.3),
+    dict(type="discopop", beta=0.3, discopop_tau=0.5),
+    dict(type="sft"),
+    dict(type="sft", beta=0.3),
+    dict(type="sigmoid_norm", beta=2.0),
+]
+
+
+@pytest.mark.parametrize("config", ALONE, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_each_type_alone_is_trls_loss(trl_trainer, config):
+    """float64, 1e-6 relative: each type's per-pair mean (plus, for sft, the NLL per chosen token) is TRL's."""
+    config = LossConfig(**config)
+    assert our_loss(config, torch.float64) == pytest.approx(trl_loss(trl_trainer, config, torch.float64), **F64)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(type=["sigmoid", "bco_pair", "sft"], weights=[0.8, 0.2, 1.0], beta=0.3),  # the issue's, TRL's MPO
+        dict(type=["sft", "ipo", "discopop"], weights=[0.5, 2.0, 0.25], beta=0.5),
+        dict(type=["hinge", "apo_zero"], beta=0.2),  # weights null: 1.0 each, as TRL's loss_weights None
+    ],
+    ids=["mpo", "sft-first", "no-weights"],
+)
+def test_a_weighted_list_is_trls_loss(trl_trainer, config):
+    config = LossConfig(**config)
+    assert our_loss(config, torch.float64) == pytest.approx(trl_loss(trl_trainer, config, torch.float64), **F64)
+
+
+@pytest.mark.parametrize(
+    "config, dtype",
+    [
+        (dict(type="sigmoid", f_divergence_type="forward_kl"), torch.float64),
+        (dict(type="sigmoid", f_divergence_type="js_divergence"), torch.float64),
+        (dict(type="sigmoid", f_divergence_type="alpha_divergence"), torch.float32),  # TRL's: float32 alone
+        (dict(type="sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.2), torch.float32),
+        (dict(type="sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0), torch.float32),
+        (dict(type="ipo", beta=0.5, f_divergence_type="forward_kl"), torch.float64),
+        (dict(type="sigmoid_norm", beta=2.0, f_divergence_type="js_divergence"), torch.float64),
+        (dict(type=["exo_pair", "sft"], label_smoothing=1e-3, f_divergence_type="forward_kl"), torch.float64),
+    ],
+    ids=["forward", "js", "alpha", "alpha-0.2", "alpha-1", "ipo-forward", "norm-js", "exo-sft-forward"],
+)
+def test_each_f_divergence_is_trls_loss(trl_trainer, config, dtype):
+    """TRL's alpha_divergence clamps by a per-dtype table that has no float64, so it runs in float32 (1e-5)."""
+    config = LossConfig(**{"beta": 0.7, **config})
+    tolerance = F64 if dtype == torch.float64 else dict(rel=1e-5)
+    assert our_loss(config, dtype) == pytest.approx(trl_loss(trl_trainer, config, dtype), **tolerance)
+
+
+def test_trls_sigmoid_ignores_label_smoothing_and_ours_applies_it(trl_trainer):
+    """A known difference (docs/objective.md): TRL 1.16's sigmoid is plain DPO whatever label_smoothing says;
+    ours reads it as conservative DPO. With 0.3, TRL's loss is our e = 0 loss, and ours differs."""
+    plain, smoothed = LossConfig(type="sigmoid", beta=0.7), LossConfig(type="sigmoid", beta=0.7, label_smoothing=0.3)
+    trl = trl_loss(trl_trainer, plain, torch.float64, trl_label_smoothing=0.3)
+    assert our_loss(plain, torch.float64) == pytest.approx(trl, **F64)
+    assert our_loss(smoothed, torch.float64) != pytest.approx(trl, rel=1e-2)
