@@ -357,7 +357,8 @@ def _option_problems(loss: LossConfig) -> list[str]:
         if value != default and not set(readers) & set(loss.types):
             problems.append(
                 f"loss.{option} is {value}, but loss.type {loss.type_text} does not read it (only "
-                f"{', '.join(readers)} does); drop it (default {default}), or list {' or '.join(readers)} in loss.type"
+                f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it); drop it (default "
+                f"{default}), or list {' or '.join(readers)} in loss.type"
             )
     return problems
 
@@ -395,13 +396,21 @@ def _divergence_problems(loss: LossConfig) -> list[str]:
 
 
 def _nll_problems(loss: LossConfig) -> list[str]:
-    """The NLL on chosen completions is said one way: a listed NLL type (sft) with its weight, or nll_weight."""
+    """The NLL on chosen completions is said one way: a listed NLL type (sft) with its weight, or nll_weight;
+    and said at all where a listed method's objective includes it (CPO's BC term, ORPO's SFT term)."""
     listed = [name for name in loss.types if LOSSES[name].nll_term]
     if listed and loss.nll_weight:
         return [
             f"loss.type lists {listed[0]}, the NLL on chosen completions (weighted by its loss.weights entry), "
             f"and loss.nll_weight is {loss.nll_weight}, the same term; say it one way: set loss.nll_weight: 0, "
             f"or drop {listed[0]} from loss.type"
+        ]
+    wanting = [name for name in loss.types if LOSSES[name].with_nll]
+    if wanting and not listed and not loss.nll_weight:
+        return [
+            f"loss.type {loss.type_text}: {wanting[0]}'s objective adds the NLL on chosen completions (TRL's "
+            "cpo_alpha, 1.0 by default, for cpo; weight 1 for orpo), and no key weighs it; say its weight: "
+            f"loss.nll_weight: 1.0, or list sft in loss.type with its weight in loss.weights (0 to leave it out)"
         ]
     return []
 

@@ -43,7 +43,8 @@ class LossConfig:
     weights: list[float] | None = None
     """With a list `type`: one weight per listed type, each >= 0, in its order. null: 1.0 each."""
     beta: float = 0.1
-    """Inverse temperature (IPO: the regularization tau; SimPO: the reward scale; SPPO: 1 / eta)."""
+    """Inverse temperature (IPO: the regularization tau; SimPO, AlphaPO: the reward scale; SPPO: 1 / eta; ORPO:
+    the odds-ratio weight lambda, TRL's beta)."""
     label_smoothing: float = 0.0
     """For the types whose `LOSSES` entry gives it a range (sigmoid: conservative DPO's flip probability;
     robust: the flip probability; exo_pair: the labels' epsilon); 0 for the others."""
@@ -54,7 +55,10 @@ class LossConfig:
     """Use per-token mean log-probs instead of sums (always on for the types whose `LOSSES` entry says
     per_token_means)."""
     target_margin: float = 0.5
-    """simpo: the target reward margin gamma."""
+    """simpo, alphapo: the target reward margin gamma (TRL's `simpo_gamma`)."""
+    alpha: float = 0.0
+    """alphapo: the reward shape alpha of r(x) = (1 - exp(-alpha x)) / alpha (TRL's `alpha`, its default 0:
+    r(x) = x, SimPO)."""
     discopop_tau: float = 0.05
     """discopop: the temperature tau of its log-ratio modulation (TRL's default, the paper's)."""
     f_divergence_type: str = "reverse_kl"
@@ -145,6 +149,9 @@ class LossType:
     nll_term: bool = False
     """The type is the step's NLL on chosen completions (objective.py `microbatch_loss`), not a per-pair
     term: its form adds 0 per pair and `LossConfig.sft_weight` hands its weight to that term."""
+    with_nll: bool = False
+    """The method's objective adds the step's NLL on chosen completions (CPO's BC term, ORPO's SFT term): the
+    config must say that term's weight (sft listed, or nll_weight), so that it is never silently left out."""
 
 
 def _reverse_kl(config: LossConfig, ratio: torch.Tensor) -> torch.Tensor:
@@ -215,12 +222,17 @@ def _of_mean_margin(loss: Callable[[LossConfig, torch.Tensor], torch.Tensor]) ->
     return form
 
 
+def _smoothed(config: LossConfig, z: torch.Tensor) -> torch.Tensor:
+    """-(1 - e) log s(z) - e log s(-z), e = label_smoothing: the logistic loss with flipped labels at rate e."""
+    e = config.label_smoothing
+    return -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z)
+
+
 @_of_margin
 def _sigmoid(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
     """DPO (Rafailov et al. 2023): L = -(1 - e) log s(b D) - e log s(-b D)   (e = label_smoothing; e > 0 is
     conservative DPO, which TRL 1.16's sigmoid does not apply: it ignores label_smoothing)."""
-    b, e = config.beta, config.label_smoothing
-    return -(1 - e) * F.logsigmoid(b * margin) - e * F.logsigmoid(-b * margin)
+    return _smoothed(config, config.beta * margin)
 
 
 @_of_mean_margin
@@ -243,10 +255,48 @@ def _robust(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
 
 
 def _simpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
-    """SimPO (Meng et al. 2024): L = -log s(b c/|c| - b r/|r| - gamma), no reference; rewards b c/|c| and b r/|r|."""
+    """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward"), as TRL
+    1.16's CPOTrainer(loss_type="simpo") computes it: with z = b c/|c| - b r/|r| - gamma (gamma = target_margin),
+    L = -(1 - e) log s(z) - e log s(-z); no reference; rewards b c/|c| and b r/|r|."""
     (n_c, n_r), b = counts, config.beta
     chosen_reward, rejected_reward = b * chosen / n_c, b * rejected / n_r
-    return -F.logsigmoid(chosen_reward - rejected_reward - config.target_margin), chosen_reward, rejected_reward
+    return _smoothed(config, chosen_reward - rejected_reward - config.target_margin), chosen_reward, rejected_reward
+
+
+def _alphapo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
+    """AlphaPO (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment"): SimPO on the rewards
+    r(x) = (1 - p^-alpha) / alpha = (1 - exp(-alpha x)) / alpha of the per-token means x = c/|c|, r/|r|
+    (alpha = 0: r(x) = x, SimPO, as TRL falls back): z = b r(c/|c|) - b r(r/|r|) - gamma,
+    L = -(1 - e) log s(z) - e log s(-z); rewards b r(c/|c|) and b r(r/|r|), TRL's."""
+    (n_c, n_r), b, a = counts, config.beta, config.alpha
+    chosen, rejected = chosen / n_c, rejected / n_r
+    if a != 0.0:
+        chosen, rejected = (1 - torch.exp(-a * chosen)) / a, (1 - torch.exp(-a * rejected)) / a
+    return _smoothed(config, b * chosen - b * rejected - config.target_margin), b * chosen, b * rejected
+
+
+@_of_ratios
+def _cpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """CPO (Xu et al. 2024, "Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in
+    Machine Translation", Eq. 3), TRL 1.16's CPOTrainer(loss_type="sigmoid") on policy log-probs:
+    L = -(1 - e) log s(b (c - r)) - e log s(-b (c - r)); its BC term (TRL's cpo_alpha times the chosen NLL)
+    is the step's NLL term (sft, or nll_weight), which `with_nll` asks the config to weigh."""
+    return _smoothed(config, config.beta * (chosen - rejected))
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation: log(-expm1(x)) near 0, log1p(-exp(x)) below -log 2."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+@_of_ratios
+def _orpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """ORPO's odds-ratio term (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference
+    Model", Eqs. 4 and 7), on the per-token means c/|c|, r/|r| as TRL 1.16's ORPOTrainer takes them: with the
+    log odds ratio  l = (c/|c| - r/|r|) - (log(1 - exp(c/|c|)) - log(1 - exp(r/|r|))),  L = -b log s(l), b the
+    paper's lambda (TRL's beta); ORPO adds the NLL of the chosen completions (weight 1), the step's NLL term."""
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    return -config.beta * F.logsigmoid(log_odds)
 
 
 @_of_margin
@@ -333,7 +383,13 @@ LOSSES: dict[str, LossType] = {
     "ipo": LossType(_ipo, per_token_means=True, f_divergence=True),
     "hinge": LossType(_hinge, f_divergence=True),
     "robust": LossType(_robust, label_smoothing=Interval(0.0, 0.5, open_high=True), f_divergence=True),
-    "simpo": LossType(_simpo, needs_reference=False, per_token_means=True, options=("target_margin",)),
+    "simpo": LossType(
+        _simpo,
+        needs_reference=False,
+        label_smoothing=Interval(0.0, 0.5),
+        per_token_means=True,
+        options=("target_margin",),
+    ),
     "exo_pair": LossType(
         _exo_pair, label_smoothing=Interval(0.0, 1.0, open_high=True, open_low=True), f_divergence=True
     ),
@@ -345,6 +401,15 @@ LOSSES: dict[str, LossType] = {
     "discopop": LossType(_discopop, f_divergence=True, options=("discopop_tau",)),
     "sft": LossType(_sft, needs_reference=False, nll_term=True),
     "sigmoid_norm": LossType(_sigmoid_norm, per_token_means=True, f_divergence=True),
+    "cpo": LossType(_cpo, needs_reference=False, label_smoothing=Interval(0.0, 0.5), with_nll=True),
+    "alphapo": LossType(
+        _alphapo,
+        needs_reference=False,
+        label_smoothing=Interval(0.0, 0.5),
+        per_token_means=True,
+        options=("target_margin", "alpha"),
+    ),
+    "orpo": LossType(_orpo, needs_reference=False, per_token_means=True, with_nll=True),
 }
 """The loss family, by `loss.type` name (s is the logistic function; each form's docstring has its loss)."""
 

@@ -118,9 +118,9 @@ def test_every_conflict_is_listed_in_one_error():
     assert str(info.value) == (
         "the config's settings conflict:\n"
         "  - loss.label_smoothing is 0.2, but hinge has none; set it to 0, or use a loss.type that takes it "
-        "(sigmoid, robust, exo_pair)\n"
+        "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)\n"
         "  - loss.type hinge needs a reference; set reference.mode: live or precomputed, or use a reference-free "
-        "loss.type (simpo, sft)\n"
+        "loss.type (simpo, sft, cpo, alphapo, orpo)\n"
         "  - train.weights_from starts a new run from a checkpoint's weights; it cannot be combined with "
         "train.resume: /ckpt/step-000002; drop one of the two\n"
         "  - train.export is merged, but model.lora is not set: without adapters final/ is always the whole "
@@ -138,7 +138,8 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         (
             ["loss.type=kto"],
             SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo', 'exo_pair', "
-            "'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm']",
+            "'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm', 'cpo', "
+            "'alphapo', 'orpo']",
         ),
         (
             ["loss.beta=0"],
@@ -159,7 +160,7 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         (
             ["loss.type=ipo", "loss.label_smoothing=0.1"],
             "loss.label_smoothing is 0.1, but ipo has none; set it to 0, or use a loss.type that takes it "
-            "(sigmoid, robust, exo_pair)",
+            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)",
         ),
         (
             ["reference.mode=precomputed"],
@@ -237,9 +238,11 @@ def test_the_config_rules_read_the_loss_registry(monkeypatch):
     assert problems(type="smoothed", label_smoothing=0.3) == [
         "loss.label_smoothing is 0.3; smoothed allows [0, 0.2]; set it inside that range"
     ]
-    assert problems(type="hinge", label_smoothing=0.1)[0].endswith("takes it (sigmoid, robust, exo_pair, smoothed)")
+    assert problems(type="hinge", label_smoothing=0.1)[0].endswith(
+        "takes it (sigmoid, robust, simpo, exo_pair, cpo, alphapo, smoothed)"
+    )
     none = config_problems(TrainConfig(reference=ReferenceConfig(mode="none")), for_run=False)  # sigmoid
-    assert none[0].endswith("or use a reference-free loss.type (simpo, sft, free)")
+    assert none[0].endswith("or use a reference-free loss.type (simpo, sft, cpo, alphapo, orpo, free)")
 
 
 def test_the_loss_keys_only_some_types_read_follow_the_registry(monkeypatch):
@@ -302,7 +305,7 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         (
             ["loss.type=[hinge, ipo]", "loss.label_smoothing=0.1"],
             "loss.label_smoothing is 0.1, but [hinge, ipo] has none; set it to 0, or use a loss.type that takes it "
-            "(sigmoid, robust, exo_pair)",
+            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)",
         ),
         (
             ["loss.type=exo_pair"],
@@ -314,13 +317,13 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         ),
         (
             ["loss.discopop_tau=0.2"],
-            "loss.discopop_tau is 0.2, but loss.type sigmoid does not read it (only discopop does); drop it "
+            "loss.discopop_tau is 0.2, but loss.type sigmoid does not read it (only discopop reads it); drop it "
             "(default 0.05), or list discopop in loss.type",
         ),
         (
             ["loss.type=[sigmoid, hinge]", "loss.target_margin=1.0"],
-            "loss.target_margin is 1.0, but loss.type [sigmoid, hinge] does not read it (only simpo does); drop "
-            "it (default 0.5), or list simpo in loss.type",
+            "loss.target_margin is 1.0, but loss.type [sigmoid, hinge] does not read it (only simpo and alphapo "
+            "read it); drop it (default 0.5), or list simpo or alphapo in loss.type",
         ),
         (
             ["loss.type=[sigmoid, bco_pair]", "loss.f_divergence_type=js_divergence"],
@@ -348,7 +351,7 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         (
             ["loss.type=[simpo, sigmoid]", "reference.mode=none"],
             "loss.type [simpo, sigmoid] needs a reference; set reference.mode: live or precomputed, or use a "
-            "reference-free loss.type (simpo, sft)",
+            "reference-free loss.type (simpo, sft, cpo, alphapo, orpo)",
         ),
     ],
     ids=[
@@ -462,3 +465,47 @@ def test_a_default_objective_is_what_checkpoints_recorded_before_the_new_loss_ke
         "f_divergence_type": "alpha_divergence",
         "f_alpha_divergence_coef": 0.2,
     }
+
+
+# -- the reference-free methods' rules --
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["loss.type=simpo", "reference.mode=none", "loss.alpha=0.25"],
+            "loss.alpha is 0.25, but loss.type simpo does not read it (only alphapo reads it); drop it (default "
+            "0.0), or list alphapo in loss.type",
+        ),
+        (
+            ["loss.type=cpo", "reference.mode=none"],
+            "loss.type cpo: cpo's objective adds the NLL on chosen completions (TRL's cpo_alpha, 1.0 by default, "
+            "for cpo; weight 1 for orpo), and no key weighs it; say its weight: loss.nll_weight: 1.0, or list sft "
+            "in loss.type with its weight in loss.weights (0 to leave it out)",
+        ),
+        (
+            ["loss.type=[orpo, bco_pair]"],
+            "loss.type [orpo, bco_pair]: orpo's objective adds the NLL on chosen completions (TRL's cpo_alpha, "
+            "1.0 by default, for cpo; weight 1 for orpo), and no key weighs it; say its weight: loss.nll_weight: "
+            "1.0, or list sft in loss.type with its weight in loss.weights (0 to leave it out)",
+        ),
+    ],
+    ids=["alpha-without-alphapo", "cpo-without-nll", "orpo-without-nll"],
+)
+def test_each_reference_free_rule_refuses_its_case_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value) == message
+
+
+def test_the_reference_free_methods_load_with_reference_mode_none():
+    """TRL's CPO (BC weight said either way, or 0 by listing sft at 0), AlphaPO with its alpha, ORPO with its NLL."""
+    for overrides in (
+        ["loss.type=[cpo, sft]", "loss.weights=[1.0, 0.0]"],
+        ["loss.type=cpo", "loss.nll_weight=1.0"],
+        ["loss.type=alphapo", "loss.alpha=0.25", "loss.target_margin=0.3", "loss.label_smoothing=0.1"],
+        ["loss.type=[orpo, sft]", "loss.beta=0.2"],
+    ):
+        config = load_config({"data": {"path": "x"}}, [*overrides, "reference.mode=none"])
+        assert config.loss.needs_reference is False

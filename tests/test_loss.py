@@ -375,3 +375,68 @@ def test_the_trainer_gives_sft_in_a_list_to_the_nll_term(sample_dataset):
     listed = gradient(type=["sigmoid", "sft"], weights=[1.0, 0.7])
     torch.testing.assert_close(listed, gradient(type="sigmoid", nll_weight=0.7), rtol=1e-6, atol=1e-9)
     assert not torch.allclose(listed, gradient(type="sigmoid"), rtol=1e-3, atol=0)
+
+
+# -- the reference-free methods (TRL 1.16's CPO and ORPO trainers): policy log-probs c, r alone --
+
+REFERENCE_FREE = {
+    "cpo": (
+        dict(beta=0.3, label_smoothing=0.2),
+        lambda c, r, nc, nr: -0.8 * log_sigmoid(0.3 * (c - r)) - 0.2 * log_sigmoid(-0.3 * (c - r)),
+        lambda c, nc: 0.3 * c,
+    ),
+    "simpo": (
+        dict(beta=2.0, target_margin=0.4, label_smoothing=0.1),
+        lambda c, r, nc, nr: (
+            -0.9 * log_sigmoid(2.0 * (c / nc - r / nr) - 0.4) - 0.1 * log_sigmoid(-(2.0 * (c / nc - r / nr) - 0.4))
+        ),
+        lambda c, nc: 2.0 * c / nc,
+    ),
+    "alphapo": (
+        dict(beta=2.0, alpha=0.5, target_margin=0.3),
+        lambda c, r, nc, nr: (
+            -log_sigmoid(2.0 * (1 - math.exp(-0.5 * c / nc)) / 0.5 - 2.0 * (1 - math.exp(-0.5 * r / nr)) / 0.5 - 0.3)
+        ),
+        lambda c, nc: 2.0 * (1 - math.exp(-0.5 * c / nc)) / 0.5,
+    ),
+    "orpo": (
+        dict(beta=0.5),
+        lambda c, r, nc, nr: (
+            -0.5
+            * log_sigmoid(
+                math.log((math.exp(c / nc) / (1 - math.exp(c / nc))) / (math.exp(r / nr) / (1 - math.exp(r / nr))))
+            )
+        ),
+        lambda c, nc: 0.5 * c / nc,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFERENCE_FREE))
+def test_each_reference_free_method_is_its_closed_form_on_policy_log_probs(name):
+    """cpo sums, simpo, alphapo and orpo take per-token means (orpo: the odds p / (1 - p) of the mean log-prob,
+    as its paper writes them); none reads a reference. Rewards: b times what the form reads (alphapo: the
+    shaped reward)."""
+    config, closed_form, reward = REFERENCE_FREE[name]
+    out = pair_losses(LossConfig(type=name, **config), C, R, None, None, NC, NR)
+    rows = list(zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist()))
+    torch.testing.assert_close(out.losses, torch.tensor([closed_form(*row) for row in rows]), **TOL)
+    torch.testing.assert_close(out.chosen_rewards, torch.tensor([reward(c, nc) for c, _, nc, _ in rows]), **TOL)
+    torch.testing.assert_close(out.rejected_rewards, torch.tensor([reward(r, nr) for _, r, _, nr in rows]), **TOL)
+    assert LOSSES[name].needs_reference is False
+
+
+def test_alphapo_at_alpha_0_is_simpo_and_orpo_is_finite_near_probability_1():
+    """alpha = 0 falls back to r(x) = x (TRL's), bit for bit SimPO; orpo's log(1 - exp(x)) keeps its digits for a
+    mean log-prob near 0, where log1p(-exp(x)) would lose them."""
+    simpo = pair_losses(LossConfig(type="simpo", beta=2.0), C, R, None, None, NC, NR).losses
+    alphapo = pair_losses(LossConfig(type="alphapo", beta=2.0), C, R, None, None, NC, NR).losses
+    torch.testing.assert_close(alphapo, simpo, rtol=0, atol=0)
+    near, far, one = (
+        torch.tensor([-1e-12], dtype=torch.float64),
+        torch.tensor([-2.0], dtype=torch.float64),
+        torch.ones(1),
+    )
+    out = pair_losses(LossConfig(type="orpo", beta=1.0), near, far, None, None, one, one)
+    expected = -log_sigmoid((-1e-12 + 2.0) - (math.log(-math.expm1(-1e-12)) - math.log(-math.expm1(-2.0))))
+    assert out.losses.item() == pytest.approx(expected, rel=1e-9, abs=0)

@@ -177,3 +177,93 @@ def test_trls_sigmoid_ignores_label_smoothing_and_ours_applies_it(trl_trainer):
     trl = trl_loss(trl_trainer, plain, torch.float64, trl_label_smoothing=0.3)
     assert our_loss(plain, torch.float64) == pytest.approx(trl, **F64)
     assert our_loss(smoothed, torch.float64) != pytest.approx(trl, rel=1e-2)
+
+
+# -- the reference-free methods against TRL 1.16's experimental CPO and ORPO trainers --
+
+
+def _trl_stand_in(config: LossConfig, **trl_keys) -> types.SimpleNamespace:
+    """A `self` for the trainers' loss methods: the attributes their __init__ sets from the config."""
+    return types.SimpleNamespace(
+        beta=config.beta,
+        label_smoothing=config.label_smoothing,
+        simpo_gamma=config.target_margin,
+        accelerator=types.SimpleNamespace(device="cpu"),
+        **trl_keys,
+    )
+
+
+def _trl_logps(per_token_mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy log-probs TRL's `concatenated_forward` hands the loss: `get_batch_logps` sums, or averages
+    with `average_log_prob` (CPOTrainer: for ipo and simpo; ORPOTrainer: always)."""
+    chosen, rejected = CHOSEN.double(), REJECTED.double()
+    if per_token_mean:
+        return chosen / CHOSEN_TOKENS, rejected / REJECTED_TOKENS
+    return chosen, rejected
+
+
+CPO_CASES = [
+    # (ours, TRL's CPOConfig keys, TRL averages the log-probs)
+    (dict(type=["cpo", "sft"], weights=[1.0, 1.0], beta=0.1), dict(loss_type="sigmoid", cpo_alpha=1.0), False),
+    (dict(type="cpo", beta=0.7, nll_weight=0.3, label_smoothing=0.2), dict(loss_type="sigmoid", cpo_alpha=0.3), False),
+    (dict(type=["cpo", "sft"], weights=[1.0, 0.0], beta=0.4), dict(loss_type="sigmoid", cpo_alpha=0.0), False),
+    (dict(type="simpo", beta=2.0, target_margin=0.5), dict(loss_type="simpo", cpo_alpha=0.0), True),
+    (
+        dict(type="simpo", beta=2.5, target_margin=1.2, label_smoothing=0.1),
+        dict(loss_type="simpo", cpo_alpha=0.0),
+        True,
+    ),
+    (dict(type=["simpo", "sft"], beta=2.0), dict(loss_type="simpo", cpo_alpha=1.0), True),  # TRL's default cpo_alpha
+    (dict(type="alphapo", beta=2.0, alpha=0.25, target_margin=0.5), dict(loss_type="alphapo", alpha=0.25), True),
+    (
+        dict(type="alphapo", beta=1.5, alpha=-0.5, target_margin=0.3, label_smoothing=0.1),
+        dict(loss_type="alphapo", alpha=-0.5),
+        True,
+    ),
+    (dict(type="alphapo", beta=2.0, alpha=0.0), dict(loss_type="alphapo", alpha=0.0), True),
+]
+
+
+def _trl_cpo_loss(config: LossConfig, trl_keys: dict, averaged: bool) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """CPOTrainer's own `cpo_loss` on the log-probs it would feed it, combined as `get_batch_loss_metrics`
+    combines it: losses.mean() + cpo_alpha * nll, nll the chosen completion tokens' mean NLL (as ours here);
+    and its rewards."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = CPOConfig(output_dir="unused", report_to=[], use_cpu=True, **trl_keys)  # its __post_init__: alphapo
+    assert (args.loss_type in ["ipo", "simpo"]) == averaged  # concatenated_forward's average_log_prob
+    stand_in = _trl_stand_in(config, loss_type=args.loss_type, alpha=args.alpha)
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(stand_in, *_trl_logps(averaged))
+    nll = -CHOSEN.double().sum() / CHOSEN_TOKENS.sum()
+    return float(losses.mean() + args.cpo_alpha * nll), chosen_rewards, rejected_rewards
+
+
+@pytest.mark.parametrize("ours, trl_keys, averaged", CPO_CASES, ids=lambda v: str(v) if isinstance(v, bool) else None)
+def test_cpo_simpo_and_alphapo_are_trls_cpo_trainer(ours, trl_keys, averaged):
+    """float64, 1e-6 relative: our step loss is CPOTrainer's (its `cpo_loss` plus cpo_alpha times the NLL),
+    and so are the rewards."""
+    config = LossConfig(**ours)
+    assert config.needs_reference is False
+    trl, chosen_rewards, rejected_rewards = _trl_cpo_loss(config, trl_keys, averaged)
+    assert our_loss(config, torch.float64) == pytest.approx(trl, **F64)
+    terms = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
+    torch.testing.assert_close(terms.chosen_rewards, chosen_rewards, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(terms.rejected_rewards, rejected_rewards, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_orpo_is_trls_orpo_trainer(beta):
+    """ORPOTrainer's own `odds_ratio_loss` on per-token mean log-probs, combined as its
+    `get_batch_loss_metrics`: nll - losses.mean() (its losses are beta log s(l), ours the negation). TRL's NLL
+    covers the chosen prompt tokens too (docs/objective.md); here both are the chosen completion tokens' mean.
+    TRL computes the odds ratio in float32: 1e-6 relative."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    config = LossConfig(type=["orpo", "sft"], beta=beta)
+    losses, chosen_rewards, *_ = ORPOTrainer.odds_ratio_loss(_trl_stand_in(config), *_trl_logps(True))
+    nll = -CHOSEN.double().sum() / CHOSEN_TOKENS.sum()
+    assert our_loss(config, torch.float64) == pytest.approx(float(nll - losses.mean()), rel=1e-6)
+    ours = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
+    torch.testing.assert_close(ours.chosen_rewards.float(), chosen_rewards.float())
