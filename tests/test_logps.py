@@ -131,3 +131,58 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
         assert (wrong.rejected - sdpa.rejected).abs().max() > 1e-3
     with pytest.raises(Exception, match="without the row's segments"):
         model(input_ids=batch["input_ids"], use_cache=False)
+
+
+def unpacked_per_token(model, prompt, completion) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) and log sum_v p(v)^2 at each completion token, in order, from the pair's own forward."""
+    ids = torch.tensor(np.concatenate([prompt, completion]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
+    rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+    return rows[torch.arange(len(completion)), torch.as_tensor(completion).long()], torch.logsumexp(2 * rows, -1)
+
+
+def test_ld_sums_and_wpo_weights_are_each_pairs_own_whatever_the_packing(model):
+    """LD-DPO's sums (the first min(|c|, |r|) tokens of each completion fully, the rest times ld_alpha) and WPO's
+    weights are those of each pair's own unpacked forward, packed several to a row or one per row, in the
+    separate or the shared-prompt layout (whose completions' first targets come last in `targets`); one-token
+    completions included."""
+    pairs, ld_alpha = random_pairs(4), 0.3
+    expected_ld, expected_weight = [], []
+    for p in pairs:
+        chosen, rejected = (
+            unpacked_per_token(model, p.prompt, p.chosen),
+            unpacked_per_token(model, p.prompt, p.rejected),
+        )
+        shared = min(len(p.chosen), len(p.rejected))
+        sums = [float(logp[:shared].sum() + ld_alpha * logp[shared:].sum()) for logp, _ in (chosen, rejected)]
+        expected_ld.append(sums)
+        means = [float((logp - sq).mean()) for logp, sq in (chosen, rejected)]
+        expected_weight.append(np.exp(means[0]) * np.exp(means[1]))
+    expected_ld, expected_weight = torch.tensor(expected_ld), torch.tensor(expected_weight, dtype=torch.float32)
+    assert all(len(p.chosen) != len(p.rejected) for p in pairs[:3])  # LD cuts a tail off each of these
+
+    from dpo_data.loading.microbatch import pack_shared_prompt
+
+    packings = {
+        "separate, one row": [pack_microbatch(pairs, pad_to_multiple_of=16)],
+        "shared_prompt, one row": [pack_shared_prompt(pairs, pad_to_multiple_of=16)],
+        "separate, a row each": [pack_microbatch([p], pad_to_multiple_of=8) for p in pairs],
+        "shared_prompt, a row each": [pack_shared_prompt([p]) for p in pairs],
+    }
+    for name, batches in packings.items():
+        with torch.no_grad():
+            outs = [pair_logps(model, batch, ld_alpha=ld_alpha, weighting=True) for batch in batches]
+        ld = torch.cat([torch.stack(out.ld, dim=1) for out in outs])
+        weights = torch.cat([out.weights for out in outs])
+        torch.testing.assert_close(ld, expected_ld, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(weights, expected_weight, rtol=1e-5, atol=1e-7, msg=name)
+        assert outs[0].scored[0] is outs[0].ld[0]  # the loss reads the LD sums
+
+
+def test_ld_alpha_one_is_the_plain_sums_and_null_computes_nothing(model):
+    batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
+    with torch.no_grad():
+        plain, one = pair_logps(model, batch), pair_logps(model, batch, ld_alpha=1.0)
+    assert plain.ld is None and plain.weights is None and plain.scored == (plain.chosen, plain.rejected)
+    torch.testing.assert_close(torch.stack(one.ld), torch.stack([plain.chosen, plain.rejected]), rtol=0, atol=0)
