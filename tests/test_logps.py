@@ -181,8 +181,9 @@ def test_ld_sums_and_wpo_weights_are_each_pairs_own_whatever_the_packing(model):
 
 
 def test_ld_alpha_one_is_the_plain_sums_and_null_computes_nothing(model):
+    """ld_alpha 1.0 is the plain sums bit for bit; the LD sums carry the gradient and the WPO weights none."""
     batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
-    with torch.no_grad():
-        plain, one = pair_logps(model, batch), pair_logps(model, batch, ld_alpha=1.0)
+    plain, one = pair_logps(model, batch), pair_logps(model, batch, ld_alpha=1.0, weighting=True)
+    assert one.ld[0].requires_grad and one.ld[1].requires_grad and not one.weights.requires_grad
     assert plain.ld is None and plain.weights is None and plain.scored == (plain.chosen, plain.rejected)
     torch.testing.assert_close(torch.stack(one.ld), torch.stack([plain.chosen, plain.rejected]), rtol=0, atol=0)

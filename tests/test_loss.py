@@ -459,7 +459,8 @@ def test_wpo_weights_multiply_each_pairs_loss_and_are_required_when_on():
 def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_the_loss(sample_dataset):
     """trainer.microbatch's gradient is the one of the loss on the policy's and the live reference's LD-DPO
     sums with the policy's WPO weights (at step 0 the two models agree, so the gradient is that of the LD
-    sums); ld_alpha 1.0 and no weighting give the plain gradient, and ld_alpha 0.3 or weighting alone do not."""
+    sums, and none flows through the weights); ld_alpha 1.0 and no weighting give the plain gradient, and
+    ld_alpha 0.3 or weighting alone do not."""
     from dpo_data.dataset.store import PairIds, PairStore
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.config import load_config
@@ -503,7 +504,9 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
     trainer = trainer_for(ld_alpha=0.3, use_weighting=True)
     policy = pair_logps(trainer.model, batch, ld_alpha=0.3, weighting=True)
     counts = policy.chosen_tokens, policy.rejected_tokens
-    terms = pair_losses(trainer.config.loss, *policy.ld, *trainer.reference.logps(batch), *counts, policy.weights)
+    terms = pair_losses(
+        trainer.config.loss, *policy.ld, *trainer.reference.logps(batch), *counts, policy.weights.detach()
+    )
     microbatch_loss(terms.losses, 4).backward()
     expected = gradient(trainer)
     torch.testing.assert_close(trained(ld_alpha=0.3, use_weighting=True), expected, rtol=1e-5, atol=1e-9)
