@@ -445,24 +445,17 @@ def _per_token_problems(loss: LossConfig) -> list[str]:
 
 
 def _per_token_rules(config: TrainConfig) -> list[str]:
-    """ld_alpha and use_weighting where they are not computed exactly yet: a sidecar holds plain sums, and
-    sequence parallelism is untested for them."""
-    loss, problems = config.loss, []
-    keys = ["loss.ld_alpha"] * (loss.ld_alpha is not None) + ["loss.use_weighting"] * (loss.use_weighting is True)
-    known = not _loss_type_problems(loss)
-    if loss.ld_alpha is not None and known and loss.needs_reference and config.reference.mode == "precomputed":
-        problems.append(
-            f"loss.ld_alpha is {loss.ld_alpha}, but reference.mode is precomputed: a sidecar holds the reference's "
-            "plain summed log-probs, not LD-DPO's; set reference.mode: live (the reference then gets the same "
-            "weighting), or loss.ld_alpha: null"
-        )
-    if keys and config.distributed.sequence_sizes != (1, 1):
-        problems.append(
-            f"{' and '.join(keys)} with distributed.sequence_parallel {config.distributed.sequence_parallel}: "
-            "per-token LD-DPO and WPO values are not yet checked across a row's ranks; drop "
-            "distributed.sequence_parallel, or set loss.ld_alpha: null and loss.use_weighting: false"
-        )
-    return problems
+    """ld_alpha only where the reference's LD sums exist: a sidecar holds plain sums."""
+    loss = config.loss
+    if loss.ld_alpha is None or _loss_type_problems(loss) or not loss.needs_reference:
+        return []
+    if config.reference.mode != "precomputed":
+        return []
+    return [
+        f"loss.ld_alpha is {loss.ld_alpha}, but reference.mode is precomputed: a sidecar holds the reference's "
+        "plain summed log-probs, not LD-DPO's; set reference.mode: live (the reference then gets the same "
+        "weighting), or loss.ld_alpha: null"
+    ]
 
 
 def _reference_rules(config: TrainConfig) -> list[str]:

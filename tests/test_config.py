@@ -530,22 +530,10 @@ def test_the_reference_free_methods_load_with_reference_mode_none():
             "loss.ld_alpha: null",
         ),
         (
-            ["loss.use_weighting=true", "loss.ld_alpha=0", "distributed.sequence_parallel={ulysses: 2}"],
-            "loss.ld_alpha and loss.use_weighting with distributed.sequence_parallel {'ulysses': 2}: per-token "
-            "LD-DPO and WPO values are not yet checked across a row's ranks; drop distributed.sequence_parallel, "
-            "or set loss.ld_alpha: null and loss.use_weighting: false",
-        ),
-        (
             ["loss.use_weighting=true", "loss.type=[sigmoid, sft]"],
             "loss.use_weighting is true and loss.type lists sft: TRL multiplies its SFT term by each pair's WPO "
             "weight, and here it is the step's NLL per chosen token, which no pair's weight scales; drop sft from "
             "loss.type (loss.nll_weight gives the same term, unweighted), or set loss.use_weighting: false",
-        ),
-        (
-            ["loss.ld_alpha=0", "distributed.sequence_parallel={context: 2}"],
-            "loss.ld_alpha with distributed.sequence_parallel {'context': 2}: per-token LD-DPO and WPO values are "
-            "not yet checked across a row's ranks; drop distributed.sequence_parallel, or set loss.ld_alpha: null "
-            "and loss.use_weighting: false",
         ),
     ],
     ids=[
@@ -553,9 +541,7 @@ def test_the_reference_free_methods_load_with_reference_mode_none():
         "ld-below-0",
         "weighting-not-bool",
         "ld-sidecar",
-        "sequence-parallel",
         "weighting-sft",
-        "sequence-parallel-ld-0",
     ],
 )
 def test_each_per_token_rule_refuses_its_case_by_name(overrides, message):
@@ -574,12 +560,23 @@ def test_each_per_token_rule_refuses_its_case_by_name(overrides, message):
         ["loss.use_weighting=true", "loss.nll_weight=0.5"],
         ["loss.ld_alpha=0.5", "loss.type=simpo", "reference.mode=precomputed", "reference.path=sidecar"],
         ["loss.use_weighting=true", "reference.mode=precomputed", "reference.path=sidecar"],
+        ["loss.ld_alpha=0", "loss.use_weighting=true", "distributed.sequence_parallel={ulysses: 2, context: 2}"],
     ],
-    ids=["ld-0", "ld-1", "ld-null", "both-list", "weighting-nll", "ld-reference-free", "weighting-sidecar"],
+    ids=[
+        "ld-0",
+        "ld-1",
+        "ld-null",
+        "both-list",
+        "weighting-nll",
+        "ld-reference-free",
+        "weighting-sidecar",
+        "sequence-parallel",
+    ],
 )
 def test_the_edges_of_each_per_token_rule_load(overrides):
     """A reference-free type reads no sidecar, so ld_alpha passes with one configured; WPO's weights are the
-    policy's alone, so a sidecar is fine with them."""
+    policy's alone, so a sidecar is fine with them; both run under sequence parallelism
+    (tests/test_logps.py checks them on a 2-rank mesh)."""
     load_config({}, overrides)
 
 

@@ -187,3 +187,65 @@ def test_ld_alpha_one_is_the_plain_sums_and_null_computes_nothing(model):
     assert one.ld[0].requires_grad and one.ld[1].requires_grad and not one.weights.requires_grad
     assert plain.ld is None and plain.weights is None and plain.scored == (plain.chosen, plain.rejected)
     torch.testing.assert_close(torch.stack(one.ld), torch.stack([plain.chosen, plain.rejected]), rtol=0, atol=0)
+
+
+def _ld_and_wpo(model, batch, mesh=None) -> dict:
+    """LD sums (ld_alpha 0.3), WPO weights and the gradient of a fixed function of the LD sums (summed over the
+    group's ranks, each holding its positions' part)."""
+    from dpo_train.parallel import collectives
+
+    model.zero_grad(set_to_none=True)
+    out = pair_logps(model, batch, mesh, ld_alpha=0.3, weighting=True)
+    (0.7 * out.ld[0] - 1.3 * out.ld[1]).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if mesh is not None:
+        grads = {n: collectives.all_reduce(g, group=mesh.group) for n, g in grads.items()}
+    return {"ld": torch.stack(out.ld).detach(), "weights": out.weights, **{f"grad/{n}": g for n, g in grads.items()}}
+
+
+PER_TOKEN_MESHES = [(2, 1), (1, 2)]  # (ulysses, context) on 2 ranks
+
+
+def _per_token_split_worker(rank: int, world: int, port: int, result: str) -> None:
+    import torch.distributed as dist
+
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.sequence_parallel import sequence_mesh
+    from dpo_train.parallel.device import placement
+    from tests.harness import join_gloo
+    from tests.test_sequence_parallel import ROWS, _model
+
+    join_gloo(rank, world, port)
+    meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in PER_TOKEN_MESHES}
+    model = _model()
+    model.config._attn_implementation = attention_for("auto", placement("cpu", "fp32"), meshes[(2, 1)])
+    out = {}
+    for name, pairs in ROWS.items():
+        for layout, pack in (("separate", pack_microbatch), ("shared_prompt", pack_shared_prompt)):
+            for (u, c), mesh in meshes.items():
+                out[f"{name} {layout} U{u}C{c}"] = _ld_and_wpo(model, pack(pairs), mesh)
+    if rank == 0:
+        torch.save(out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ld_sums_and_wpo_weights_under_sequence_parallelism_are_one_process(tmp_path):
+    """2-rank gloo meshes (Ulysses 2, context 2), rows cut inside chosen, on the boundary, inside rejected and
+    with a pair across ranks, both layouts: LD sums, WPO weights and the LD sums' gradient equal one process
+    (each rank weighs its own targets by their index in the whole completion)."""
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from tests.harness import spawn
+    from tests.test_sequence_parallel import ROWS, _model, _worst
+
+    single = _model()
+    result = tmp_path / "per-token.pt"
+    spawn(_per_token_split_worker, 2, str(result))
+    got = torch.load(result, weights_only=True)
+    for name, pairs in ROWS.items():
+        for layout, pack in (("separate", pack_microbatch), ("shared_prompt", pack_shared_prompt)):
+            expected = _ld_and_wpo(single, pack(pairs))
+            for u, c in PER_TOKEN_MESHES:
+                worst = _worst(expected, got[f"{name} {layout} U{u}C{c}"])
+                assert worst < 1e-5, (name, layout, u, c, worst)
