@@ -447,9 +447,8 @@ def _per_token_problems(loss: LossConfig) -> list[str]:
 def _per_token_rules(config: TrainConfig) -> list[str]:
     """ld_alpha only where the reference's LD sums exist: a sidecar holds plain sums."""
     loss = config.loss
-    if loss.ld_alpha is None or _loss_type_problems(loss) or not loss.needs_reference:
-        return []
-    if config.reference.mode != "precomputed":
+    unknown = bool(_loss_type_problems(loss))  # _loss_rules names it
+    if loss.ld_alpha is None or config.reference.mode != "precomputed" or unknown or not loss.needs_reference:
         return []
     return [
         f"loss.ld_alpha is {loss.ld_alpha}, but reference.mode is precomputed: a sidecar holds the reference's "
