@@ -279,7 +279,14 @@ def _loss_rules(config: TrainConfig) -> list[str]:
     problems = _loss_type_problems(config.loss)
     if problems:
         return problems
-    rules = (_weight_problems, _smoothing_problems, _option_problems, _divergence_problems, _nll_problems)
+    rules = (
+        _weight_problems,
+        _smoothing_problems,
+        _option_problems,
+        _divergence_problems,
+        _nll_problems,
+        _per_token_problems,
+    )
     return [problem for rule in rules for problem in rule(config.loss)]
 
 
@@ -415,6 +422,41 @@ def _nll_problems(loss: LossConfig) -> list[str]:
     return []
 
 
+def _per_token_problems(loss: LossConfig) -> list[str]:
+    """ld_alpha null or in [0, 1], use_weighting a bool, and WPO's weights never meet sft: TRL weights its SFT
+    term per pair, and ours is the step's NLL per chosen token, which no pair's weight can scale exactly."""
+    problems = []
+    alpha = loss.ld_alpha
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        problems.append(
+            f"loss.ld_alpha is {alpha!r}; allowed: null (plain sums) or a number in [0, 1] (TRL's ld_alpha); set it so"
+        )
+    if not isinstance(loss.use_weighting, bool):
+        problems.append(f"loss.use_weighting is {loss.use_weighting!r}; allowed: true or false; set it to one of them")
+    listed = [name for name in loss.types if LOSSES[name].nll_term]
+    if loss.use_weighting is True and listed:
+        problems.append(
+            f"loss.use_weighting is true and loss.type lists {listed[0]}: TRL multiplies its SFT term by each "
+            "pair's WPO weight, and here it is the step's NLL per chosen token, which no pair's weight scales; "
+            f"drop {listed[0]} from loss.type (loss.nll_weight gives the same term, unweighted), or set "
+            "loss.use_weighting: false"
+        )
+    return problems
+
+
+def _per_token_rules(config: TrainConfig) -> list[str]:
+    """ld_alpha only where the reference's LD sums exist: a sidecar holds plain sums."""
+    loss = config.loss
+    unknown = bool(_loss_type_problems(loss))  # _loss_rules names it
+    if loss.ld_alpha is None or config.reference.mode != "precomputed" or unknown or not loss.needs_reference:
+        return []
+    return [
+        f"loss.ld_alpha is {loss.ld_alpha}, but reference.mode is precomputed: a sidecar holds the reference's "
+        "plain summed log-probs, not LD-DPO's; set reference.mode: live (the reference then gets the same "
+        "weighting), or loss.ld_alpha: null"
+    ]
+
+
 def _reference_rules(config: TrainConfig) -> list[str]:
     """A precomputed reference names its sidecar; reference.mode none only with a reference-free loss."""
     problems = []
@@ -456,7 +498,7 @@ def _data_rules(config: TrainConfig) -> list[str]:
     return ["data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"]
 
 
-_RULES = (_loss_rules, _reference_rules, _train_rules)
+_RULES = (_loss_rules, _reference_rules, _per_token_rules, _train_rules)
 """What any loaded config must satisfy."""
 _RUN_RULES = (_data_rules,)
 """What a run needs beyond that: `check_config(config)` (for_run=True) checks these too; `load_config` not."""

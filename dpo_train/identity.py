@@ -18,7 +18,15 @@ from dpo_train.reference.choice import reference_mode
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 
 
-_LATER_LOSS_KEYS = ("weights", "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef", "alpha")
+_LATER_LOSS_KEYS = (
+    "weights",
+    "discopop_tau",
+    "f_divergence_type",
+    "f_alpha_divergence_coef",
+    "alpha",
+    "ld_alpha",
+    "use_weighting",
+)
 """Loss keys added after checkpoints recorded the objective: each is recorded only when it is not its default,
 so that the identity of a run that leaves them alone is what it was before they existed."""
 

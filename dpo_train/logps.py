@@ -21,6 +21,15 @@ class PairLogps:
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
     aux_loss: torch.Tensor | None = None  # the router load-balancing loss, when asked for
+    ld: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(chosen, rejected) LD-DPO sums (`ld_alpha`), when asked for."""
+    weights: torch.Tensor | None = None
+    """WPO weights per pair (`weighting`), without gradient, when asked for."""
+
+    @property
+    def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (chosen, rejected) log-probs the loss reads: the LD-DPO sums where asked for, else the sums."""
+        return self.ld if self.ld is not None else (self.chosen, self.rejected)
 
 
 @dataclass
@@ -53,7 +62,41 @@ def targets(batch: dict[str, Any]) -> Targets:
     return Targets(position, label, segment)
 
 
-def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None, router_aux: bool = False) -> PairLogps:
+def ld_token_weights(every: Targets, batch: dict[str, Any], ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each target (TRL's `ld_alpha`): 1 for the first min(|chosen|, |rejected|) tokens of
+    its completion, ld_alpha for the rest. It depends only on the token's index within its completion and its
+    pair's two lengths, so it is the same whatever the packing, and a sequence-parallel rank can weigh its
+    own targets. Targets are in position order within each kind, and a shared-prompt completion's first
+    token is predicted by its prompt's last position, before the completion's own: so sorting a segment's
+    targets by position gives their order in the completion."""
+    segments = len(batch["segment_length"])
+    tokens = torch.bincount(every.segment, minlength=segments)
+    order = torch.argsort(every.segment * batch["labels"].shape[1] + every.position)  # positions < row length
+    index = torch.empty_like(order)
+    index[order] = (
+        torch.arange(len(order), device=order.device) - (torch.cumsum(tokens, 0) - tokens)[every.segment[order]]
+    )
+    shared = segments_to_pairs(tokens, batch).min(dim=1).values  # per pair
+    pair = batch["segment_pair"].long().to(every.segment.device)[every.segment]
+    return torch.where(index < shared[pair], 1.0, float(ld_alpha))
+
+
+def wpo_weights(aligned: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """WPO's pair weight (Zhou et al. 2024, Eq. 2, as TRL 1.16's `use_weighting`): exp of each completion's mean
+    over its tokens of log p(token) - log sum_v p(v)^2, chosen's times rejected's. `aligned` [pairs, 2]: those
+    sums; `tokens` [pairs, 2]: the completion token counts."""
+    weights = torch.exp(aligned / tokens.to(aligned.dtype).clamp(min=1))
+    return weights[:, 0] * weights[:, 1]
+
+
+def pair_logps(
+    model: Any,
+    batch: dict[str, Any],
+    mesh: Any = None,
+    router_aux: bool = False,
+    ld_alpha: float | None = None,
+    weighting: bool = False,
+) -> PairLogps:
     """Forward one packed row and sum completion log-probs per pair.
 
     The vocabulary projection runs only at the positions that predict a target (`logits_to_keep` with a
@@ -61,7 +104,8 @@ def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None, router_aux: 
     the forward. With a sequence-parallel `mesh` (dpo_train.sequence_parallel) this rank forwards its
     positions only and scores the targets they predict; the per-pair sums are completed over its group,
     so every rank of the group returns the whole sums. `router_aux`: also return the model's router
-    load-balancing loss (a mixture-of-experts model's `aux_loss`).
+    load-balancing loss (a mixture-of-experts model's `aux_loss`). `ld_alpha`: also the LD-DPO sums
+    (`ld_token_weights`); `weighting`: also the WPO pair weights (`wpo_weights`).
     """
     inputs, shard = row_inputs(batch, mesh, model)
     device = batch["input_ids"].device
@@ -77,14 +121,25 @@ def pair_logps(model: Any, batch: dict[str, Any], mesh: Any = None, router_aux: 
     logits = output.logits
     logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
     rows = torch.cumsum(keep, 0)[position] - 1 if logits.shape[0] != keep.shape[0] else position
-    logits = logits.float()
-    picked = logits[rows, label] - torch.logsumexp(logits, dim=-1)[rows]
-    segments = len(batch["segment_length"])
-    per_segment = torch.zeros(segments, dtype=picked.dtype, device=picked.device).index_add(0, segment, picked)
-    sums = segments_to_pairs(per_segment, batch)
-    if shard is not None:
-        sums = collectives.sum_same_loss(sums, mesh.group)
-    ones = torch.ones_like(every.segment, dtype=torch.float32)
-    counts = segments_to_pairs(torch.zeros(segments, device=device).index_add(0, every.segment, ones), batch)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 to float32; float64 stays
+    log_z = torch.logsumexp(logits, dim=-1)
+    picked = logits[rows, label] - log_z[rows]
+
+    def pair_sums(values: torch.Tensor) -> torch.Tensor:
+        """Per-target values summed per pair [pairs, 2], over the sequence-parallel group too."""
+        per_segment = torch.zeros(len(batch["segment_length"]), dtype=values.dtype, device=device)
+        sums = segments_to_pairs(per_segment.index_add(0, segment, values), batch)
+        return collectives.sum_same_loss(sums, mesh.group) if shard is not None else sums
+
+    sums = pair_sums(picked)
+    counts = segments_to_pairs(torch.bincount(every.segment, minlength=len(batch["segment_length"])).float(), batch)
+    ld = None
+    if ld_alpha is not None:
+        ld = pair_sums(picked * ld_token_weights(every, batch, ld_alpha)[mine].to(picked.dtype)).unbind(1)
+    weights = None
+    if weighting:
+        with torch.no_grad():  # WPO's weights carry no gradient (TRL computes them under no_grad too)
+            log_sum_sq = (torch.logsumexp(2 * logits, dim=-1) - 2 * log_z)[rows]  # log sum_v p(v)^2
+            weights = wpo_weights(pair_sums(picked - log_sum_sq), counts)
     aux = getattr(output, "aux_loss", None) if router_aux else None
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1], aux)
+    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1], aux, ld, weights)

@@ -66,6 +66,14 @@ class LossConfig:
     scores (`LossType.f_divergence`); reverse_kl is DPO's f(x) = x."""
     f_alpha_divergence_coef: float = 0.5
     """alpha_divergence: TRL's coefficient a of f(x) = (exp((a - 1) x) - 1) / (a - 1)."""
+    ld_alpha: float | None = None
+    """LD-DPO (Liu et al. 2024, "Length Desensitization in Direct Preference Optimization"), TRL's `ld_alpha`: per
+    pair, the first min(|c|, |r|) tokens of each completion count fully in its summed log-prob (policy and
+    reference alike), the rest times ld_alpha, in [0, 1]; null: plain sums (1.0 is the same number)."""
+    use_weighting: bool = False
+    """WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"), TRL's `use_weighting`:
+    each pair's loss times w_c w_r, w = exp(mean over the completion's tokens of log p(token) - log sum_v
+    p(v)^2) under the policy, without gradient (dpo_train/logps.py `wpo_weights`)."""
     router_aux_coef: float | None = None
     """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
     load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's
@@ -446,10 +454,15 @@ def pair_losses(
     ref_rejected: torch.Tensor | None,
     chosen_tokens: torch.Tensor,
     rejected_tokens: torch.Tensor,
+    pair_weights: torch.Tensor | None = None,
 ) -> PairTerms:
     """Per-pair losses of `config.type` (each listed type's closed form, its `LOSSES` entry, weighted and
-    summed) from summed completion log-probs, and the token counts for the averaged forms. The rewards are
-    the first listed type's that has a per-pair term (not sft's, unless it is alone)."""
+    summed) from summed completion log-probs (LD-DPO's sums with `ld_alpha`), and the token counts for the
+    averaged forms. `pair_weights`: WPO's (`use_weighting`), multiplying each pair's loss, as TRL multiplies
+    each listed type's. The rewards are the first listed type's that has a per-pair term (not sft's, unless
+    it is alone)."""
+    if config.use_weighting and pair_weights is None:
+        raise ConfigError("loss.use_weighting is true, but no WPO pair weights reached the loss; pass pair_weights")
     if config.needs_reference and (ref_chosen is None or ref_rejected is None):
         raise ConfigError(
             f"loss.type {config.type_text} needs reference log-probs; set reference.mode to live or precomputed"
@@ -462,6 +475,8 @@ def pair_losses(
         kind = loss_type(name)
         pair = (chosen - ref_chosen, rejected - ref_rejected) if kind.needs_reference else (chosen, rejected)
         losses, *rewards = kind.form(config, *pair, counts if kind.per_token_means or config.average_log_prob else None)
+        if config.use_weighting:
+            losses = losses * pair_weights
         total = total + weight * losses  # weight 1.0 (one type) leaves the losses bit for bit
         if name == rewarding:
             chosen_rewards, rejected_rewards = rewards

@@ -169,16 +169,19 @@ class Trainer:
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch)
-            policy = pair_logps(self.model, batch, self.mesh, router_aux=bool(self.router_aux_coef))
+            loss = self.config.loss
+            policy = pair_logps(
+                self.model, batch, self.mesh, bool(self.router_aux_coef), loss.ld_alpha, loss.use_weighting
+            )
             self.reference.check_initial(policy, batch, self.state.step)
             terms = pair_losses(
-                self.config.loss,
-                policy.chosen,
-                policy.rejected,
+                loss,
+                *policy.scored,
                 ref_chosen,
                 ref_rejected,
                 policy.chosen_tokens,
                 policy.rejected_tokens,
+                policy.weights,
             )
             microbatch_loss(
                 terms.losses,

@@ -509,3 +509,103 @@ def test_the_reference_free_methods_load_with_reference_mode_none():
     ):
         config = load_config({"data": {"path": "x"}}, [*overrides, "reference.mode=none"])
         assert config.loss.needs_reference is False
+
+
+# -- LD-DPO (loss.ld_alpha) and WPO (loss.use_weighting) --
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["loss.ld_alpha=1.5"],
+            SCHEMA + "loss/ld_alpha: 1.5 is greater than the maximum of 1; allowed: a number in [0, 1]",
+        ),
+        (["loss.ld_alpha=-0.1"], SCHEMA + "loss/ld_alpha: -0.1 is less than the minimum of 0"),
+        (["loss.use_weighting=1"], SCHEMA + "loss/use_weighting: 1 is not of type 'boolean'"),
+        (
+            ["loss.ld_alpha=0.5", "reference.mode=precomputed", "reference.path=sidecar"],
+            "loss.ld_alpha is 0.5, but reference.mode is precomputed: a sidecar holds the reference's plain summed "
+            "log-probs, not LD-DPO's; set reference.mode: live (the reference then gets the same weighting), or "
+            "loss.ld_alpha: null",
+        ),
+        (
+            ["loss.use_weighting=true", "loss.type=[sigmoid, sft]"],
+            "loss.use_weighting is true and loss.type lists sft: TRL multiplies its SFT term by each pair's WPO "
+            "weight, and here it is the step's NLL per chosen token, which no pair's weight scales; drop sft from "
+            "loss.type (loss.nll_weight gives the same term, unweighted), or set loss.use_weighting: false",
+        ),
+    ],
+    ids=[
+        "ld-above-1",
+        "ld-below-0",
+        "weighting-not-bool",
+        "ld-sidecar",
+        "weighting-sft",
+    ],
+)
+def test_each_per_token_rule_refuses_its_case_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value).startswith(message) if message.startswith(SCHEMA) else str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.ld_alpha=0"],
+        ["loss.ld_alpha=1"],
+        ["loss.ld_alpha=null"],
+        ["loss.ld_alpha=0.5", "loss.use_weighting=true", "loss.type=[sigmoid, bco_pair]"],
+        ["loss.use_weighting=true", "loss.nll_weight=0.5"],
+        ["loss.ld_alpha=0.5", "loss.type=simpo", "reference.mode=precomputed", "reference.path=sidecar"],
+        ["loss.use_weighting=true", "reference.mode=precomputed", "reference.path=sidecar"],
+        ["loss.ld_alpha=0", "loss.use_weighting=true", "distributed.sequence_parallel={ulysses: 2, context: 2}"],
+    ],
+    ids=[
+        "ld-0",
+        "ld-1",
+        "ld-null",
+        "both-list",
+        "weighting-nll",
+        "ld-reference-free",
+        "weighting-sidecar",
+        "sequence-parallel",
+    ],
+)
+def test_the_edges_of_each_per_token_rule_load(overrides):
+    """A reference-free type reads no sidecar, so ld_alpha passes with one configured; WPO's weights are the
+    policy's alone, so a sidecar is fine with them; both run under sequence parallelism
+    (tests/test_logps.py checks them on a 2-rank mesh)."""
+    load_config({}, overrides)
+
+
+def test_per_token_keys_built_in_code_are_checked_too():
+    from dpo_train.config import TrainConfig, config_problems
+    from dpo_train.loss import LossConfig
+
+    def problems(**loss):
+        return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
+
+    assert problems(ld_alpha=float("nan")) == [
+        "loss.ld_alpha is nan; allowed: null (plain sums) or a number in [0, 1] (TRL's ld_alpha); set it so"
+    ]
+    assert problems(ld_alpha=True) == [
+        "loss.ld_alpha is True; allowed: null (plain sums) or a number in [0, 1] (TRL's ld_alpha); set it so"
+    ]
+    assert problems(use_weighting="yes") == [
+        "loss.use_weighting is 'yes'; allowed: true or false; set it to one of them"
+    ]
+    assert problems(ld_alpha=0.0, use_weighting=True) == []
+
+
+def test_the_per_token_keys_join_the_objective_only_when_set():
+    """Existing runs' identity stays the same: ld_alpha and use_weighting at their defaults are not recorded."""
+    from dpo_train.config import TrainConfig
+    from dpo_train.identity import _objective
+    from dpo_train.loss import LossConfig
+
+    plain = _objective(TrainConfig(), 0.0)
+    assert "ld_alpha" not in plain and "use_weighting" not in plain
+    both = _objective(TrainConfig(loss=LossConfig(ld_alpha=0.0, use_weighting=True)), 0.0)
+    assert both == {**plain, "ld_alpha": 0.0, "use_weighting": True}

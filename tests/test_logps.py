@@ -131,3 +131,121 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
         assert (wrong.rejected - sdpa.rejected).abs().max() > 1e-3
     with pytest.raises(Exception, match="without the row's segments"):
         model(input_ids=batch["input_ids"], use_cache=False)
+
+
+def unpacked_per_token(model, prompt, completion) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) and log sum_v p(v)^2 at each completion token, in order, from the pair's own forward."""
+    ids = torch.tensor(np.concatenate([prompt, completion]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
+    rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+    return rows[torch.arange(len(completion)), torch.as_tensor(completion).long()], torch.logsumexp(2 * rows, -1)
+
+
+def test_ld_sums_and_wpo_weights_are_each_pairs_own_whatever_the_packing(model):
+    """LD-DPO's sums (the first min(|c|, |r|) tokens of each completion fully, the rest times ld_alpha) and WPO's
+    weights are those of each pair's own unpacked forward, packed several to a row or one per row, in the
+    separate or the shared-prompt layout (whose completions' first targets come last in `targets`); one-token
+    completions included."""
+    pairs, ld_alpha = random_pairs(4), 0.3
+    expected_ld, expected_weight = [], []
+    for p in pairs:
+        chosen, rejected = (
+            unpacked_per_token(model, p.prompt, p.chosen),
+            unpacked_per_token(model, p.prompt, p.rejected),
+        )
+        shared = min(len(p.chosen), len(p.rejected))
+        sums = [float(logp[:shared].sum() + ld_alpha * logp[shared:].sum()) for logp, _ in (chosen, rejected)]
+        expected_ld.append(sums)
+        means = [float((logp - sq).mean()) for logp, sq in (chosen, rejected)]
+        expected_weight.append(np.exp(means[0]) * np.exp(means[1]))
+    expected_ld, expected_weight = torch.tensor(expected_ld), torch.tensor(expected_weight, dtype=torch.float32)
+    assert all(len(p.chosen) != len(p.rejected) for p in pairs[:3])  # LD cuts a tail off each of these
+
+    from dpo_data.loading.microbatch import pack_shared_prompt
+
+    packings = {
+        "separate, one row": [pack_microbatch(pairs, pad_to_multiple_of=16)],
+        "shared_prompt, one row": [pack_shared_prompt(pairs, pad_to_multiple_of=16)],
+        "separate, a row each": [pack_microbatch([p], pad_to_multiple_of=8) for p in pairs],
+        "shared_prompt, a row each": [pack_shared_prompt([p]) for p in pairs],
+    }
+    for name, batches in packings.items():
+        with torch.no_grad():
+            outs = [pair_logps(model, batch, ld_alpha=ld_alpha, weighting=True) for batch in batches]
+        ld = torch.cat([torch.stack(out.ld, dim=1) for out in outs])
+        weights = torch.cat([out.weights for out in outs])
+        torch.testing.assert_close(ld, expected_ld, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(weights, expected_weight, rtol=1e-5, atol=1e-7, msg=name)
+        assert outs[0].scored[0] is outs[0].ld[0]  # the loss reads the LD sums
+
+
+def test_ld_alpha_one_is_the_plain_sums_and_null_computes_nothing(model):
+    """ld_alpha 1.0 is the plain sums bit for bit; the LD sums carry the gradient and the WPO weights none."""
+    batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
+    plain, one = pair_logps(model, batch), pair_logps(model, batch, ld_alpha=1.0, weighting=True)
+    assert one.ld[0].requires_grad and one.ld[1].requires_grad and not one.weights.requires_grad
+    assert plain.ld is None and plain.weights is None and plain.scored == (plain.chosen, plain.rejected)
+    torch.testing.assert_close(torch.stack(one.ld), torch.stack([plain.chosen, plain.rejected]), rtol=0, atol=0)
+
+
+def _ld_and_wpo(model, batch, mesh=None) -> dict:
+    """LD sums (ld_alpha 0.3), WPO weights and the gradient of a fixed function of the LD sums (summed over the
+    group's ranks, each holding its positions' part)."""
+    from dpo_train.parallel import collectives
+
+    model.zero_grad(set_to_none=True)
+    out = pair_logps(model, batch, mesh, ld_alpha=0.3, weighting=True)
+    (0.7 * out.ld[0] - 1.3 * out.ld[1]).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if mesh is not None:
+        grads = {n: collectives.all_reduce(g, group=mesh.group) for n, g in grads.items()}
+    return {"ld": torch.stack(out.ld).detach(), "weights": out.weights, **{f"grad/{n}": g for n, g in grads.items()}}
+
+
+PER_TOKEN_MESHES = [(2, 1), (1, 2)]  # (ulysses, context) on 2 ranks
+
+
+def _per_token_split_worker(rank: int, world: int, port: int, result: str) -> None:
+    import torch.distributed as dist
+
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.sequence_parallel import sequence_mesh
+    from dpo_train.parallel.device import placement
+    from tests.harness import join_gloo
+    from tests.test_sequence_parallel import ROWS, _model
+
+    join_gloo(rank, world, port)
+    meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in PER_TOKEN_MESHES}
+    model = _model()
+    model.config._attn_implementation = attention_for("auto", placement("cpu", "fp32"), meshes[(2, 1)])
+    out = {}
+    for name, pairs in ROWS.items():
+        for layout, pack in (("separate", pack_microbatch), ("shared_prompt", pack_shared_prompt)):
+            for (u, c), mesh in meshes.items():
+                out[f"{name} {layout} U{u}C{c}"] = _ld_and_wpo(model, pack(pairs), mesh)
+    if rank == 0:
+        torch.save(out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ld_sums_and_wpo_weights_under_sequence_parallelism_are_one_process(tmp_path):
+    """2-rank gloo meshes (Ulysses 2, context 2), rows cut inside chosen, on the boundary, inside rejected and
+    with a pair across ranks, both layouts: LD sums, WPO weights and the LD sums' gradient equal one process
+    (each rank weighs its own targets by their index in the whole completion)."""
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from tests.harness import spawn
+    from tests.test_sequence_parallel import ROWS, _model, _worst
+
+    single = _model()
+    result = tmp_path / "per-token.pt"
+    spawn(_per_token_split_worker, 2, str(result))
+    got = torch.load(result, weights_only=True)
+    for name, pairs in ROWS.items():
+        for layout, pack in (("separate", pack_microbatch), ("shared_prompt", pack_shared_prompt)):
+            expected = _ld_and_wpo(single, pack(pairs))
+            for u, c in PER_TOKEN_MESHES:
+                worst = _worst(expected, got[f"{name} {layout} U{u}C{c}"])
+                assert worst < 1e-5, (name, layout, u, c, worst)

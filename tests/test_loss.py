@@ -440,3 +440,77 @@ def test_alphapo_at_alpha_0_is_simpo_and_orpo_is_finite_near_probability_1():
     out = pair_losses(LossConfig(type="orpo", beta=1.0), near, far, None, None, one, one)
     expected = -log_sigmoid((-1e-12 + 2.0) - (math.log(-math.expm1(-1e-12)) - math.log(-math.expm1(-2.0))))
     assert out.losses.item() == pytest.approx(expected, rel=1e-9, abs=0)
+
+
+# -- LD-DPO (ld_alpha) and WPO (use_weighting): the per-token options reach the loss --
+
+
+def test_wpo_weights_multiply_each_pairs_loss_and_are_required_when_on():
+    weights = torch.tensor([0.5, 2.0, 0.25])
+    config = LossConfig(type=["sigmoid", "bco_pair"], weights=[0.8, 0.2], beta=0.3, use_weighting=True)
+    out = pair_losses(config, C, R, C0, R0, NC, NR, weights)
+    plain = pair_losses(LossConfig(type=["sigmoid", "bco_pair"], weights=[0.8, 0.2], beta=0.3), C, R, C0, R0, NC, NR)
+    torch.testing.assert_close(out.losses, plain.losses * weights, **TOL)
+    torch.testing.assert_close(out.chosen_rewards, plain.chosen_rewards, rtol=0, atol=0)  # rewards are not weighted
+    with pytest.raises(ConfigError, match="loss.use_weighting is true, but no WPO pair weights reached the loss"):
+        pair_losses(config, C, R, C0, R0, NC, NR)
+
+
+def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_the_loss(sample_dataset):
+    """trainer.microbatch's gradient is the one of the loss on the policy's and the live reference's LD-DPO
+    sums with the policy's WPO weights (at step 0 the two models agree, so the gradient is that of the LD
+    sums, and none flows through the weights); ld_alpha 1.0 and no weighting give the plain gradient, and
+    ld_alpha 0.3 or weighting alone do not."""
+    from dpo_data.dataset.store import PairIds, PairStore
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.config import load_config
+    from dpo_train.logps import pair_logps
+    from dpo_train.parallel.device import placement
+    from dpo_train.trainer import Trainer
+    from tests.harness import TINY_LLAMA
+
+    store = PairStore([str(sample_dataset)])
+    cut = [store.pair(i) for i in range(4)]  # the sample's completions are equally long: cut chosen's short
+    pairs = [
+        PairIds(p.index, p.source_id, p.prompt, p.chosen[: max(1, len(p.chosen) - 2 - i)], p.rejected)
+        for i, p in enumerate(cut)
+    ]
+    assert all(len(p.chosen) < len(p.rejected) for p in pairs)
+    batch = pack_microbatch(pairs, pad_to_multiple_of=8)
+    batch.update(
+        microbatch=0, microbatches_in_step=1, step_pairs=4, step_chosen_tokens=sum(len(p.chosen) for p in pairs)
+    )
+
+    def trainer_for(**loss):
+        config = load_config(
+            {
+                "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
+                "data": {"path": str(sample_dataset)},
+                "loss": {"beta": 0.5, **loss},
+                "train": {"output_dir": "unused"},
+                "distributed": {"device": "cpu"},
+            }
+        )
+        return Trainer(config, placement("cpu", "fp32"), 0, 1, store)
+
+    def gradient(trainer):
+        return torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
+
+    def trained(**loss):
+        trainer = trainer_for(**loss)
+        trainer.microbatch(dict(batch))
+        return gradient(trainer)
+
+    trainer = trainer_for(ld_alpha=0.3, use_weighting=True)
+    policy = pair_logps(trainer.model, batch, ld_alpha=0.3, weighting=True)
+    counts = policy.chosen_tokens, policy.rejected_tokens
+    terms = pair_losses(
+        trainer.config.loss, *policy.ld, *trainer.reference.logps(batch), *counts, policy.weights.detach()
+    )
+    microbatch_loss(terms.losses, 4).backward()
+    expected = gradient(trainer)
+    torch.testing.assert_close(trained(ld_alpha=0.3, use_weighting=True), expected, rtol=1e-5, atol=1e-9)
+    plain = trained()
+    torch.testing.assert_close(trained(ld_alpha=1.0), plain, rtol=0, atol=0)
+    assert not torch.allclose(trained(ld_alpha=0.3), plain, rtol=1e-3, atol=0)
+    assert not torch.allclose(trained(use_weighting=True), plain, rtol=1e-3, atol=0)

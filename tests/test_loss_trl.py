@@ -267,3 +267,123 @@ def test_orpo_is_trls_orpo_trainer(beta):
     assert our_loss(config, torch.float64) == pytest.approx(float(nll - losses.mean()), rel=1e-6)
     ours = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
     torch.testing.assert_close(ours.chosen_rewards.float(), chosen_rewards.float())
+
+
+# -- LD-DPO (ld_alpha) and WPO (use_weighting): per-token values through pair_logps against TRL's _compute_loss --
+
+
+def _per_token_pairs() -> list:
+    """Pairs whose completions differ in length, so that LD-DPO's shared length cuts one of them."""
+    import numpy as np
+
+    from dpo_data.dataset.store import PairIds
+
+    rng = np.random.default_rng(3)
+    shapes = [(2, 5, 3), (1, 1, 4), (3, 3, 3), (2, 6, 1)]  # (prompt, chosen, rejected) tokens
+    ids = lambda k: rng.integers(0, 11, size=k).astype(np.int32)
+    return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]
+
+
+class _Logits:
+    """A stand-in model for pair_logps: fixed float64 logits per row position, whatever the inputs."""
+
+    config = types.SimpleNamespace(_attn_implementation=None)  # no attention mask to build
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __call__(self, **inputs):
+        return types.SimpleNamespace(logits=self.table[None])
+
+
+def _trl_per_token(table: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's batch for the same values, read straight off the packed row: per completion segment, in position
+    order, log p(label) and log sum_v p(v)^2 at the positions that predict its tokens (labels are pre-shifted),
+    laid out as TRL's padded [chosen..., rejected...] rows (completion tokens at the end)."""
+    from dpo_data.loading.microbatch import IGNORE_INDEX
+
+    n, log_probs = batch["num_pairs"], torch.log_softmax(table, dim=-1)
+    completion = torch.zeros(2 * n, LENGTH, dtype=torch.long)
+    per_token, log_sum_sq = torch.zeros(2 * n, LENGTH - 1, dtype=table.dtype), torch.zeros(2 * n, LENGTH - 1)
+    log_sum_sq = log_sum_sq.to(table.dtype)
+    cu, labels = batch["cu_seqlens"].tolist(), batch["labels"][0]
+    for s, (role, pair) in enumerate(zip(batch["segment_role"].tolist(), batch["segment_pair"].tolist())):
+        if role not in (0, 1):
+            continue
+        positions = [t for t in range(cu[s], cu[s + 1]) if labels[t] != IGNORE_INDEX]
+        row, count = role * n + pair, len(positions)
+        completion[row, LENGTH - count :] = 1
+        per_token[row, -count:] = log_probs[positions, labels[positions]]
+        log_sum_sq[row, -count:] = torch.logsumexp(2 * log_probs[positions], dim=-1)
+    return completion, per_token, log_sum_sq
+
+
+def _trl_outputs(per_token: torch.Tensor, log_sum_sq: torch.Tensor | None = None):
+    def model(**kwargs):
+        return types.SimpleNamespace(
+            log_probs=per_token,
+            log_sum_sq_probs=log_sum_sq,
+            entropy=torch.zeros_like(per_token),
+            mean_logits=torch.zeros_like(per_token),
+            is_top1=torch.zeros_like(per_token, dtype=torch.bool),
+        )
+
+    return model
+
+
+PER_TOKEN_TYPES = [
+    dict(type="sigmoid", beta=0.7),
+    dict(type="ipo", beta=0.5),  # per-token means: TRL divides LD sums by the full lengths, as ours
+    dict(type=["hinge", "bco_pair"], weights=[0.6, 1.5], beta=0.3),  # each listed type's loss is weighted
+]
+
+
+@pytest.mark.parametrize("use_weighting", [False, True], ids=["plain", "wpo"])
+@pytest.mark.parametrize("ld_alpha", [None, 0.0, 0.4, 1.0], ids=lambda a: f"ld-{a}")
+@pytest.mark.parametrize("config", PER_TOKEN_TYPES, ids=lambda c: str(c["type"]))
+def test_ld_alpha_and_use_weighting_are_trls_loss(trl_trainer, monkeypatch, config, ld_alpha, use_weighting):
+    """float64, 1e-6 relative: the policy's and the live reference's LD-DPO sums and the WPO weights, computed by
+    pair_logps on one packed row, give TRL's `_compute_loss` on the same per-token values (its reference
+    forward included, which applies ld_alpha too)."""
+    from accelerate import Accelerator
+
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.logps import pair_logps
+    from dpo_train.reference.choice import Reference
+
+    Accelerator(cpu=True)  # the CPO tests' CPOConfig resets accelerate's shared state, which _compute_loss reads
+
+    config = LossConfig(**config, ld_alpha=ld_alpha, use_weighting=use_weighting)
+    batch = pack_microbatch(_per_token_pairs(), pad_to_multiple_of=8)
+    generator = torch.Generator().manual_seed(5)
+    shape = (batch["input_ids"].shape[1], 11)
+    policy_table, reference_table = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in "pr")
+
+    policy = pair_logps(_Logits(policy_table), batch, ld_alpha=ld_alpha, weighting=use_weighting)
+    reference = Reference("live", None, None, _Logits(reference_table), ld_alpha=ld_alpha).logps(batch)
+    tokens = policy.chosen_tokens, policy.rejected_tokens
+    terms = pair_losses(config, *policy.scored, *reference, *tokens, policy.weights)
+    ours = microbatch_loss(terms.losses, 4, -policy.chosen.sum(), float(tokens[0].sum()), config.sft_weight)
+
+    completion, per_token, log_sum_sq = _trl_per_token(policy_table, batch)
+    _, ref_per_token, _ = _trl_per_token(reference_table, batch)
+    for key, value in dict(
+        loss_types=config.types,
+        loss_weights=[weight for _, weight in config.members],
+        beta=config.beta,
+        label_smoothing=0.0,
+        f_divergence_type="reverse_kl",
+        precompute_ref_logps=False,
+        ref_model=_trl_outputs(ref_per_token),
+        ld_alpha=ld_alpha,
+        use_weighting=use_weighting,
+    ).items():
+        monkeypatch.setattr(trl_trainer, key, value)
+    inputs = {
+        "input_ids": torch.zeros(8, LENGTH, dtype=torch.long),
+        "attention_mask": torch.ones(8, LENGTH),
+        "completion_mask": completion,
+    }
+    trl = trl_trainer._compute_loss(_trl_outputs(per_token, log_sum_sq), inputs, return_outputs=False)
+    assert float(ours) == pytest.approx(float(trl), **F64)
+    assert (policy.ld is None) == (ld_alpha is None) and (policy.weights is None) == (not use_weighting)

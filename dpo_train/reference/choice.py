@@ -32,6 +32,8 @@ class Reference:
     mesh: Any
     initial: Any = None
     table: ReferenceTable | None = None
+    ld_alpha: float | None = None
+    """loss.ld_alpha: the live reference's sums are LD-DPO's, as the policy's (a sidecar is refused with it)."""
 
     @property
     def sidecar_sha256(self) -> str | None:
@@ -39,14 +41,15 @@ class Reference:
         return self.table.sha256 if self.table is not None else None
 
     def logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(chosen, rejected) summed log-probs of the batch's pairs; (None, None) for a reference-free loss."""
+        """(chosen, rejected) summed log-probs of the batch's pairs (LD-DPO's with `ld_alpha`); (None, None) for a
+        reference-free loss."""
         if self.mode == "precomputed":
             return self.table.lookup(batch["pair_index"], self.place.device)
         if self.mode == "none":
             return None, None
         with torch.no_grad():
-            ref = pair_logps(self.initial, batch, self.mesh)
-        return ref.chosen, ref.rejected
+            ref = pair_logps(self.initial, batch, self.mesh, ld_alpha=self.ld_alpha)
+        return ref.scored
 
     def join(self, inputs: dict, world: int) -> None:
         """An empty micro-batch: a sharded live reference still joins its ranks' all-gathers, in order."""
@@ -72,4 +75,4 @@ def build_reference(
     table = None
     if mode == "precomputed":
         table = load_sidecar(config.reference.path, store, weights, place.precision, config.data.layout)
-    return Reference(mode, place, mesh, initial, table)
+    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha)
