@@ -1,13 +1,19 @@
-"""What many tests share: the tiny model configs, a free port, and gloo groups that cannot hang CI."""
+"""What tests share: tiny model and run configs, the CLIs in a process of their own, a free port, gloo groups."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -19,6 +25,110 @@ TINY_LLAMA = {
     "num_key_value_heads": 2,
 }
 """A random Llama with SmolLM2's vocabulary (the real tokenizer's ids embed), two small layers."""
+
+
+def tiny_config(dataset: Path, tokenizer: Path, output_dir: Path, **train: Any) -> dict:
+    """The smallest real run: TINY_LLAMA (seed 0) on `dataset`, 4 pairs a step in micro-batches of 400 tokens,
+    AdamW at lr 1e-3; `train` adds to the train section."""
+    return {
+        "model": {"init": {"config": TINY_LLAMA, "seed": 0}, "tokenizer": str(tokenizer)},
+        "data": {"path": str(dataset), "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
+        "optim": {"lr": 1.0e-3},
+        "train": {"output_dir": str(output_dir), **train},
+    }
+
+
+def write_yaml(path: Path, document: dict) -> Path:
+    """Write `document` (a config) as YAML at `path`; returns `path`."""
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+# -- the CLIs in a process of their own, as a user's shell runs them; dpo-train also in-process ----------------
+
+TIMEOUT_S = 600
+"""A CLI run still going after this long has hung: it is killed (its whole process group) and the test fails."""
+STDERR_TAIL = 4000
+"""How much of a failed run's stderr the failure shows: its end, where the error is."""
+
+
+def run_process(
+    argv: list, *, env: dict | None = None, cwd: Path | None = None, code: int | None = 0, timeout: float = TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """Run `argv` with `env` added to this environment, capturing its text output. The exit status must be
+    `code` (None: any) or the test fails showing the stderr tail; past `timeout` seconds the process and
+    everything it started (its own session: torchrun's ranks too) are killed and the test fails."""
+    argv = [str(a) for a in argv]
+    shown = " ".join(["python", *argv[1:]] if argv[0] == sys.executable else argv)
+    with subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # the whole group may have exited meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            pytest.fail(f"{shown} did not finish within {timeout} s (killed); its stderr ends:\n{_tail(stderr)}")
+    _check_exit(shown, proc.returncode, code, stderr)
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def _tail(stderr: str) -> str:
+    return stderr[-STDERR_TAIL:]
+
+
+def _check_exit(shown: str, got: int, code: int | None, stderr: str) -> None:
+    if code is not None and got != code:
+        pytest.fail(f"{shown} exited {got}, expected {code}; its stderr ends:\n{_tail(stderr)}")
+
+
+def cli_argv(name: str, *args: Any) -> list[str]:
+    """The command line of entry point dpo-`name` (train, data, state), run from this interpreter."""
+    return [sys.executable, "-m", f"dpo_cli.{name}", *map(str, args)]
+
+
+def train_cli(config: Path, *args: Any, nproc: int = 1, **run: Any) -> subprocess.CompletedProcess:
+    """`dpo-train CONFIG --quiet ARGS` (`--nproc-per-node` when `nproc` > 1); `run` as for `run_process`."""
+    launch = ["--nproc-per-node", nproc] if nproc > 1 else []
+    return run_process(cli_argv("train", config, "--quiet", *args, *launch), **run)
+
+
+def train_here(run_cli: Any, config: Path, *args: Any, code: int | None = 0) -> Any:
+    """`dpo-train CONFIG --quiet ARGS` in this process through the `run_cli` fixture: for a refusal or a short
+    run, whose code path is the same in-process, no interpreter start nor imports (seconds each). The click
+    Result, whose exit code must be `code` (None: any) or the test fails showing the stderr tail."""
+    return _here(run_cli, "train", config, "--quiet", *args, code=code)
+
+
+def state_here(run_cli: Any, *args: Any, code: int | None = 0) -> Any:
+    """`dpo-state ARGS` in this process through the `run_cli` fixture, as `train_here`."""
+    return _here(run_cli, "state", *args, code=code)
+
+
+def _here(run_cli: Any, name: str, *args: Any, code: int | None) -> Any:
+    import importlib
+
+    result = run_cli(importlib.import_module(f"dpo_cli.{name}").main, *args)
+    _check_exit(f"dpo-{name} {' '.join(map(str, args))} (in-process)", result.exit_code, code, result.stderr)
+    return result
+
+
+def data_cli(*args: Any, **run: Any) -> subprocess.CompletedProcess:
+    """`dpo-data ARGS`; `run` as for `run_process`."""
+    return run_process(cli_argv("data", *args), **run)
+
+
+def state_cli(*args: Any, **run: Any) -> subprocess.CompletedProcess:
+    """`dpo-state ARGS`; `run` as for `run_process`."""
+    return run_process(cli_argv("state", *args), **run)
+
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=120)
 """A collective that waits this long has hung (a rank died or diverged): it fails instead of stalling CI."""

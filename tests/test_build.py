@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import orjson
 import pyarrow as pa
@@ -220,27 +218,13 @@ def test_source_option_names_a_single_input(mixed_inputs, smollm2_dir, tmp_path,
     assert r.exit_code == 2 and "names the source of a single input" in r.output
 
 
-def test_a_corrupt_input_file_is_an_error_naming_it_without_a_traceback(mixed_inputs, smollm2_dir, tmp_path):
+def test_a_corrupt_input_file_is_an_error_naming_it_without_a_traceback(mixed_inputs, smollm2_dir, tmp_path, run_cli):
     broken = tmp_path / "broken.jsonl.zst"
     broken.write_bytes((mixed_inputs / "implicit.jsonl.zst").read_bytes()[:-9])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dpo_cli.data",
-            "build",
-            str(broken),
-            "--tokenizer",
-            str(smollm2_dir),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert f"error: input file {broken}: truncated: the last zstd frame is incomplete" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+    r = build(run_cli, smollm2_dir, tmp_path / "o", broken)  # in-process: an uncaught error would raise here
+    assert r.exit_code == 2
+    assert f"error: input file {broken}: truncated: the last zstd frame is incomplete" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
 
 
 def test_bad_options_are_errors_naming_the_value(mixed_inputs, smollm2_dir, tmp_path, run_cli):

@@ -1,6 +1,4 @@
-"""Hostile configs end in a named error, never a traceback: sections of the wrong type, numbers outside their
-key's range or beyond 64 bits, model paths that are not model directories, a TensorBoard directory that cannot
-be written, LoRA on a tied layer (issue 22, item 9)."""
+"""Hostile configs: YAML that could hang or fool the trainer, bad numbers, model paths, TensorBoard dirs, tied LoRA."""
 
 from __future__ import annotations
 
@@ -16,7 +14,8 @@ import torch
 from dpo_state.schema import load_schema
 from dpo_train.config import ModelConfig, load_config
 from dpo_train.errors import ConfigError
-from tests.test_checkpoint import MODEL, config, train
+from tests.harness import TINY_LLAMA, train_cli, train_here
+from tests.test_checkpoint import config
 from tests.test_hostile_run import small_tmpfs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
@@ -24,6 +23,7 @@ ANYWHERE = {"data": {"path": "x"}}  # load_config alone never opens the dataset
 
 
 def refused(*overrides: str, source=ANYWHERE) -> str:
+    """load_config's ConfigError for `source` with `overrides`: its message."""
     with pytest.raises(ConfigError) as info:
         load_config(source, list(overrides))
     return str(info.value)
@@ -32,6 +32,63 @@ def refused(*overrides: str, source=ANYWHERE) -> str:
 def no_traceback(proc) -> str:
     assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr[-3000:]
     return proc.stderr
+
+
+# -- config files cannot hang or fool the trainer ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("model:\n  init:\n    config: &a [1, 1]\n    seed: *a\n", r"line 3: the anchor &a is not allowed"),
+        ("data: {path: x}\noptim: {lr: 1.0e-5}\noptim: {lr: 2.0e-5}\n", r"line 3: the key 'optim' appears twice"),
+        ("optim: {lr: 1.0e-5, lr: 2.0e-5}\n", r"the key 'lr' appears twice"),
+        ("model: {init: {config: {}, sed: 0}}\n", r"model/init: Additional properties are not allowed \('sed'"),
+        ("format_version: 2\n", r"format_version is 2; this dpo-train reads config format_version 1"),
+    ],
+)
+def test_a_config_that_could_hang_or_fool_the_trainer_is_refused(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert re.search(match, refused(source=path))
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("model:\n  init:\n    config:\n" + "".join(f"      {line}\n" for line in levels))
+    assert "anchor &a0 is not allowed" in refused(source=path)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.lr=.nan", "optim.lr"),
+        ("loss.beta=.inf", "loss.beta"),
+        ("optim.max_grad_norm=.nan", "optim.max_grad_norm"),
+        ("optim.weight_decay=.nan", "optim.weight_decay"),
+        ("optim.betas=[.nan, 0.9]", r"optim.betas\[0\]"),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_its_key(override, key):
+    assert re.search(rf"^{key}: not a finite number", refused(override))
+
+
+def test_bad_config_files_and_overrides_are_named_errors_not_tracebacks(tmp_path, run_cli):
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    assert "is not UTF-8 text" in refused(source=tmp_path / "binary.yaml")
+    (tmp_path / "nul.yaml").write_bytes(b"optim: {lr: 1}\x00\n")
+    assert "holds NUL bytes" in refused(source=tmp_path / "nul.yaml")
+    assert "is a directory; pass a YAML file" in refused(source=tmp_path)
+    assert "--set 'optim.lr=[1,': the value is not valid YAML" in refused("optim.lr=[1,")
+    stderr = no_traceback(train_here(run_cli, tmp_path / "binary.yaml", code=2))
+    assert "error: config file" in stderr
+
+
+def test_a_config_format_version_is_checked_not_dropped():
+    assert "format_version is 7" in refused(source={"format_version": 7, "data": {"path": "x"}})
 
 
 # -- sections and numbers ---------------------------------------------------------------------------------------
@@ -118,10 +175,10 @@ def test_every_number_of_the_schema_is_bounded_and_the_docs_table_is_the_schemas
     assert load_config(ANYWHERE).resolved()  # every default lies inside its range
 
 
-def test_the_cli_refuses_numbers_out_of_range_before_anything_is_written(small_dataset, smollm2_dir, tmp_path):
+def test_the_cli_refuses_numbers_out_of_range_before_anything_is_written(small_dataset, smollm2_dir, tmp_path, run_cli):
     """Before: `Integer exceeds 64-bit range` from orjson writing the run identity, exit 1, a traceback."""
     path, out = config(tmp_path, small_dataset, smollm2_dir, "big", data__pairs_per_step=10**30, train__seed=2**70)
-    stderr = no_traceback(train(path, check=2))
+    stderr = no_traceback(train_here(run_cli, path, code=2))
     assert f"data/pairs_per_step: {10**30} is greater than the maximum of 1000000" in stderr
     assert f"train/seed: {2**70} is greater than the maximum" in stderr
     assert not out.exists()
@@ -148,7 +205,7 @@ def test_a_model_path_that_is_not_a_model_directory_is_named(tmp_path):
     assert message(path="org/model-name").startswith("model.path org/model-name does not exist")  # never the Hub
     assert message(path=str(a_file)).startswith(f"model.path {a_file} is a file, not a model directory")
     assert message(path=str(empty)).startswith(f"model.path {empty} is not a model directory: no config.json")
-    spec = {"init": {"config": MODEL}}
+    spec = {"init": {"config": TINY_LLAMA}}
     assert message(**spec, tokenizer=str(missing)).startswith(f"model.tokenizer {missing} does not exist")
     assert message(init={"config": str(missing)}).startswith(f"model.init.config {missing} does not exist")
 
@@ -159,10 +216,10 @@ def test_a_model_init_config_that_transformers_refuses_is_named(field, value):
 
     named = field.replace("_", ".")  # 'initializer_range', or 'The hidden size (-5) is not a multiple ...'
     with pytest.raises(ConfigError, match=rf"^model.init.config: transformers cannot build .*{named}.*{value}"):
-        load_policy(ModelConfig(init={"config": {**MODEL, field: value}}))
+        load_policy(ModelConfig(init={"config": {**TINY_LLAMA, field: value}}))
 
 
-def test_the_cli_names_a_missing_model_path_before_writing_the_run(small_dataset, smollm2_dir, tmp_path):
+def test_the_cli_names_a_missing_model_path_before_writing_the_run(small_dataset, smollm2_dir, tmp_path, run_cli):
     """Before: "Repo id must be in the form 'repo_name'" from huggingface_hub, after config.resolved.yaml
     was written. Needs `check_model_paths` called in trainer._check_settings."""
     missing = tmp_path / "no-such-model"
@@ -176,7 +233,7 @@ def test_the_cli_names_a_missing_model_path_before_writing_the_run(small_dataset
         model__init=None,
         model__tokenizer=None,
     )
-    stderr = no_traceback(train(path, check=2))
+    stderr = no_traceback(train_here(run_cli, path, code=2))
     assert f"error: model.path {missing} does not exist; pass a local model directory" in stderr
     assert "Repo id" not in stderr and not (out / "config.resolved.yaml").exists()
 
@@ -188,7 +245,7 @@ def _tiny(tied: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    spec = {**MODEL, "vocab_size": 100, "num_hidden_layers": 1, "tie_word_embeddings": tied}
+    spec = {**TINY_LLAMA, "vocab_size": 100, "num_hidden_layers": 1, "tie_word_embeddings": tied}
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec))
 
 
@@ -234,7 +291,7 @@ def test_the_cli_trains_and_exports_lora_on_an_untied_embedding(small_dataset, s
     path, out = config(
         tmp_path, small_dataset, smollm2_dir, "emb", model__lora=lora, train__max_steps=2, train__export="both"
     )
-    no_traceback(train(path))
+    no_traceback(train_cli(path))
     assert (out / "final" / "adapter_model.safetensors").is_file() and (out / "final-merged" / "config.json").is_file()
 
 
@@ -251,23 +308,25 @@ def _no_step_logged(out: Path) -> bool:
     return not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""
 
 
-def test_a_file_where_the_tensorboard_directory_belongs_is_a_config_error(small_dataset, smollm2_dir, tmp_path):
+def test_a_file_where_the_tensorboard_directory_belongs_is_a_config_error(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
     """Before: FileExistsError from tensorboard's makedirs, a traceback, exit 1."""
     path, out = _tensorboard_run(tmp_path, small_dataset, smollm2_dir, "tbfile", train__max_steps=1)
     out.mkdir()
     (out / "tensorboard").write_text("not a directory")
-    stderr = no_traceback(train(path, check=2))
+    stderr = no_traceback(train_here(run_cli, path, code=2))
     assert (
         f"error: train.report_to: tensorboard writes its event files into {out}/tensorboard, which is a file" in stderr
     )
     assert _no_step_logged(out)
 
 
-def test_a_read_only_tensorboard_directory_is_an_environment_error(small_dataset, smollm2_dir, tmp_path):
+def test_a_read_only_tensorboard_directory_is_an_environment_error(small_dataset, smollm2_dir, tmp_path, run_cli):
     path, out = _tensorboard_run(tmp_path, small_dataset, smollm2_dir, "tbro", train__max_steps=1)
     with small_tmpfs(out / "tensorboard", 1) as ro:
         subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
-        stderr = no_traceback(train(path, check=1))
+        stderr = no_traceback(train_here(run_cli, path, code=1))
         assert f"tensorboard cannot write its event files into {ro} (Read-only file system)" in stderr
         assert _no_step_logged(out)
 
@@ -291,6 +350,6 @@ def test_a_tensorboard_disk_that_fills_up_during_the_run_is_named(small_dataset,
     path, out = _tensorboard_run(tmp_path, small_dataset, smollm2_dir, "tblate", train__max_steps=30, train__epochs=6)
     with small_tmpfs(out / "tensorboard", 1) as disk:
         (disk / "filler").write_bytes(bytes((1 << 20) - (8 << 10)))
-        stderr = no_traceback(train(path, check=1))
+        stderr = no_traceback(train_cli(path, code=1))
         assert "tensorboard cannot write its event files into" in stderr and "(No space left on device)" in stderr
         assert (out / "metrics.jsonl").read_text().count("\n") < 30

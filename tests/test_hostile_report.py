@@ -1,17 +1,14 @@
-"""`dpo-state report` on hostile run directories written by hand: a config that could hang it or of the wrong
-shape, thousands of sources, source names matplotlib would misread, and the extreme values the log schemas
-allow. Every one renders (what is wrong stated) or is a named error, exit 2; never a traceback or a hang."""
+"""Hostile run directories for `dpo-state report`: bad configs, thousands of sources, odd names, extreme values."""
 
 from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dpo_cli.state import main as dpo_state
+from tests.harness import state_cli
 
 
 def _record(step: int, sources: dict | None = None, **fields) -> dict:
@@ -81,13 +78,8 @@ def test_an_alias_bomb_in_the_resolved_config_is_refused_at_once(tmp_path):
     levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 6)]
     bomb = "model:\n  lora:\n" + "".join(f"    {line}\n" for line in levels)
     run = _run(tmp_path / "run", [_record(0)], bomb)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpo_cli.state", "report", str(run), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
+    proc = state_cli("report", run, "--json", code=2, timeout=60)  # a process of its own: a hang is killed
+    assert proc.stdout == ""
     assert proc.stderr == (
         f"error: config file {run / 'config.resolved.yaml'}, line 3: the anchor &a0 is not allowed in a config "
         "(anchors and aliases can expand without bound); write the values out. Fix: restore config.resolved.yaml "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +18,7 @@ from dpo_data.loading.loader import DPOLoader
 from dpo_data.loading.microbatch import IGNORE_INDEX, pack_microbatch
 from dpo_data.loading.order import epoch_order, permutation
 from dpo_data.loading.steps import PlannerState, StepPlanner
+from tests.harness import run_process
 
 PAIRS = dict(batching="pairs", pairs_per_step=16, max_tokens_per_microbatch=400)
 TOKENS = dict(batching="tokens", microbatches_per_step=2, max_tokens_per_microbatch=400)
@@ -169,13 +169,8 @@ def test_resume_with_two_workers_in_a_fresh_process(sample_dataset, config, tmp_
         head = [key(next(it)) for _ in range(k)]
         (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
         del it, loader
-        out = subprocess.run(
-            [sys.executable, "-c", RESUME_CHILD, str(sample_dataset), json.dumps(config), str(tmp_path / "state.json")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
+        child = [sys.executable, "-c", RESUME_CHILD, sample_dataset, json.dumps(config), tmp_path / "state.json"]
+        out = run_process(child, timeout=300)
         assert [repr(x) for x in head] + json.loads(out.stdout) == [repr(x) for x in full]
 
 
@@ -311,10 +306,7 @@ def test_the_plain_pytorch_example_trains_without_dpo_train(sample_dataset):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "plain_torch_loop.py"
-    out = subprocess.run(
-        [sys.executable, str(script), str(sample_dataset), "--steps", "2"], capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_process([sys.executable, script, sample_dataset, "--steps", "2"])
     assert "step 0: loss 0.6931 over 8 pairs" in out.stdout  # policy == reference at step 0
     assert "dpo_train" not in out.stderr
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 from dpo_train.attention import segments
 from dpo_train.attention.probe import TOLERANCE, probe
@@ -12,6 +11,7 @@ from dpo_train.config import ModelConfig
 from dpo_train.errors import ConfigError
 from dpo_train.model import load_policy
 from tests.architectures import model_spec
+from tests.harness import train_here, write_yaml
 
 
 def _raw(model_type: str, attention: str = segments.ATTENTION):
@@ -55,24 +55,15 @@ def _config(tmp_path, dataset, tokenizer_dir, model_type, **model):
         "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
         "distributed": {"strategy": "ddp"},
     }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _train(run_cli, path, *extra):
-    from dpo_cli.train import main
-
-    return run_cli(main, path, *extra)
+    return write_yaml(tmp_path / "config.yaml", config)
 
 
 def test_dpo_train_refuses_an_attention_the_model_cannot_run_in_one_line(tmp_path, small_dataset, smollm2_dir, run_cli):
-    result = _train(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "gemma2", attention="sdpa"))
-    assert result.exit_code == 2
+    result = train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "gemma2", attention="sdpa"), code=2)
     assert "model.attention sdpa: transformers refuses it for this model" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
-    result = _train(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "lfm2"))
-    assert result.exit_code == 2 and "layer 0 is a 'conv' layer" in result.output
+    result = train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "lfm2"), code=2)
+    assert "layer 0 is a 'conv' layer" in result.output
 
 
 def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
@@ -83,8 +74,9 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
 
     monkeypatch.setattr(initial, "probe", lambda model, layout: calls.append(layout) or 0.0)
     path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
-    assert _train(run_cli, path).exit_code == 0 and calls == ["separate"]
-    assert _train(run_cli, path, "--set", "train.probe_packing=false", "--set", "train.resume=never").exit_code == 0
+    train_here(run_cli, path)
+    assert calls == ["separate"]
+    train_here(run_cli, path, "--set", "train.probe_packing=false", "--set", "train.resume=never")
     assert calls == ["separate"]
 
 

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import yaml
 
 from dpo_data.dataset.store import PairStore
 from dpo_train.errors import SidecarError
 from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
+from tests.harness import train_here, write_yaml
 
 WEIGHTS = "sha256:" + "0" * 64
 
@@ -54,24 +54,19 @@ def _precomputed_config(tmp_path, small_dataset, smollm2_dir):
         "train": {"output_dir": str(tmp_path / "run")},
         "distributed": {"strategy": "ddp"},
     }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, sidecar
+    return write_yaml(tmp_path / "config.yaml", config), sidecar
 
 
 def test_precompute_refuses_to_replace_a_sidecar_without_overwrite(small_dataset, smollm2_dir, tmp_path, run_cli):
-    from dpo_cli.train import main
-
     path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
-    assert run_cli(main, path, "--precompute-reference").exit_code == 0
+    train_here(run_cli, path, "--precompute-reference")
     written = (sidecar / SIDECAR_TABLE).read_bytes(), json.loads((sidecar / SIDECAR_DOCUMENT).read_text())
-    again = run_cli(main, path, "--precompute-reference")
-    assert again.exit_code == 2
+    again = train_here(run_cli, path, "--precompute-reference", code=2)
     assert f"reference.path {sidecar} already holds a sidecar" in again.output and "--overwrite" in again.output
     assert ((sidecar / SIDECAR_TABLE).read_bytes(), json.loads((sidecar / SIDECAR_DOCUMENT).read_text())) == written
-    assert run_cli(main, path, "--precompute-reference", "--overwrite").exit_code == 0
-    stray = run_cli(main, path, "--overwrite")
-    assert stray.exit_code == 2 and "--overwrite only applies to --precompute-reference" in stray.output
+    train_here(run_cli, path, "--precompute-reference", "--overwrite")
+    stray = train_here(run_cli, path, "--overwrite", code=2)
+    assert "--overwrite only applies to --precompute-reference" in stray.output
 
 
 @pytest.mark.parametrize("edit", ["swap chosen and rejected", "half a nat off"])
@@ -81,11 +76,9 @@ def test_a_plausible_edit_with_rewritten_hashes_is_caught_at_the_first_step(
     """Before the first step the policy is the reference, so the table must give its log-probs."""
     from safetensors.numpy import load_file
 
-    from dpo_cli.train import main
-
     path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
-    assert run_cli(main, path, "--precompute-reference").exit_code == 0
-    assert run_cli(main, path, "--set", "train.max_steps=1").exit_code == 0  # the table as computed passes
+    train_here(run_cli, path, "--precompute-reference")
+    train_here(run_cli, path, "--set", "train.max_steps=1")  # the table as computed passes
     table = load_file(str(sidecar / SIDECAR_TABLE))
     document = json.loads((sidecar / SIDECAR_DOCUMENT).read_text())
     chosen, rejected = table["chosen"].copy(), table["rejected"].copy()
@@ -100,8 +93,7 @@ def test_a_plausible_edit_with_rewritten_hashes_is_caught_at_the_first_step(
     store = PairStore([str(small_dataset)])
     ref = document["reference"]
     write_sidecar(sidecar, scores, store, ref["weights_fingerprint"], ref["precision"], ref["layout"], ref["source"])
-    result = run_cli(main, path, "--set", "train.max_steps=1", "--set", "train.resume=never")
-    assert result.exit_code == 2
+    result = train_here(run_cli, path, "--set", "train.max_steps=1", "--set", "train.resume=never", code=2)
     assert "before the first step the policy is the reference, yet pair" in result.output
     assert "--precompute-reference --overwrite" in result.output
 
@@ -111,15 +103,12 @@ def test_a_weights_from_run_precomputes_its_own_reference_and_trains_on_it(
 ):
     """--precompute-reference starts from the run's initial policy, train.weights_from included: the
     sidecar is bound to those weights, so the run accepts it (before, it was bound to model.init's)."""
-    from dpo_cli.train import main
-
     path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
     first = ["--set", "reference.mode=live", "--set", "train.max_steps=2", "--set", "train.save_every=2"]
     first += ["--set", f"train.output_dir={tmp_path / 'first'}"]
-    assert run_cli(main, path, *first).exit_code == 0
+    train_here(run_cli, path, *first)
     later = ["--set", f"train.weights_from={tmp_path / 'first'}", "--set", f"train.output_dir={tmp_path / 'later'}"]
-    assert run_cli(main, path, *later, "--precompute-reference").exit_code == 0
-    result = run_cli(main, path, *later, "--set", "train.max_steps=1")
-    assert result.exit_code == 0, result.output
+    train_here(run_cli, path, *later, "--precompute-reference")
+    train_here(run_cli, path, *later, "--set", "train.max_steps=1")
     losses = [json.loads(line)["loss"] for line in (tmp_path / "later" / "metrics.jsonl").read_text().splitlines()]
     assert losses == [pytest.approx(0.6931471805599453, abs=1e-6)]  # the policy is its reference at step 0

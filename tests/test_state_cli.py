@@ -6,38 +6,20 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from dpo_state.commit import write_commit
-from tests.harness import TINY_LLAMA
-
-MODEL = TINY_LLAMA
+from tests.harness import state_cli, tiny_config, train_cli, write_yaml
 
 
 @pytest.fixture(scope="module")
 def run_dir(sample_dataset, smollm2_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("state")
-    config = {
-        "model": {"init": {"config": MODEL, "seed": 0}, "tokenizer": str(smollm2_dir)},
-        "data": {"path": str(sample_dataset), "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
-        "optim": {"lr": 1.0e-3},
-        "train": {"output_dir": str(tmp / "run"), "max_steps": 3, "save_every": 1},
-    }
-    (tmp / "c.yaml").write_text(yaml.safe_dump(config))
-    args = [sys.executable, "-m", "dpo_cli.train", str(tmp / "c.yaml"), "--quiet"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=3, save_every=1)
+    train_cli(write_yaml(tmp / "c.yaml", config))
     return tmp / "run"
-
-
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "dpo_cli.state", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture
@@ -49,29 +31,28 @@ def copy(run_dir, tmp_path):
 
 
 def test_inspect_reads_json_only_and_names_what_the_checkpoint_holds(run_dir):
-    info = json.loads(cli("inspect", run_dir, "--json").stdout)
+    info = json.loads(state_cli("inspect", run_dir, "--json").stdout)
     assert info["step"] == 3 and info["committed"] and info["consumed"]["pairs"] == 12
     assert info["tensors"]["model"]["count"] == 21 and info["tensors"]["optim"]["count"] == 63
     assert info["ranks"][0]["loader_position"] == {"epoch": 0, "step": 3, "microbatch": 0}
     assert info["lineage"]["parent"] == "step-000002"
-    text = cli("inspect", run_dir).stdout
+    text = state_cli("inspect", run_dir).stdout
     assert "step 3, epoch 0" in text and "AdamW, 21 parameters" in text and "tensors     optim: 63 tensors" in text
 
 
 def test_verify_passes_a_sound_checkpoint(run_dir):
-    proc = cli("verify", run_dir)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok:")
+    assert state_cli("verify", run_dir).stdout.startswith("ok:")
 
 
 def test_diff_exit_codes_and_values(run_dir, copy):
-    same = cli("diff", run_dir, copy, "--values")
-    assert same.returncode == 0 and "tensors: 0 of 84 differ" in same.stdout
-    older = cli("diff", run_dir / "checkpoints" / "step-000002", run_dir, "--values", "--json")
+    same = state_cli("diff", run_dir, copy, "--values")
+    assert "tensors: 0 of 84 differ" in same.stdout
+    older = state_cli("diff", run_dir / "checkpoints" / "step-000002", run_dir, "--values", "--json", code=1)
     result = json.loads(older.stdout)
-    assert older.returncode == 1 and not result["equal"]
+    assert not result["equal"]
     assert any(row["path"] == "step" for row in result["sections"]["positions"])
     assert result["tensors"]["differ"] > 0
-    assert cli("diff", run_dir, copy.parent / "nowhere").returncode == 2
+    state_cli("diff", run_dir, copy.parent / "nowhere", code=2)
 
 
 def _corrupt(path, fn):
@@ -99,8 +80,8 @@ def _corrupt(path, fn):
 )
 def test_verify_names_every_damage(copy, damage, expected):
     damage(copy)
-    proc = cli("verify", copy)
-    assert proc.returncode == 1 and expected in proc.stderr, proc.stderr
+    proc = state_cli("verify", copy, code=1)
+    assert expected in proc.stderr, proc.stderr
 
 
 class _Payload:
@@ -133,7 +114,7 @@ def test_hostile_state_files_are_named_and_never_executed(copy, tmp_path, kind):
         "format_version": "format_version 99",
     }[kind]
     for args in (("verify", copy), ("inspect", copy), ("diff", copy, copy)):
-        proc = cli(*args)
+        proc = state_cli(*args, code=None)
         assert proc.returncode in (1, 2) and expected in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert not marker.exists()
@@ -144,31 +125,10 @@ def test_resume_reports_a_damaged_latest_and_takes_the_previous(run_dir, sample_
     shutil.copytree(run_dir, run)
     config = yaml.safe_load((run_dir.parent / "c.yaml").read_text())
     config["train"].update(output_dir=str(run), max_steps=4)
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    write_yaml(tmp_path / "c.yaml", config)
     _corrupt(run / "checkpoints" / "step-000003" / "rank-00000.json", lambda d: d.__setitem__(10, ord("#")))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpo_cli.train", str(tmp_path / "c.yaml"), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train_cli(tmp_path / "c.yaml")
     assert "skipping checkpoint" in proc.stderr and "rank-00000.json: sha256 differs" in proc.stderr
     assert f"resumed from {run / 'checkpoints' / 'step-000002'}" in proc.stderr
-    strict = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dpo_cli.train",
-            str(tmp_path / "c.yaml"),
-            "--quiet",
-            "--set",
-            "train.resume_strict=true",
-            "--set",
-            "train.max_steps=5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert strict.returncode == 0  # the resumed run replaced the damaged step 3; the latest, step 4, verifies
+    strict = ("--set", "train.resume_strict=true", "--set", "train.max_steps=5")
+    train_cli(tmp_path / "c.yaml", *strict)  # exit 0: the resumed run replaced the damaged step 3; step 4 verifies

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
@@ -439,7 +437,7 @@ def test_special_token_text_in_a_tool_result_stays_text(tool_tokenizer):
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def test_build_cli_records_the_new_reasons_in_rejects_and_manifest(smollm2_dir, tmp_path):
+def test_build_cli_records_the_new_reasons_in_rejects_and_manifest(smollm2_dir, tmp_path, run_cli):
     rows = [
         {"prompt": PROMPT, "chosen": [assistant("391")], "rejected": REJECTED},
         TOOL_ROWS["calls_in_prompt"],
@@ -453,19 +451,12 @@ def test_build_cli_records_the_new_reasons_in_rejects_and_manifest(smollm2_dir, 
         {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "", "tool_calls": "f()"}], "rejected": REJECTED},
     ]
     out = tmp_path / "ds"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dpo_cli.data",
-        "build",
-        str(write_jsonl(tmp_path / "t.jsonl", rows)),
-        "--tokenizer",
-        str(smollm2_dir),
-        "--out",
-        str(out),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    from dpo_cli.data import main as dpo_data
+
+    result = run_cli(
+        dpo_data, "build", write_jsonl(tmp_path / "t.jsonl", rows), "--tokenizer", smollm2_dir, "--out", out
+    )
+    assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     expected = ["tool_calls_not_rendered", "tools_not_rendered", "control_text_outside_content", "wrong_type"]
     assert [(r["line"], r["reason"]) for r in records] == list(zip(range(2, 6), expected))
