@@ -10,6 +10,11 @@ import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process, as torchrun gives each rank: the suite runs two xdist workers, each starting
+# CLI processes and gloo ranks, on two cores, and torch's default of a thread per core oversubscribes them
+# (spinning OpenMP threads made a tiny model's step 20x slower). Set before anything here imports torch; the
+# subprocesses and spawned ranks inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness import TINY_LLAMA
+from tests.harness import TINY_LLAMA, state_cli, state_here, train_here
 
 MODEL = TINY_LLAMA
 TIMING = ("pairs/s", "tokens/s", "time")
@@ -50,12 +51,6 @@ def train(path, *extra, nproc=1, env=None, check=0):
     return proc
 
 
-def state_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "dpo_cli.state", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
-
-
 def metrics(out):
     return [
         {k: v for k, v in json.loads(x).items() if k not in TIMING}
@@ -63,13 +58,25 @@ def metrics(out):
     ]
 
 
-CASES = [  # (k, world, workers, batching): mid-epoch, at the epoch boundary (step 6), in the last steps
-    (3, 1, 0, "pairs"),
-    (7, 1, 0, "pairs"),
-    (6, 2, 0, "pairs"),
-    (3, 1, 2, "tokens"),
-    (7, 2, 2, "tokens"),
+CASES = [  # (kills, world, workers, batching): each kill lands right after committing that step, and the next
+    # attempt resumes from it: mid-epoch, at the epoch boundary (step 6), in the last steps (of 8)
+    pytest.param((3, 7), 1, 0, "pairs", id="3,7-1-0-pairs"),
+    pytest.param((6,), 2, 0, "pairs", id="6-2-0-pairs"),
+    pytest.param((3,), 1, 2, "tokens", id="3-1-2-tokens"),
+    pytest.param((7,), 2, 2, "tokens", id="7-2-2-tokens"),
 ]
+
+
+def _run_config(tmp, dataset, tokenizer, name, world, workers, batching) -> tuple:
+    return config(
+        tmp,
+        dataset,
+        tokenizer,
+        name,
+        data__num_workers=workers,
+        data__batching=batching,
+        distributed__strategy="fsdp" if world > 1 else "ddp",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +88,7 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
         key = (world, workers, batching)
         if key not in runs:
             tmp = tmp_path_factory.mktemp("full")
-            path, out = config(
-                tmp,
-                small_dataset,
-                smollm2_dir,
-                "full",
-                data__num_workers=workers,
-                data__batching=batching,
-                distributed__strategy="fsdp" if world > 1 else "ddp",
-            )
+            path, out = _run_config(tmp, small_dataset, smollm2_dir, "full", world, workers, batching)
             train(path, nproc=world)
             runs[key] = out
         return runs[key]
@@ -97,33 +96,56 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def killed(small_dataset, smollm2_dir, tmp_path_factory):
+    """One run per (world, workers, batching, k), SIGKILLed right after committing step k, computed on first use;
+    tests resume copies of it (shutil.copytree), never it."""
+    runs = {}
+
+    def get(world, workers, batching, k):
+        key = (world, workers, batching, k)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("killed")
+            path, out = _run_config(tmp, small_dataset, smollm2_dir, "cut", world, workers, batching)
+            attempt = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
+            assert attempt.returncode != 0  # the process group died by SIGKILL right after committing step k
+            assert json.loads(state_cli("inspect", out, "--json").stdout)["step"] == k  # JSON only: no torch
+            runs[key] = out
+        return runs[key]
+
+    return get
+
+
+def _step_dir(out: Path, k: int) -> Path:
+    return out / "checkpoints" / f"step-{k:06d}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k, world, workers, batching", CASES)
+@pytest.mark.parametrize("kills, world, workers, batching", CASES)
 def test_sigkill_after_step_k_then_resume_is_bitwise_identical(
-    k, world, workers, batching, uninterrupted, small_dataset, smollm2_dir, tmp_path
+    kills, world, workers, batching, uninterrupted, killed, small_dataset, smollm2_dir, tmp_path, run_cli
 ):
+    """Killed after step k, resumed (and killed again after each later k, so one run resumes twice), the run
+    ends with the uninterrupted run's metrics and bitwise its model and optimizer state."""
     full = uninterrupted(world, workers, batching)
-    path, out = config(
-        tmp_path,
-        small_dataset,
-        smollm2_dir,
-        "cut",
-        data__num_workers=workers,
-        data__batching=batching,
-        distributed__strategy="fsdp" if world > 1 else "ddp",
-    )
-    killed = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
-    assert killed.returncode != 0  # the process group died by SIGKILL right after committing step k
-    assert json.loads(state_cli("inspect", out, "--json").stdout)["step"] == k
+    path, out = _run_config(tmp_path, small_dataset, smollm2_dir, "cut", world, workers, batching)
+    shutil.copytree(killed(world, workers, batching, kills[0]), out)
+    for before, k in zip(kills, kills[1:]):
+        again = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
+        assert again.returncode != 0 and f"resumed from {_step_dir(out, before)}" in again.stderr
+        assert json.loads(state_here(run_cli, "inspect", out, "--json").stdout)["step"] == k
     resumed = train(path, nproc=world)
-    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed.stderr
-    assert metrics(resumed_out := out) == metrics(full)  # every step's metrics, timing aside
-    same = state_cli("diff", full, resumed_out, "--values")
-    assert same.returncode == 0, same.stdout[-3000:]  # model and optimizer state bitwise equal (atol 0)
+    assert f"resumed from {_step_dir(out, kills[-1])}" in resumed.stderr
+    assert metrics(out) == metrics(full)  # every step's metrics, timing aside
+    # dpo-state in this process (state_here): it reads files only, and torch's import would be most of a diff
+    same = state_here(run_cli, "diff", full, out, "--values", code=None)
+    assert same.exit_code == 0, same.stdout[-3000:]  # model and optimizer state bitwise equal (atol 0)
 
 
 @pytest.mark.slow
-def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(small_dataset, smollm2_dir, tmp_path, uninterrupted):
+def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(
+    small_dataset, smollm2_dir, tmp_path, uninterrupted, run_cli
+):
     """One run killed again and again: at each phase of a save, then at random moments, each attempt resuming
     from the last. After every kill the latest committed checkpoint verifies and the next attempt reports the
     partial one and ignores it; the run still ends identical to an uninterrupted one."""
@@ -151,7 +173,7 @@ def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(small_dataset, 
         latest = int(committed[-1].name[5:]) if committed else -1
         partial = [c for c in checkpoints if c not in committed and int(c.name[5:]) > latest]
         if committed:
-            assert state_cli("verify", out).returncode == 0, f"trial {trial} ({kill})"
+            assert state_here(run_cli, "verify", out, code=None).exit_code == 0, f"trial {trial} ({kill})"
     assert partial == [] and reported >= 3  # each kill inside a save left a partial checkpoint behind
     assert metrics(out) == metrics(full)
 
@@ -184,10 +206,13 @@ def _kill_at_random(path, rng, stderr_path) -> str:
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, smollm2_dir, tmp_path):
+def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, smollm2_dir, tmp_path, run_cli):
+    """dpo-train in this process (train_here): the identity checks and resume choices need no process of
+    their own, and six interpreter starts would be most of this test."""
     path, out = config(tmp_path, small_dataset, smollm2_dir, "run", train__max_steps=2)
-    train(path)
-    changed = train(
+    train_here(run_cli, path)
+    changed = train_here(
+        run_cli,
         path,
         "--set",
         "loss.beta=0.2",
@@ -197,7 +222,7 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
         "data.seed=1",
         "--set",
         "train.max_steps=4",
-        check=2,
+        code=2,
     )
     for expected in (
         "objective.beta: checkpoint 0.1, this run 0.2",
@@ -207,11 +232,11 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
         "refusing to resume",
     ):
         assert expected in changed.stderr
-    tokens = train(path, "--set", "data.batching=tokens", "--set", "train.max_steps=4", check=2)
+    tokens = train_here(run_cli, path, "--set", "data.batching=tokens", "--set", "train.max_steps=4", code=2)
     assert "layout.batching: checkpoint pairs, this run tokens" in tokens.stderr
-    by_path = train(path, "--set", f"train.resume={out / 'checkpoints' / 'step-000001'}")
-    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in by_path.stderr
-    never = train(path, "--set", "train.resume=never", check=2)
+    by_path = train_here(run_cli, path, "--set", f"train.resume={_step_dir(out, 1)}")
+    assert f"resumed from {_step_dir(out, 1)} at step 1" in by_path.stderr
+    never = train_here(run_cli, path, "--set", "train.resume=never", code=2)
     assert "already holds committed checkpoints" in never.stderr
     fresh = config(
         tmp_path,
@@ -222,29 +247,30 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
         train__save_every=0,
         train__weights_from=str(out),
     )[0]
-    train(fresh)  # a new run from the weights alone: allowed, explicitly
+    train_here(run_cli, fresh)  # a new run from the weights alone: allowed, explicitly
 
 
 @pytest.mark.slow
 def test_retention_keeps_the_newest_and_a_failing_save_on_one_rank_commits_nothing(
-    small_dataset, smollm2_dir, tmp_path
+    small_dataset, smollm2_dir, tmp_path, uninterrupted, run_cli
 ):
-    path, out = config(tmp_path, small_dataset, smollm2_dir, "keep", train__max_steps=5)
-    train(path)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+    full = uninterrupted(1, 0, "pairs")  # 8 steps, saving every step, keep_last 2
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step-000007", "step-000008"]
     path, out = config(tmp_path, small_dataset, smollm2_dir, "fault", train__max_steps=4, train__save_every=2)
     failed = train(path, nproc=2, env={"DPO_TRAIN_SAVE_FAULT": "1:4"}, check=1)
     assert "saving step 4 failed, nothing was committed" in failed.stderr and "rank 1: OSError" in failed.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
-    assert state_cli("verify", out).returncode == 0
+    state_here(run_cli, "verify", out)
 
 
 @pytest.mark.slow
-def test_pairs_mode_resumes_elastically_on_another_world_size(small_dataset, smollm2_dir, tmp_path, uninterrupted):
+def test_pairs_mode_resumes_elastically_on_another_world_size(
+    small_dataset, smollm2_dir, tmp_path, uninterrupted, killed
+):
     """Saved by 1 process, resumed by 2: the same pairs per step (data-exact), reported as elastic."""
     full = uninterrupted(1, 0, "pairs")
-    path, out = config(tmp_path, small_dataset, smollm2_dir, "elastic", distributed__strategy="ddp")
-    assert train(path, env={"DPO_TRAIN_KILL": "after-save:3"}, check=None).returncode != 0
+    path, out = _run_config(tmp_path, small_dataset, smollm2_dir, "elastic", 1, 0, "pairs")
+    shutil.copytree(killed(1, 0, "pairs", 3), out)  # saved by 1 process after step 3
     resumed = train(path, nproc=2)
     assert "elastic resume (layout.world_size: checkpoint 1, this run 2)" in resumed.stderr
     for a, b in zip(metrics(full), metrics(out)):

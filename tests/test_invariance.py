@@ -130,10 +130,6 @@ def _step_gradient(policy) -> dict:
     return out
 
 
-def _train(tmp_path, name, config, steps=None, world=1, use_loader=False, reduction="exact") -> dict:
-    return _train_all(tmp_path, {name: (world, config, steps, use_loader, reduction)})[name]
-
-
 def _train_all(tmp_path, runs: dict) -> dict:
     """name -> (world, config, steps, use_loader, reduction) to name -> the saved tensors; one spawn per world
     size, world 1 in this process (keeping the rank variables the worker sets out of later tests' subprocesses)."""
@@ -195,34 +191,57 @@ def _layouts(s: list[list[int]]) -> dict:
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
-def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(layout, sample_dataset, step_pairs, tmp_path):
-    config = _config(str(sample_dataset), layout=layout)
-    layouts = _layouts(step_pairs)
-    baseline = _train(tmp_path, "baseline", config, layouts.pop("packing: [4] (baseline)")[1])
+LAYOUTS = ("separate", "shared_prompt")
+MEAN_OF_MEANS = {"baseline": "packing: [4] (baseline)", "even": "pair counts [2,2]", "uneven": "pair counts [1,3]"}
+
+
+def _runs(dataset: str, step_pairs: list[list[int]], layout: str) -> dict:
+    """One layout's runs, each named `layout: ...`: every split of _layouts (DDP, and FSDP2 at world 2) and
+    the real loader at three budgets and world sizes."""
+    config = _config(dataset, layout=layout)
     runs = {}
-    for name, (world, steps) in layouts.items():
+    for name, (world, steps) in _layouts(step_pairs).items():
         for strategy in ("ddp", "fsdp") if world == 2 else ("ddp",):
             strategic = {**config, "distributed": {"strategy": strategy, "device": "cpu"}}
-            runs[f"{name} ({strategy})"] = (world, strategic, steps, False, "exact")
+            runs[f"{layout}: {name} ({strategy})"] = (world, strategic, steps, False, "exact")
     for budget, world in ((4096, 1), (160, 1), (160, 2)):  # the real loader: one micro-batch vs many, 1 and 2 ranks
-        loader_config = _config(str(sample_dataset), budget, layout=layout)
-        runs[f"loader, budget {budget}, world {world}"] = (world, loader_config, None, True, "exact")
-    worst = {name: _worst(baseline, params) for name, params in _train_all(tmp_path, runs).items()}
+        loader_config = _config(dataset, budget, layout=layout)
+        runs[f"{layout}: loader, budget {budget}, world {world}"] = (world, loader_config, None, True, "exact")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trained(sample_dataset, step_pairs, tmp_path_factory) -> dict:
+    """Every run of this module's tests at once, one spawn per world size (starting ranks costs more than the
+    tiny model's steps): both layouts' splits, and the mean-of-means reduction's (`mean: ...`)."""
+    dataset = str(sample_dataset)
+    runs = {name: run for layout in LAYOUTS for name, run in _runs(dataset, step_pairs, layout).items()}
+    layouts = _layouts(step_pairs)
+    for short, name in MEAN_OF_MEANS.items():
+        runs[f"mean: {short}"] = (1, _config(dataset), layouts[name][1], False, "mean_of_means")
+    runs["mean: ranks"] = (2, _config(dataset), layouts["world 2, [1] and [3]"][1], False, "mean_of_means")
+    return _train_all(tmp_path_factory.mktemp("invariance"), runs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parameters_do_not_depend_on_micro_batching_ranks_or_budget(layout, trained):
+    baseline = trained[f"{layout}: packing: [4] (baseline) (ddp)"]
+    worst = {
+        name: _worst(baseline, params)
+        for name, params in trained.items()
+        if name.startswith(f"{layout}: ") and params is not baseline
+    }
+    assert len(worst) == 12, sorted(worst)  # 6 splits (2 of them also under FSDP2) and 3 loader runs
     print("worst relative differences:", worst)
     assert max(worst.values()) <= RTOL, worst
 
 
 @pytest.mark.slow
-def test_a_mean_of_micro_batch_means_fails_the_same_test(sample_dataset, step_pairs, tmp_path):
+def test_a_mean_of_micro_batch_means_fails_the_same_test(trained):
     """The test can fail: the common reduction weights pairs 1/2, 1/6, 1/6, 1/6 in a [1,3] split."""
-    config = _config(str(sample_dataset))
-    layouts = _layouts(step_pairs)
-    baseline = _train(tmp_path, "baseline", config, layouts["packing: [4] (baseline)"][1], reduction="mean_of_means")
-    even = _train(tmp_path, "even", config, layouts["pair counts [2,2]"][1], reduction="mean_of_means")
-    uneven = _train(tmp_path, "uneven", config, layouts["pair counts [1,3]"][1], reduction="mean_of_means")
-    ranks = _train(tmp_path, "ranks", config, layouts["world 2, [1] and [3]"][1], world=2, reduction="mean_of_means")
-    assert _worst(baseline, even) <= RTOL  # equal micro-batches: the common reduction is right only here
-    assert _worst(baseline, uneven) > 100 * RTOL
-    assert _worst(baseline, ranks) > 100 * RTOL
+    baseline = trained["mean: baseline"]
+    # equal micro-batches: the common reduction is right only here
+    assert _worst(baseline, trained["mean: even"]) <= RTOL
+    assert _worst(baseline, trained["mean: uneven"]) > 100 * RTOL
+    assert _worst(baseline, trained["mean: ranks"]) > 100 * RTOL

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_checkpoint import config, metrics, state_cli, train
+from tests.harness import state_here, train_here
+from tests.test_checkpoint import config, metrics, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -103,40 +104,56 @@ def test_final_holds_an_adapter_peft_loads_and_a_merged_model(single, smollm2_di
     assert (single / "final-merged" / "tokenizer.json").is_file() and (single / "final" / "tokenizer.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
+    """One LoRA run per strategy on 2 processes, as `single` but for the world (adapter and merged model
+    exported), computed on first use."""
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            tmp = tmp_path_factory.mktemp(f"lora-{strategy}")
+            path, runs[strategy] = lora_config(
+                tmp, small_dataset, smollm2_dir, strategy, distributed__strategy=strategy, train__export="both"
+            )
+            train(path, nproc=2)
+        return runs[strategy]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k, world", [(3, 1), (5, 2)])
-def test_sigkill_then_resume_is_bitwise_identical_under_lora(k, world, single, small_dataset, smollm2_dir, tmp_path):  # noqa: F811
-    """World 1 resumes against `single`; world 2 (FSDP2) against its own uninterrupted run."""
-    if world == 1:
-        full = single
-    else:
-        full_path, full = lora_config(tmp_path, small_dataset, smollm2_dir, "full", train__export="both")
-        train(full_path, nproc=world)
+def test_sigkill_then_resume_is_bitwise_identical_under_lora(
+    k, world, single, two_processes, small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """World 1 resumes against `single`; world 2 (FSDP2) against the uninterrupted FSDP2 run."""
+    full = single if world == 1 else two_processes("fsdp")
     path, out = lora_config(tmp_path, small_dataset, smollm2_dir, "cut", train__export="both")
     assert train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None).returncode != 0
     resumed = train(path, nproc=world)
     assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed.stderr
     assert metrics(out) == metrics(full)
-    same = state_cli("diff", full, out, "--values")
-    assert same.returncode == 0, same.stdout[-3000:]
+    same = state_here(run_cli, "diff", full, out, "--values", code=None)
+    assert same.exit_code == 0, same.stdout[-3000:]
     one, two = adapter(full), adapter(out)
     assert all(torch.equal(one[key], two[key]) for key in one)
 
 
-def test_resume_with_other_lora_settings_is_refused(single, small_dataset, smollm2_dir, tmp_path):  # noqa: F811
+def test_resume_with_other_lora_settings_is_refused(single, small_dataset, smollm2_dir, tmp_path, run_cli):  # noqa: F811
+    """Refusals before training, in this process (train_here): they need no process of their own."""
     path, _ = lora_config(tmp_path, small_dataset, smollm2_dir, "other", lora={**LORA, "r": 8})
-    proc = train(path, "--set", f"train.output_dir={single}", check=2)
+    proc = train_here(run_cli, path, "--set", f"train.output_dir={single}", code=2)
     assert "model.lora.r: checkpoint 4, this run 8" in proc.stderr
     full, _ = config(tmp_path, small_dataset, smollm2_dir, "nolora")
-    proc = train(full, "--set", f"train.output_dir={single}", check=2)
+    proc = train_here(run_cli, full, "--set", f"train.output_dir={single}", code=2)
     assert "model.lora: checkpoint" in proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_train_the_adapters_like_one(strategy, single, small_dataset, smollm2_dir, tmp_path):  # noqa: F811
-    path, out = lora_config(tmp_path, small_dataset, smollm2_dir, strategy, distributed__strategy=strategy)
-    train(path, nproc=2)
+def test_two_processes_train_the_adapters_like_one(strategy, single, two_processes):
+    out = two_processes(strategy)
     for a, b in zip(metrics(single), metrics(out)):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
     one, two = adapter(single), adapter(out)
@@ -144,24 +161,31 @@ def test_two_processes_train_the_adapters_like_one(strategy, single, small_datas
 
 
 @pytest.mark.slow
-def test_a_precomputed_reference_trains_lora_like_the_live_one(single, small_dataset, smollm2_dir, tmp_path):  # noqa: F811
+def test_a_precomputed_reference_trains_lora_like_the_live_one(single, small_dataset, smollm2_dir, tmp_path, run_cli):  # noqa: F811
     sidecar = tmp_path / "sidecar"
     path, out = lora_config(
         tmp_path, small_dataset, smollm2_dir, "pre", reference__mode="precomputed", reference__path=str(sidecar)
     )
-    train(path, "--precompute-reference")
+    train_here(run_cli, path, "--precompute-reference")  # in this process: no process boundary in it
     train(path)
     for a, b in zip(metrics(single), metrics(out)):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
 
 
-def test_export_settings_are_checked_and_the_dtype_is_applied(small_dataset, smollm2_dir, tmp_path):  # noqa: F811
+def test_export_settings_are_checked_and_the_dtype_is_applied(small_dataset, smollm2_dir, tmp_path, run_cli):  # noqa: F811
     path, _ = config(tmp_path, small_dataset, smollm2_dir, "e", train__export="merged")
-    assert "train.export is merged, but model.lora is not set" in train(path, check=2).stderr
-    path, out = lora_config(
-        tmp_path, small_dataset, smollm2_dir, "m", train__export="merged", train__export_dtype="bf16"
+    assert "train.export is merged, but model.lora is not set" in train_here(run_cli, path, code=2).stderr
+    path, out = lora_config(  # one step, in this process: the export does not depend on how long it trained
+        tmp_path,
+        small_dataset,
+        smollm2_dir,
+        "m",
+        train__export="merged",
+        train__export_dtype="bf16",
+        train__max_steps=1,
+        train__save_every=0,
     )
-    train(path)
+    train_here(run_cli, path)
     weights = load_file(out / "final" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"

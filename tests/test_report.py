@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.test_checkpoint import config, state_cli, train
+from tests.harness import state_here
+from tests.test_checkpoint import config, train
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,11 @@ def _records(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _report_json(run_dir):
+def _report_json(run_cli, run_dir):
+    """`dpo-state report RUN --json`, in this process (state_here: it reads files only), checked against its schema."""
     from dpo_state.schema import schema_problems
 
-    proc = state_cli("report", run_dir, "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = state_here(run_cli, "report", run_dir, "--json")
     report = json.loads(proc.stdout)
     assert schema_problems("run-report", report) == []
     return report
@@ -62,11 +63,10 @@ def _not_blank(png):
 
 
 @pytest.mark.slow
-def test_the_report_of_a_resumed_run_has_every_chart_and_each_step_once(run, tmp_path):
+def test_the_report_of_a_resumed_run_has_every_chart_and_each_step_once(run, tmp_path, run_cli):
     records = _records(run)
     assert [r["step"] for r in records] == list(range(6))
-    proc = state_cli("report", run, "--out", tmp_path / "r")
-    assert proc.returncode == 0, proc.stderr
+    proc = state_here(run_cli, "report", run, "--out", tmp_path / "r")
     page = tmp_path / "r" / "report.html"
     assert proc.stdout.strip() == str(page)
     pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
@@ -79,7 +79,7 @@ def test_the_report_of_a_resumed_run_has_every_chart_and_each_step_once(run, tmp
     assert text.count("data:image/png;base64,") == 4
     assert records[0]["sources"] and len({s for r in records for s in r["sources"]}) > 1
 
-    report = _report_json(run)
+    report = _report_json(run_cli, run)
     series, summary = report["series"], report["summary"]
     assert series["step"] == [r["step"] for r in records]  # each step once, in order
     for i, record in enumerate(records):  # every series equals metrics.jsonl
@@ -122,33 +122,32 @@ def test_tensorboard_events_equal_metrics_jsonl_after_the_resume(run):
 
 
 @pytest.mark.slow
-def test_a_running_run_a_run_without_eval_and_bad_logs(run, tmp_path):
+def test_a_running_run_a_run_without_eval_and_bad_logs(run, tmp_path, run_cli):
     copy = tmp_path / "running"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "final", "tensorboard", "report"))
     with open(copy / "metrics.jsonl", "a") as f:
         f.write('{"format_version": 2, "step": 6, "lo')  # the trainer mid-write
     (copy / "eval.jsonl").unlink()
-    report = _report_json(copy)
+    report = _report_json(run_cli, copy)
     assert report["series"]["step"] == list(range(6)) and report["summary"]["torn_last_lines"] == ["metrics.jsonl"]
     assert report["eval"]["step"] == [] and report["summary"]["eval_final"] is None
     assert report["summary"]["checkpoints"] == [] and not report["summary"]["finished"]
-    proc = state_cli("report", copy)
-    assert proc.returncode == 0, proc.stderr
+    state_here(run_cli, "report", copy)
     assert not (copy / "report" / "eval.png").exists()
     assert "No held-out evaluation" in (copy / "report" / "report.html").read_text()
 
     lines = (copy / "metrics.jsonl").read_text().splitlines()
     (copy / "metrics.jsonl").write_text("\n".join([lines[0], "{not json", *lines[1:]]))
-    proc = state_cli("report", copy, "--json")
-    assert proc.returncode == 2 and "metrics.jsonl line 2 is not JSON" in proc.stderr and "Traceback" not in proc.stderr
+    proc = state_here(run_cli, "report", copy, "--json", code=2)
+    assert "metrics.jsonl line 2 is not JSON" in proc.stderr and "Traceback" not in proc.stderr
     (copy / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
-    proc = state_cli("report", copy)
-    assert proc.returncode == 2 and "schemas/metrics-record.schema.json" in proc.stderr
+    proc = state_here(run_cli, "report", copy, code=2)
+    assert "schemas/metrics-record.schema.json" in proc.stderr
     (copy / "metrics.jsonl").write_text("")
-    proc = state_cli("report", copy)
-    assert proc.returncode == 2 and "holds no finished step" in proc.stderr
-    proc = state_cli("report", tmp_path / "nowhere")
-    assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr
+    proc = state_here(run_cli, "report", copy, code=2)
+    assert "holds no finished step" in proc.stderr
+    proc = state_here(run_cli, "report", tmp_path / "nowhere", code=2)
+    assert "has no metrics.jsonl" in proc.stderr
 
 
 def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import join_gloo, spawn
-from tests.test_checkpoint import config, metrics, state_cli, train
+from tests.harness import join_gloo, spawn, state_here, train_here
+from tests.test_checkpoint import config, metrics, train
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
     "model_type": "llama",
@@ -198,14 +198,17 @@ def _train_config(dataset: str, ulysses: int = 1, context: int = 1, strategy: st
 def _train_worker(rank: int, world: int, port: int, jobs: list) -> None:
     """One rank running each (config, result, mutant) job in turn in one process group: two SGD steps of the
     real Trainer fed by the real loader (asked for data-parallel ranks). One spawn per world size, since
-    starting processes costs more than the tiny model's steps."""
+    starting processes costs more than the tiny model's steps; world 1 runs in this process, without a group."""
     import torch.distributed as dist
 
-    join_gloo(rank, world, port)
+    if world > 1:
+        join_gloo(rank, world, port)
     for job in jobs:
         _train_job(rank, world, *job)
-        dist.barrier()
-    dist.destroy_process_group()
+        if world > 1:
+            dist.barrier()
+    if world > 1:
+        dist.destroy_process_group()
 
 
 def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -> None:
@@ -240,11 +243,14 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
 
 
 def _trained_all(tmp_path, runs: dict) -> dict:
-    """name -> (world, config, mutant) to name -> (parameters, step records); one spawn per world size."""
+    """name -> (world, config, mutant) to name -> (parameters, step records); one spawn per world size above 1."""
     results = {name: tmp_path / f"{name}.pt" for name in runs}
     for world in sorted({run[0] for run in runs.values()}):
         jobs = [(config, str(results[name]), mutant) for name, (w, config, mutant) in runs.items() if w == world]
-        spawn(_train_worker, world, jobs)
+        if world == 1:
+            _train_worker(0, 1, 0, jobs)
+        else:
+            spawn(_train_worker, world, jobs)
     loaded = {name: torch.load(path, weights_only=True) for name, path in results.items()}
     return {name: (got["params"], json.loads(got["records"])) for name, got in loaded.items()}
 
@@ -281,7 +287,7 @@ def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elastic(
-    small_dataset, smollm2_dir, tmp_path
+    small_dataset, smollm2_dir, tmp_path, run_cli
 ):
     """Through the CLI on 2 processes with ulysses 2: SIGKILL after committing step 3, resume, and the run
     ends bitwise equal to an uninterrupted one; the step-3 checkpoint resumed with ulysses 1 on one
@@ -295,13 +301,13 @@ def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elas
     resumed = train(path, nproc=2)
     assert f"resumed from {out / 'checkpoints' / 'step-000003'}" in resumed.stderr
     assert metrics(out) == metrics(full) and {r["world_size"] for r in metrics(out)} == {2}
-    same = state_cli("diff", full, out, "--values")
-    assert same.returncode == 0, same.stdout[-3000:]
-    inspected = json.loads(state_cli("inspect", out, "--json").stdout)
+    same = state_here(run_cli, "diff", full, out, "--values", code=None)
+    assert same.exit_code == 0, same.stdout[-3000:]
+    inspected = json.loads(state_here(run_cli, "inspect", out, "--json").stdout)
     assert inspected["identity"]["layout"]["sequence_parallel"] == {"ulysses": 2, "context": 1}
 
     elastic_path, elastic = config(tmp_path, small_dataset, smollm2_dir, "elastic")
-    moved = train(elastic_path)
+    moved = train_here(run_cli, elastic_path)  # one process: this one (no process boundary in a resume)
     assert "elastic resume (layout.sequence_parallel.ulysses: checkpoint 2, this run 1)" in moved.stderr
     for a, b in zip(metrics(full), metrics(elastic), strict=True):
         assert (a["step"], a["pairs"], a["input_tokens"]) == (b["step"], b["pairs"], b["input_tokens"])
@@ -346,17 +352,21 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
 
 
 @pytest.mark.slow
-def test_precompute_and_eval_under_ulysses_and_context_equal_one_process(small_dataset, smollm2_dir, tmp_path):
+def test_precompute_and_eval_under_ulysses_and_context_equal_one_process(small_dataset, smollm2_dir, tmp_path, run_cli):
     """The precomputed reference sidecar and the held-out evaluation (before and after one step) under
-    U2 x C1 and U1 x C2 on 2 processes equal one process's: each pair scored once, by its group."""
+    U2 x C1 and U1 x C2 on 2 processes equal one process's: each pair scored once, by its group. The one
+    process is this one (train_here)."""
     from safetensors.numpy import load_file
 
     def run(name: str, nproc: int, sp: dict | None):
         sidecar = tmp_path / f"{name}-sidecar"
         over = {"reference__path": str(sidecar), "eval__path": str(small_dataset), "train__max_steps": 1}
         path, out = config(tmp_path, small_dataset, smollm2_dir, name, distributed__sequence_parallel=sp, **over)
-        train(path, "--precompute-reference", nproc=nproc)
-        train(path, nproc=nproc)  # a live reference: the sidecar is only compared
+        for args in (["--precompute-reference"], []):  # then a live reference: the sidecar is only compared
+            if nproc > 1:
+                train(path, *args, nproc=nproc)
+            else:
+                train_here(run_cli, path, *args)
         records = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
         return load_file(str(sidecar / "logps.safetensors")), records
 

@@ -8,15 +8,16 @@ import json
 
 import pytest
 
-from tests.test_checkpoint import config, metrics, state_cli, train
+from tests.harness import state_here, train_here
+from tests.test_checkpoint import config, metrics, train
 
 
 @pytest.mark.slow
-def test_shared_prompt_trains_precomputes_and_resumes_exactly(small_dataset, smollm2_dir, tmp_path):
+def test_shared_prompt_trains_precomputes_and_resumes_exactly(small_dataset, smollm2_dir, tmp_path, run_cli):
     sidecar = tmp_path / "sidecar"
     shared = {"data__layout": "shared_prompt", "reference__mode": "precomputed", "reference__path": str(sidecar)}
     full_path, full = config(tmp_path, small_dataset, smollm2_dir, "full", **shared)
-    train(full_path, "--precompute-reference")
+    train_here(run_cli, full_path, "--precompute-reference")  # in this process: no process boundary in it
     document = json.loads((sidecar / "reference.json").read_text())
     assert document["reference"]["layout"] == "shared_prompt"
     train(full_path)
@@ -26,18 +27,23 @@ def test_shared_prompt_trains_precomputes_and_resumes_exactly(small_dataset, smo
     resumed = train(path)
     assert f"resumed from {out / 'checkpoints' / 'step-000003'}" in resumed.stderr
     assert metrics(out) == metrics(full)
-    same = state_cli("diff", full, out, "--values")
-    assert same.returncode == 0, same.stdout[-3000:]
-    assert json.loads(state_cli("inspect", out, "--json").stdout)["identity"]["layout"]["layout"] == "shared_prompt"
+    same = state_here(run_cli, "diff", full, out, "--values", code=None)
+    assert same.exit_code == 0, same.stdout[-3000:]
+    assert (
+        json.loads(state_here(run_cli, "inspect", out, "--json").stdout)["identity"]["layout"]["layout"]
+        == "shared_prompt"
+    )
 
     separate_path, separate = config(
         tmp_path, small_dataset, smollm2_dir, "separate", reference__mode="precomputed", reference__path=str(sidecar)
     )
-    refused = train(separate_path, check=2)  # a sidecar of the shared layout for a separate run
+    # a sidecar of the shared layout for a separate run; this refusal and the separate layout's first step
+    # run in this process (train_here): neither needs a process of its own
+    refused = train_here(run_cli, separate_path, code=2)
     assert "layout: the sidecar was computed in the shared_prompt layout, data.layout is separate" in refused.stderr
 
     live_path, live = config(tmp_path, small_dataset, smollm2_dir, "live", train__max_steps=1)
-    train(live_path)
+    train_here(run_cli, live_path)
     first_separate, first_shared = metrics(live)[0], metrics(full)[0]
     assert first_shared["loss"] == pytest.approx(first_separate["loss"], abs=1e-6)  # log 2 before any update
     assert first_shared["logps/chosen"] == pytest.approx(first_separate["logps/chosen"], rel=1e-5)

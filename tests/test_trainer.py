@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA
+from tests.harness import TINY_LLAMA, train_here
 
 
 def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
@@ -54,12 +55,15 @@ def single(sample_dataset, smollm2_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(single, sample_dataset, smollm2_dir, tmp_path):
+def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(
+    single, sample_dataset, smollm2_dir, tmp_path, run_cli
+):
     lines = [x for x in (single / "stderr.txt").read_text().splitlines() if x.startswith("step ")]
     assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"] and "pairs/s" in lines[0]
-    quiet = run(
-        write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q"), "--quiet", "--set", "train.max_steps=1"
-    )
+    # --quiet in this process: the progress line is printed to sys.stderr when it is written, which click's
+    # runner captures, so a line would show here as in a process of its own
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q")
+    quiet = train_here(run_cli, config, "--set", "train.max_steps=1")
     assert not [x for x in quiet.stderr.splitlines() if x.startswith("step ")]
 
 
@@ -151,13 +155,24 @@ def test_a_failing_rank_stops_every_rank_with_its_error_named(sample_dataset, sm
     assert len((tmp_path / "fail" / "metrics.jsonl").read_text().splitlines()) == 1  # step 0 finished, step 1 not
 
 
+@pytest.fixture(scope="module")
+def sidecar(sample_dataset, smollm2_dir, tmp_path_factory):
+    """The initial policy's reference sidecar for the sample, precomputed once; a test that alters it copies it."""
+    tmp = tmp_path_factory.mktemp("sidecar")
+    config = write_config(tmp, sample_dataset, smollm2_dir, tmp / "pre")
+    path = tmp / "sidecar"
+    proc = run(
+        config, "--precompute-reference", "--set", "reference.mode=precomputed", "--set", f"reference.path={path}"
+    )
+    assert "reference sidecar written" in proc.stdout
+    return path
+
+
 @pytest.mark.slow
-def test_a_precomputed_reference_trains_like_the_live_one(single, sample_dataset, smollm2_dir, tmp_path):
+def test_a_precomputed_reference_trains_like_the_live_one(single, sidecar, sample_dataset, smollm2_dir, tmp_path):
     out = tmp_path / "pre"
     config = write_config(tmp_path, sample_dataset, smollm2_dir, out)
-    sidecar = tmp_path / "sidecar"
     ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}"]
-    assert "reference sidecar written" in run(config, "--precompute-reference", *ref).stdout
     document = json.loads((sidecar / "reference.json").read_text())
     assert document["dataset"]["num_pairs"] == 342 and document["reference"]["precision"] == "fp32"
     run(config, *ref)
@@ -172,12 +187,15 @@ def test_a_precomputed_reference_trains_like_the_live_one(single, sample_dataset
 
 
 @pytest.mark.slow
-def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(sample_dataset, smollm2_dir, tmp_path):
+def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(
+    sidecar, sample_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """Refusals before training, in this process (train_here): they need no process of their own."""
     config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "r")
-    sidecar = tmp_path / "sidecar"
-    ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}", "--set", "train.max_steps=1"]
-    run(config, "--precompute-reference", *ref)
-    other_weights = run(
+    altered = shutil.copytree(sidecar, tmp_path / "sidecar")
+    ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={altered}", "--set", "train.max_steps=1"]
+    other_weights = train_here(
+        run_cli,
         config,
         *ref,
         "--set",
@@ -188,12 +206,12 @@ def test_a_sidecar_bound_to_other_weights_or_data_or_altered_is_refused(sample_d
     )
     assert "reference weights: the sidecar was computed with" in other_weights.stderr
     assert "--precompute-reference" in other_weights.stderr
-    bf16 = run(config, *ref, "--set", "train.precision=bf16", code=2)
+    bf16 = train_here(run_cli, config, *ref, "--set", "train.precision=bf16", code=2)
     assert "precision: the sidecar was computed in fp32, this run uses bf16" in bf16.stderr
-    table = sidecar / "logps.safetensors"
+    table = altered / "logps.safetensors"
     data = bytearray(table.read_bytes())
     data[-3] ^= 1
     table.write_bytes(bytes(data))
-    assert "sha256 differs from reference.json" in run(config, *ref, code=2).stderr
-    (sidecar / "reference.json").write_text("{not json")
-    assert "is not valid JSON" in run(config, *ref, code=2).stderr
+    assert "sha256 differs from reference.json" in train_here(run_cli, config, *ref, code=2).stderr
+    (altered / "reference.json").write_text("{not json")
+    assert "is not valid JSON" in train_here(run_cli, config, *ref, code=2).stderr
