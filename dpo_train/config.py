@@ -286,8 +286,30 @@ def _loss_rules(config: TrainConfig) -> list[str]:
         _divergence_problems,
         _nll_problems,
         _per_token_problems,
+        _sorted_problems,
     )
     return [problem for rule in rules for problem in rule(config.loss)]
+
+
+def _sorted_problems(loss: LossConfig) -> list[str]:
+    """The sorted types (AOT) sort the summed log-ratios, as TRL 1.16 does, and take no pair weight: a sorted
+    term holds two pairs, whose WPO weights differ (TRL refuses use_weighting with them too)."""
+    sorting = [name for name in loss.types if LOSSES[name].sorted]
+    if not sorting:
+        return []
+    problems = []
+    if loss.average_log_prob is True:
+        problems.append(
+            f"loss.average_log_prob is true, but loss.type lists {sorting[0]}, which sorts the summed "
+            "log-ratios over the step as TRL 1.16 does; set loss.average_log_prob: false"
+        )
+    if loss.use_weighting is True:
+        problems.append(
+            f"loss.use_weighting is true, but loss.type lists {sorting[0]}: each of its sorted terms pairs two "
+            "pairs' log-ratios, and no one pair's WPO weight scales it (TRL 1.16 refuses this too); set "
+            "loss.use_weighting: false"
+        )
+    return problems
 
 
 def _loss_type_problems(loss: LossConfig) -> list[str]:

@@ -2,7 +2,9 @@
 
 The step, not the loss, reduces: it sums pair losses and divides by the number of pairs in the whole
 optimizer step, so every pair weighs the same whatever the packing (docs/objective.md). So every form is a
-function of one pair's values alone: no batch statistic (a sort, a running mean) can enter one.
+function of one pair's values, save the `sorted` types (AOT), which pair the step's sorted log-ratios: they
+also read each pair's partners in those sorts, constants that dpo_train/step_sort.py finds over the whole
+step (every micro-batch and rank) before its forwards, so they too are the same whatever the packing.
 Notation: for a pair, c = log pi(chosen), r = log pi(rejected) (summed over completion tokens, or
 averaged with `average_log_prob`), c0 and r0 the same under the reference, |c| and |r| completion
 token counts, the log-ratios x_c = c - c0 and x_r = r - r0, f the score of `loss.f_divergence_type`
@@ -160,6 +162,10 @@ class LossType:
     with_nll: bool = False
     """The method's objective adds the step's NLL on chosen completions (CPO's BC term, ORPO's SFT term): the
     config must say that term's weight (sft listed, or nll_weight), so that it is never silently left out."""
+    sorted: bool = False
+    """The loss pairs the k-th smallest of one log-ratio over the optimizer step with the k-th smallest of
+    another (AOT): its form takes a fifth argument, each pair's partners [pairs, 2] in those sorts
+    (dpo_train/step_sort.py `step_partners`), constants without gradient."""
 
 
 def _reverse_kl(config: LossConfig, ratio: torch.Tensor) -> torch.Tensor:
@@ -378,6 +384,31 @@ def _sft(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> to
     return torch.zeros_like(chosen)
 
 
+def _aot(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: None, partners: torch.Tensor):
+    """AOT, paired (Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal Transport"), as
+    TRL 1.16 computes it: sort the policy margins x = c - r and the reference margins y = c0 - r0 over the
+    optimizer step, each on its own, and L = sum_k l(b (x_(k) - y_(k))), l the smoothed logistic loss
+    -(1 - e) log s(z) - e log s(-z). The pair whose x is k-th smallest carries term k: with its shift
+    s = y - y_(k) (partners[:, 0]), x - y_(k) = (x_c - x_r) + s; s = 0 where the policy orders the step's
+    pairs as the reference does (at the start). Rewards b x_c and b x_r."""
+    shift = partners[:, 0].to(chosen)
+    return _smoothed(config, config.beta * (chosen - rejected + shift)), config.beta * chosen, config.beta * rejected
+
+
+def _aot_unpaired(
+    config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: None, partners: torch.Tensor
+):
+    """AOT, unpaired (the same paper), as TRL 1.16 computes it: sort the chosen log-ratios x_c and the rejected
+    x_r over the step, each on its own, and L = sum_k l(b (x_c(k) - x_r(k))). Each sorted term holds two
+    pairs' log-ratios, both with gradient: per pair, l(b (x_c - P)) carries its chosen side (P = partners[:, 0],
+    the x_r of x_c's rank), and l(b (Q - x_r)) less its own value its rejected side (Q = partners[:, 1], the
+    x_c of x_r's rank). Summed over the step: the sorted sum, and its gradient. Rewards b x_c and b x_r."""
+    lead, trail = partners[:, 0].to(chosen), partners[:, 1].to(chosen)
+    rejected_side = _smoothed(config, config.beta * (trail - rejected))
+    losses = _smoothed(config, config.beta * (chosen - lead)) + (rejected_side - rejected_side.detach())
+    return losses, config.beta * chosen, config.beta * rejected
+
+
 @_of_mean_margin
 def _sigmoid_norm(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
     """Length-normalized DPO (the SimPO paper's, Meng et al. 2024, "SimPO: Simple Preference Optimization with
@@ -418,6 +449,8 @@ LOSSES: dict[str, LossType] = {
         options=("target_margin", "alpha"),
     ),
     "orpo": LossType(_orpo, needs_reference=False, per_token_means=True, with_nll=True),
+    "aot": LossType(_aot, label_smoothing=Interval(0.0, 0.5), sorted=True),
+    "aot_unpaired": LossType(_aot_unpaired, label_smoothing=Interval(0.0, 0.5), sorted=True),
 }
 """The loss family, by `loss.type` name (s is the logistic function; each form's docstring has its loss)."""
 
@@ -455,14 +488,22 @@ def pair_losses(
     chosen_tokens: torch.Tensor,
     rejected_tokens: torch.Tensor,
     pair_weights: torch.Tensor | None = None,
+    partners: dict[str, torch.Tensor] | None = None,
 ) -> PairTerms:
     """Per-pair losses of `config.type` (each listed type's closed form, its `LOSSES` entry, weighted and
     summed) from summed completion log-probs (LD-DPO's sums with `ld_alpha`), and the token counts for the
     averaged forms. `pair_weights`: WPO's (`use_weighting`), multiplying each pair's loss, as TRL multiplies
-    each listed type's. The rewards are the first listed type's that has a per-pair term (not sft's, unless
-    it is alone)."""
+    each listed type's. `partners`: each listed `sorted` type's partners of these pairs in the step's sorts
+    (dpo_train/step_sort.py). The rewards are the first listed type's that has a per-pair term (not sft's,
+    unless it is alone)."""
     if config.use_weighting and pair_weights is None:
         raise ConfigError("loss.use_weighting is true, but no WPO pair weights reached the loss; pass pair_weights")
+    unpartnered = [name for name in config.types if loss_type(name).sorted and name not in (partners or {})]
+    if unpartnered:
+        raise ConfigError(
+            f"loss.type {unpartnered[0]} pairs the optimizer step's sorted log-ratios, and no partners reached "
+            "the loss; pass partners from dpo_train/step_sort.py `step_partners` over the whole step"
+        )
     if config.needs_reference and (ref_chosen is None or ref_rejected is None):
         raise ConfigError(
             f"loss.type {config.type_text} needs reference log-probs; set reference.mode to live or precomputed"
@@ -474,7 +515,9 @@ def pair_losses(
     for name, weight in members:
         kind = loss_type(name)
         pair = (chosen - ref_chosen, rejected - ref_rejected) if kind.needs_reference else (chosen, rejected)
-        losses, *rewards = kind.form(config, *pair, counts if kind.per_token_means or config.average_log_prob else None)
+        means = counts if kind.per_token_means or config.average_log_prob else None
+        extra = (partners[name],) if kind.sorted else ()
+        losses, *rewards = kind.form(config, *pair, means, *extra)
         if config.use_weighting:
             losses = losses * pair_weights
         total = total + weight * losses  # weight 1.0 (one type) leaves the losses bit for bit

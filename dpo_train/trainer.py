@@ -52,6 +52,7 @@ from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.run_log import RunLog
 from dpo_train.run_setup import RunSetup, setup_run
 from dpo_train.sinks import check_report_to, check_sinks
+from dpo_train.step_sort import SortScores, sorted_types, step_partners, unmoved_rng
 
 FAULT_ENV = "DPO_TRAIN_FAULT"
 """Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
@@ -93,6 +94,7 @@ class Trainer:
         self.state = TrainState()
         self.skipped_steps = 0
         self._step_pairs: set[int] = set()
+        self.sorted, self._held = bool(sorted_types(config.loss)), []
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
 
     def _check_token_ids(self, batch: dict) -> None:
@@ -159,7 +161,38 @@ class Trainer:
         self._check_token_ids(batch)
         if self.mesh.active:
             check_same_row(batch, self.mesh, self.state.step)
-        batch = {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if not self.sorted:
+            self._forward_backward(batch)
+            return
+        # AOT pairs the step's sorted log-ratios: every micro-batch is scored before the first backward
+        self._held.append(batch)
+        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+            held, self._held = self._held, []
+            for each, partners in zip(held, self._step_partners(held), strict=True):
+                self._forward_backward(each, partners)
+
+    def _step_partners(self, held: list[dict]) -> list[dict]:
+        """The pass without gradient over the step's micro-batches, then their partners in its sorts."""
+        with torch.no_grad(), unmoved_rng(self.place.device), self.place.autocast():
+            scores = [self._sort_scores(self._on_device(batch)) for batch in held]
+        return step_partners(scores, self.config.loss, self.mesh)
+
+    def _sort_scores(self, batch: dict) -> SortScores | None:
+        if batch["num_pairs"] == 0:  # the same collectives as the step's own forward, no pair
+            inputs = row_inputs(batch, self.mesh, self.model)[0]
+            self.reference.join(inputs, self.world)
+            self.model(**inputs)
+            return None
+        ref_chosen, ref_rejected = self.reference.logps(batch)
+        policy = pair_logps(self.model, batch, self.mesh, ld_alpha=self.config.loss.ld_alpha)
+        return SortScores(batch["pair_index"], *policy.scored, ref_chosen, ref_rejected)
+
+    def _on_device(self, batch: dict) -> dict:
+        return {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _forward_backward(self, batch: dict, partners: dict | None = None) -> None:
+        """One micro-batch's forward and backward; `partners`: its pairs' in the step's sorts (AOT)."""
+        batch = self._on_device(batch)
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
@@ -182,6 +215,7 @@ class Trainer:
                 policy.chosen_tokens,
                 policy.rejected_tokens,
                 policy.weights,
+                partners,
             )
             microbatch_loss(
                 terms.losses,

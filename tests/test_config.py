@@ -118,7 +118,7 @@ def test_every_conflict_is_listed_in_one_error():
     assert str(info.value) == (
         "the config's settings conflict:\n"
         "  - loss.label_smoothing is 0.2, but hinge has none; set it to 0, or use a loss.type that takes it "
-        "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)\n"
+        "(sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired)\n"
         "  - loss.type hinge needs a reference; set reference.mode: live or precomputed, or use a reference-free "
         "loss.type (simpo, sft, cpo, alphapo, orpo)\n"
         "  - train.weights_from starts a new run from a checkpoint's weights; it cannot be combined with "
@@ -139,7 +139,7 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
             ["loss.type=kto"],
             SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo', 'exo_pair', "
             "'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm', 'cpo', "
-            "'alphapo', 'orpo']",
+            "'alphapo', 'orpo', 'aot', 'aot_unpaired']",
         ),
         (
             ["loss.beta=0"],
@@ -160,7 +160,7 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         (
             ["loss.type=ipo", "loss.label_smoothing=0.1"],
             "loss.label_smoothing is 0.1, but ipo has none; set it to 0, or use a loss.type that takes it "
-            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)",
+            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired)",
         ),
         (
             ["reference.mode=precomputed"],
@@ -239,7 +239,7 @@ def test_the_config_rules_read_the_loss_registry(monkeypatch):
         "loss.label_smoothing is 0.3; smoothed allows [0, 0.2]; set it inside that range"
     ]
     assert problems(type="hinge", label_smoothing=0.1)[0].endswith(
-        "takes it (sigmoid, robust, simpo, exo_pair, cpo, alphapo, smoothed)"
+        "takes it (sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired, smoothed)"
     )
     none = config_problems(TrainConfig(reference=ReferenceConfig(mode="none")), for_run=False)  # sigmoid
     assert none[0].endswith("or use a reference-free loss.type (simpo, sft, cpo, alphapo, orpo, free)")
@@ -305,7 +305,7 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         (
             ["loss.type=[hinge, ipo]", "loss.label_smoothing=0.1"],
             "loss.label_smoothing is 0.1, but [hinge, ipo] has none; set it to 0, or use a loss.type that takes it "
-            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo)",
+            "(sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired)",
         ),
         (
             ["loss.type=exo_pair"],
@@ -609,3 +609,50 @@ def test_the_per_token_keys_join_the_objective_only_when_set():
     assert "ld_alpha" not in plain and "use_weighting" not in plain
     both = _objective(TrainConfig(loss=LossConfig(ld_alpha=0.0, use_weighting=True)), 0.0)
     assert both == {**plain, "ld_alpha": 0.0, "use_weighting": True}
+
+
+# -- the sorted types (AOT) --
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["loss.type=aot", "loss.average_log_prob=true"],
+            "loss.average_log_prob is true, but loss.type lists aot, which sorts the summed log-ratios over the "
+            "step as TRL 1.16 does; set loss.average_log_prob: false",
+        ),
+        (
+            ["loss.type=[sigmoid, aot_unpaired]", "loss.use_weighting=true"],
+            "loss.use_weighting is true, but loss.type lists aot_unpaired: each of its sorted terms pairs two "
+            "pairs' log-ratios, and no one pair's WPO weight scales it (TRL 1.16 refuses this too); set "
+            "loss.use_weighting: false",
+        ),
+        (
+            ["loss.type=aot", "loss.f_divergence_type=js_divergence"],
+            "loss.f_divergence_type is js_divergence, but aot reads the log-ratios themselves",
+        ),
+        (["loss.type=aot_unpaired", "loss.label_smoothing=0.6"], "loss.label_smoothing is 0.6"),
+    ],
+    ids=["means", "weighting", "f-divergence", "smoothing"],
+)
+def test_each_sorted_rule_refuses_its_case_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.type=aot", "loss.label_smoothing=0.5"],
+        ["loss.type=[aot, aot_unpaired, sft]", "loss.ld_alpha=0.5", "reference.mode=live"],
+        ["loss.type=aot", "reference.mode=precomputed", "reference.path=sidecar"],
+        ["loss.type=aot_unpaired", "distributed.sequence_parallel={ulysses: 2}"],
+    ],
+    ids=["smoothing-edge", "list-ld", "sidecar", "sequence-parallel"],
+)
+def test_the_edges_of_each_sorted_rule_load(overrides):
+    """AOT reads the reference's plain (or LD) sums like any type, from a sidecar too, and its partners are
+    found over sequence-parallel groups (tests/test_step_sort.py)."""
+    load_config({}, overrides)

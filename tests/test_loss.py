@@ -281,17 +281,22 @@ def _configs():
 def test_every_pairs_loss_is_a_function_of_that_pair_alone(config):
     """The step divides the sum of pair losses by the step's pairs (docs/objective.md), so a pair's loss may
     not depend on the other pairs of its micro-batch (no batch mean, no sort): each pair alone, and the pairs
-    in reverse order, give the same per-pair values."""
-    whole = pair_losses(config, C, R, C0, R0, NC, NR)
+    in reverse order, give the same per-pair values. A sorted type (AOT) reads the step's sorts through its
+    partners, constants given with the pair (tests/test_step_sort.py): with them, the same holds."""
+    partners = torch.linspace(-1.0, 2.0, 2 * len(C), dtype=C.dtype).reshape(len(C), 2)
+
+    def losses(index):
+        found = {name: partners[index] for name in config.types if LOSSES[name].sorted}
+        values = (t[index] for t in (C, R, C0, R0, NC, NR))
+        return pair_losses(config, *values, partners=found)
+
+    whole = losses(torch.arange(len(C)))
     for i in range(len(C)):
-        one = pair_losses(
-            config, C[i : i + 1], R[i : i + 1], C0[i : i + 1], R0[i : i + 1], NC[i : i + 1], NR[i : i + 1]
-        )
+        one = losses(torch.arange(i, i + 1))
         torch.testing.assert_close(one.losses, whole.losses[i : i + 1], **TOL)
         torch.testing.assert_close(one.chosen_rewards, whole.chosen_rewards[i : i + 1], **TOL)
     flip = torch.arange(len(C) - 1, -1, -1)
-    reversed_ = pair_losses(config, C[flip], R[flip], C0[flip], R0[flip], NC[flip], NR[flip])
-    torch.testing.assert_close(reversed_.losses, whole.losses[flip], **TOL)
+    torch.testing.assert_close(losses(flip).losses, whole.losses[flip], **TOL)
 
 
 def test_a_loss_type_is_one_registry_entry(monkeypatch):
@@ -333,7 +338,7 @@ def test_the_docs_loss_table_is_the_registry():
         name: (
             "needed" if kind.needs_reference else "none",
             str(kind.label_smoothing) if kind.label_smoothing else "none",
-            "always" if kind.per_token_means else "with `average_log_prob`",
+            "always" if kind.per_token_means else "never" if kind.sorted else "with `average_log_prob`",
             "yes" if kind.f_divergence else "no",
             ", ".join(f"`{option}`" for option in kind.options) or "none",
         )

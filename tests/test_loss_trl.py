@@ -18,6 +18,7 @@ import torch
 
 from dpo_train.loss import LossConfig, pair_losses
 from dpo_train.objective import microbatch_loss
+from dpo_train.step_sort import SortScores, sorted_types, step_partners
 
 CHOSEN = torch.tensor([-10.0, -4.0, -7.5, -3.0])
 REJECTED = torch.tensor([-12.0, -3.0, -7.5, -9.0])
@@ -60,8 +61,15 @@ def trl_trainer(tmp_path_factory, smollm2_dir):
     return trainer
 
 
-def trl_loss(trainer, config: LossConfig, dtype: torch.dtype, trl_label_smoothing: float | None = None) -> float:
-    """TRL's loss for the config's keys, as TRL names them (its label_smoothing may be set apart)."""
+def trl_loss(
+    trainer,
+    config: LossConfig,
+    dtype: torch.dtype,
+    trl_label_smoothing: float | None = None,
+    leaves: list | None = None,
+) -> float:
+    """TRL's loss for the config's keys, as TRL names them (its label_smoothing may be set apart). `leaves`: a
+    list to which the per-token log-probs are appended, a leaf with its gradient after the loss's backward."""
     n = len(CHOSEN)
     completion = torch.zeros(2 * n, LENGTH, dtype=torch.long)
     per_token = torch.zeros(2 * n, LENGTH - 1, dtype=dtype)
@@ -70,6 +78,9 @@ def trl_loss(trainer, config: LossConfig, dtype: torch.dtype, trl_label_smoothin
     ):
         completion[i, LENGTH - count :] = 1  # completion tokens at the end, as TRL's collator lays them out
         per_token[i, -count:] = total / count  # the shifted positions that predict them: rows sum to ours
+
+    if leaves is not None:
+        leaves.append(per_token.requires_grad_())
 
     def model(**kwargs):
         return types.SimpleNamespace(
@@ -95,16 +106,27 @@ def trl_loss(trainer, config: LossConfig, dtype: torch.dtype, trl_label_smoothin
         "ref_chosen_logps": REF_CHOSEN.to(dtype),
         "ref_rejected_logps": REF_REJECTED.to(dtype),
     }
-    return float(trainer._compute_loss(model, inputs, return_outputs=False))
+    loss = trainer._compute_loss(model, inputs, return_outputs=False)
+    if leaves is not None:
+        loss.backward()
+    return float(loss.detach())
 
 
-def our_loss(config: LossConfig, dtype: torch.dtype) -> float:
-    """The step loss the trainer backpropagates for these pairs as one micro-batch (the whole step)."""
+def our_loss(config: LossConfig, dtype: torch.dtype, leaves: list | None = None) -> float:
+    """The step loss the trainer backpropagates for these pairs as one micro-batch (the whole step); with
+    `leaves`, the policy's summed log-probs (chosen, rejected) are appended with their gradient."""
     chosen, rejected, ref_chosen, ref_rejected = (t.to(dtype) for t in (CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED))
-    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, CHOSEN_TOKENS, REJECTED_TOKENS)
-    return float(
-        microbatch_loss(terms.losses, len(CHOSEN), -chosen.sum(), float(CHOSEN_TOKENS.sum()), config.sft_weight)
+    if leaves is not None:
+        leaves += [chosen.requires_grad_(), rejected.requires_grad_()]
+    scores = SortScores(torch.arange(len(CHOSEN)), chosen, rejected, ref_chosen, ref_rejected)
+    partners = step_partners([scores], config)[0] if sorted_types(config) else None
+    terms = pair_losses(
+        config, chosen, rejected, ref_chosen, ref_rejected, CHOSEN_TOKENS, REJECTED_TOKENS, partners=partners
     )
+    loss = microbatch_loss(terms.losses, len(CHOSEN), -chosen.sum(), float(CHOSEN_TOKENS.sum()), config.sft_weight)
+    if leaves is not None:
+        loss.backward()
+    return float(loss.detach())
 
 
 F64 = dict(rel=1e-6, abs=1e-12)
@@ -125,6 +147,10 @@ ALONE = [
     dict(type="sft"),
     dict(type="sft", beta=0.3),
     dict(type="sigmoid_norm", beta=2.0),
+    dict(type="aot", beta=0.3),
+    dict(type="aot", beta=0.3, label_smoothing=0.2),
+    dict(type="aot_unpaired", beta=0.5),
+    dict(type="aot_unpaired", beta=0.5, label_smoothing=0.1),
 ]
 
 
@@ -133,6 +159,29 @@ def test_each_type_alone_is_trls_loss(trl_trainer, config):
     """float64, 1e-6 relative: each type's per-pair mean (plus, for sft, the NLL per chosen token) is TRL's."""
     config = LossConfig(**config)
     assert our_loss(config, torch.float64) == pytest.approx(trl_loss(trl_trainer, config, torch.float64), **F64)
+
+
+SORTED = [
+    dict(type="aot", beta=0.3, label_smoothing=0.2),
+    dict(type="aot_unpaired", beta=0.5, label_smoothing=0.1),
+    dict(type=["aot", "aot_unpaired", "sigmoid", "sft"], weights=[0.5, 0.7, 1.0, 0.3], beta=0.4),
+]
+
+
+@pytest.mark.parametrize("config", SORTED, ids=lambda c: str(c["type"]))
+def test_the_sorted_types_are_trls_loss_and_gradient(trl_trainer, config):
+    """AOT sorts over the batch: its gradient reaches each pair through its sorted partner. Ours, per pair with
+    the partners as constants (the rejected side's value taken out again), is TRL's torch.sort in value and in
+    the gradient of every pair's log-probs (TRL's: on any one of a completion's evenly spread tokens)."""
+    config = LossConfig(**config)
+    ours, theirs = [], []
+    assert our_loss(config, torch.float64, ours) == pytest.approx(
+        trl_loss(trl_trainer, config, torch.float64, leaves=theirs), **F64
+    )
+    n, per_token = len(CHOSEN), theirs[0].grad
+    torch.testing.assert_close(ours[0].grad, per_token[:n, -1], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(ours[1].grad, per_token[n:, -1], rtol=1e-6, atol=1e-12)
+    assert ours[0].grad.abs().min() > 0 and ours[1].grad.abs().min() > 0  # every pair takes a gradient
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,23 @@ def spread(values: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, torch
     return -both[values.numel() :], both[: values.numel()]
 
 
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's `rows` [n_r, k] (n_r may differ between ranks, 0 included), concatenated in rank order,
+    on every rank: one all-reduce of the counts, then one all-gather padded to the largest."""
+    if not active():
+        return rows
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = torch.zeros(world, dtype=torch.int64)
+    counts[rank] = len(rows)
+    counts = all_reduce(counts)
+    where = device()
+    padded = torch.zeros(int(counts.max()), *rows.shape[1:], dtype=rows.dtype, device=where)
+    padded[: len(rows)] = rows.to(where)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:count] for part, count in zip(parts, counts.tolist(), strict=True)]).to(rows.device)
+
+
 def barrier() -> None:
     """Wait for every rank (a no-op in one process)."""
     if not active():
