@@ -384,10 +384,11 @@ def _option_problems(loss: LossConfig) -> list[str]:
         readers = [name for name, kind in LOSSES.items() if option in kind.options]
         value, default = getattr(loss, option), getattr(defaults, option)
         if value != default and not set(readers) & set(loss.types):
+            listing = f"list {readers[0]}" if len(readers) == 1 else f"list one of them ({', '.join(readers)})"
             problems.append(
                 f"loss.{option} is {value}, but loss.type {loss.type_text} does not read it (only "
-                f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it); drop it (default "
-                f"{default}), or list {' or '.join(readers)} in loss.type"
+                f"{', '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it); drop it (default "
+                f"{default}), or {listing} in loss.type"
             )
     return problems
 

@@ -59,8 +59,8 @@ class LossConfig:
     target_margin: float = 0.5
     """simpo, alphapo: the target reward margin gamma (TRL's `simpo_gamma`)."""
     alpha: float = 0.0
-    """alphapo: the reward shape alpha of r(x) = (1 - exp(-alpha x)) / alpha (TRL's `alpha`, its default 0:
-    r(x) = x, SimPO)."""
+    """alphapo, cpo, cpo_hinge, cpo_ipo: the reward shape alpha of u(x) = (1 - exp(-alpha x)) / alpha (TRL's
+    CPOTrainer `alpha`, its default 0: u(x) = x; alphapo with 0 is SimPO)."""
     discopop_tau: float = 0.05
     """discopop: the temperature tau of its log-ratio modulation (TRL's default, the paper's)."""
     f_divergence_type: str = "reverse_kl"
@@ -277,25 +277,56 @@ def _simpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, cou
     return _smoothed(config, chosen_reward - rejected_reward - config.target_margin), chosen_reward, rejected_reward
 
 
-def _alphapo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
-    """AlphaPO (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment"): SimPO on the rewards
-    r(x) = (1 - p^-alpha) / alpha = (1 - exp(-alpha x)) / alpha of the per-token means x = c/|c|, r/|r|
-    (alpha = 0: r(x) = x, SimPO, as TRL falls back): z = b r(c/|c|) - b r(r/|r|) - gamma,
-    L = -(1 - e) log s(z) - e log s(-z); rewards b r(c/|c|) and b r(r/|r|), TRL's."""
-    (n_c, n_r), b, a = counts, config.beta, config.alpha
-    chosen, rejected = chosen / n_c, rejected / n_r
-    if a != 0.0:
-        chosen, rejected = (1 - torch.exp(-a * chosen)) / a, (1 - torch.exp(-a * rejected)) / a
-    return _smoothed(config, b * chosen - b * rejected - config.target_margin), b * chosen, b * rejected
+def _shaped(config: LossConfig, x: torch.Tensor) -> torch.Tensor:
+    """AlphaPO's reward shape (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment"), TRL 1.16's
+    CPOTrainer `alpha` for every CPO loss type: u(x) = (1 - p^-alpha) / alpha = (1 - exp(-alpha x)) / alpha of a
+    policy log-prob x = log p; alpha = 0 (TRL's default): u(x) = x, as TRL falls back."""
+    a = config.alpha
+    return x if a == 0.0 else (1 - torch.exp(-a * x)) / a
 
 
-@_of_ratios
+def _of_shaped(loss: Callable[[LossConfig, torch.Tensor, torch.Tensor], torch.Tensor]) -> Form:
+    """A reference-free CPOTrainer form from the shaped policy log-probs u(c), u(r) (per-token means where
+    counts are given); rewards b u(c) and b u(r), CPOTrainer's."""
+
+    def form(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor, counts: Counts | None):
+        if counts is not None:
+            chosen, rejected = chosen / counts[0], rejected / counts[1]
+        chosen, rejected = _shaped(config, chosen), _shaped(config, rejected)
+        return loss(config, chosen, rejected), config.beta * chosen, config.beta * rejected
+
+    return form
+
+
+@_of_shaped
+def _alphapo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """AlphaPO (Gupta et al. 2025), TRL 1.16's CPOTrainer(loss_type="alphapo"): SimPO on the shaped rewards of
+    the per-token means, z = b u(c/|c|) - b u(r/|r|) - gamma (gamma = target_margin; alpha = 0: SimPO),
+    L = -(1 - e) log s(z) - e log s(-z)."""
+    return _smoothed(config, config.beta * chosen - config.beta * rejected - config.target_margin)
+
+
+@_of_shaped
 def _cpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """CPO (Xu et al. 2024, "Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in
     Machine Translation", Eq. 3), TRL 1.16's CPOTrainer(loss_type="sigmoid") on policy log-probs:
-    L = -(1 - e) log s(b (c - r)) - e log s(-b (c - r)); its BC term (TRL's cpo_alpha times the chosen NLL)
-    is the step's NLL term (sft, or nll_weight), which `with_nll` asks the config to weigh."""
+    L = -(1 - e) log s(b (u(c) - u(r))) - e log s(-b (u(c) - u(r))); its BC term (TRL's cpo_alpha times the
+    chosen NLL) is the step's NLL term (sft, or nll_weight), which `with_nll` asks the config to weigh."""
     return _smoothed(config, config.beta * (chosen - rejected))
+
+
+@_of_shaped
+def _cpo_hinge(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """TRL 1.16's CPOTrainer(loss_type="hinge"), SLiC on policy log-probs: L = max(0, 1 - b (u(c) - u(r))),
+    with CPO's BC term as `cpo`."""
+    return torch.relu(1 - config.beta * (chosen - rejected))
+
+
+@_of_shaped
+def _cpo_ipo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """TRL 1.16's CPOTrainer(loss_type="ipo"), IPO on policy log-probs (per-token means, as CPOTrainer averages
+    them for ipo): L = (u(c/|c|) - u(r/|r|) - 1/(2 b))^2, with CPO's BC term as `cpo`."""
+    return (chosen - rejected - 1 / (2 * config.beta)) ** 2
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -440,7 +471,7 @@ LOSSES: dict[str, LossType] = {
     "discopop": LossType(_discopop, f_divergence=True, options=("discopop_tau",)),
     "sft": LossType(_sft, needs_reference=False, nll_term=True),
     "sigmoid_norm": LossType(_sigmoid_norm, per_token_means=True, f_divergence=True),
-    "cpo": LossType(_cpo, needs_reference=False, label_smoothing=Interval(0.0, 0.5), with_nll=True),
+    "cpo": LossType(_cpo, needs_reference=False, label_smoothing=Interval(0.0, 0.5), options=("alpha",), with_nll=True),
     "alphapo": LossType(
         _alphapo,
         needs_reference=False,
@@ -449,6 +480,8 @@ LOSSES: dict[str, LossType] = {
         options=("target_margin", "alpha"),
     ),
     "orpo": LossType(_orpo, needs_reference=False, per_token_means=True, with_nll=True),
+    "cpo_hinge": LossType(_cpo_hinge, needs_reference=False, options=("alpha",), with_nll=True),
+    "cpo_ipo": LossType(_cpo_ipo, needs_reference=False, per_token_means=True, options=("alpha",), with_nll=True),
     "aot": LossType(_aot, label_smoothing=Interval(0.0, 0.5), sorted=True),
     "aot_unpaired": LossType(_aot_unpaired, label_smoothing=Interval(0.0, 0.5), sorted=True),
 }

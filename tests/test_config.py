@@ -120,7 +120,7 @@ def test_every_conflict_is_listed_in_one_error():
         "  - loss.label_smoothing is 0.2, but hinge has none; set it to 0, or use a loss.type that takes it "
         "(sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired)\n"
         "  - loss.type hinge needs a reference; set reference.mode: live or precomputed, or use a reference-free "
-        "loss.type (simpo, sft, cpo, alphapo, orpo)\n"
+        "loss.type (simpo, sft, cpo, alphapo, orpo, cpo_hinge, cpo_ipo)\n"
         "  - train.weights_from starts a new run from a checkpoint's weights; it cannot be combined with "
         "train.resume: /ckpt/step-000002; drop one of the two\n"
         "  - train.export is merged, but model.lora is not set: without adapters final/ is always the whole "
@@ -139,7 +139,7 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
             ["loss.type=kto"],
             SCHEMA + "loss/type: 'kto' is not one of ['sigmoid', 'ipo', 'hinge', 'robust', 'simpo', 'exo_pair', "
             "'nca_pair', 'bco_pair', 'sppo_hard', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm', 'cpo', "
-            "'alphapo', 'orpo', 'aot', 'aot_unpaired']",
+            "'alphapo', 'orpo', 'cpo_hinge', 'cpo_ipo', 'aot', 'aot_unpaired']",
         ),
         (
             ["loss.beta=0"],
@@ -242,7 +242,9 @@ def test_the_config_rules_read_the_loss_registry(monkeypatch):
         "takes it (sigmoid, robust, simpo, exo_pair, cpo, alphapo, aot, aot_unpaired, smoothed)"
     )
     none = config_problems(TrainConfig(reference=ReferenceConfig(mode="none")), for_run=False)  # sigmoid
-    assert none[0].endswith("or use a reference-free loss.type (simpo, sft, cpo, alphapo, orpo, free)")
+    assert none[0].endswith(
+        "or use a reference-free loss.type (simpo, sft, cpo, alphapo, orpo, cpo_hinge, cpo_ipo, free)"
+    )
 
 
 def test_the_loss_keys_only_some_types_read_follow_the_registry(monkeypatch):
@@ -322,8 +324,8 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         ),
         (
             ["loss.type=[sigmoid, hinge]", "loss.target_margin=1.0"],
-            "loss.target_margin is 1.0, but loss.type [sigmoid, hinge] does not read it (only simpo and alphapo "
-            "read it); drop it (default 0.5), or list simpo or alphapo in loss.type",
+            "loss.target_margin is 1.0, but loss.type [sigmoid, hinge] does not read it (only simpo, alphapo "
+            "read it); drop it (default 0.5), or list one of them (simpo, alphapo) in loss.type",
         ),
         (
             ["loss.type=[sigmoid, bco_pair]", "loss.f_divergence_type=js_divergence"],
@@ -351,7 +353,7 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         (
             ["loss.type=[simpo, sigmoid]", "reference.mode=none"],
             "loss.type [simpo, sigmoid] needs a reference; set reference.mode: live or precomputed, or use a "
-            "reference-free loss.type (simpo, sft, cpo, alphapo, orpo)",
+            "reference-free loss.type (simpo, sft, cpo, alphapo, orpo, cpo_hinge, cpo_ipo)",
         ),
     ],
     ids=[
@@ -475,8 +477,8 @@ def test_a_default_objective_is_what_checkpoints_recorded_before_the_new_loss_ke
     [
         (
             ["loss.type=simpo", "reference.mode=none", "loss.alpha=0.25"],
-            "loss.alpha is 0.25, but loss.type simpo does not read it (only alphapo reads it); drop it (default "
-            "0.0), or list alphapo in loss.type",
+            "loss.alpha is 0.25, but loss.type simpo does not read it (only cpo, alphapo, cpo_hinge, cpo_ipo read "
+            "it); drop it (default 0.0), or list one of them (cpo, alphapo, cpo_hinge, cpo_ipo) in loss.type",
         ),
         (
             ["loss.type=cpo", "reference.mode=none"],

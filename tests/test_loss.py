@@ -414,14 +414,24 @@ REFERENCE_FREE = {
         ),
         lambda c, nc: 0.5 * c / nc,
     ),
+    "cpo_hinge": (
+        dict(beta=0.3, alpha=0.05),
+        lambda c, r, nc, nr: max(0.0, 1 - 0.3 * ((1 - math.exp(-0.05 * c)) / 0.05 - (1 - math.exp(-0.05 * r)) / 0.05)),
+        lambda c, nc: 0.3 * (1 - math.exp(-0.05 * c)) / 0.05,
+    ),
+    "cpo_ipo": (
+        dict(beta=0.5),
+        lambda c, r, nc, nr: (c / nc - r / nr - 1 / (2 * 0.5)) ** 2,
+        lambda c, nc: 0.5 * c / nc,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(REFERENCE_FREE))
 def test_each_reference_free_method_is_its_closed_form_on_policy_log_probs(name):
-    """cpo sums, simpo, alphapo and orpo take per-token means (orpo: the odds p / (1 - p) of the mean log-prob,
-    as its paper writes them); none reads a reference. Rewards: b times what the form reads (alphapo: the
-    shaped reward)."""
+    """cpo and cpo_hinge sum, simpo, alphapo, cpo_ipo and orpo take per-token means (orpo: the odds p / (1 - p)
+    of the mean log-prob, as its paper writes them); none reads a reference. Rewards: b times what the form
+    reads (alphapo, and the CPO types with alpha: the shaped reward)."""
     config, closed_form, reward = REFERENCE_FREE[name]
     out = pair_losses(LossConfig(type=name, **config), C, R, None, None, NC, NR)
     rows = list(zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist()))

@@ -270,6 +270,15 @@ CPO_CASES = [
         True,
     ),
     (dict(type="alphapo", beta=2.0, alpha=0.0), dict(loss_type="alphapo", alpha=0.0), True),
+    (dict(type=["cpo", "sft"], beta=0.1, alpha=0.01), dict(loss_type="sigmoid", alpha=0.01, cpo_alpha=1.0), False),
+    (dict(type=["cpo_hinge", "sft"], beta=0.3), dict(loss_type="hinge", cpo_alpha=1.0), False),
+    (
+        dict(type="cpo_hinge", beta=0.3, alpha=0.05, nll_weight=0.5),
+        dict(loss_type="hinge", alpha=0.05, cpo_alpha=0.5),
+        False,
+    ),
+    (dict(type="cpo_ipo", beta=0.5, nll_weight=1.0), dict(loss_type="ipo", cpo_alpha=1.0), True),
+    (dict(type="cpo_ipo", beta=0.5, alpha=0.3, nll_weight=0.2), dict(loss_type="ipo", alpha=0.3, cpo_alpha=0.2), True),
 ]
 
 
@@ -290,7 +299,7 @@ def _trl_cpo_loss(config: LossConfig, trl_keys: dict, averaged: bool) -> tuple[f
 
 
 @pytest.mark.parametrize("ours, trl_keys, averaged", CPO_CASES, ids=lambda v: str(v) if isinstance(v, bool) else None)
-def test_cpo_simpo_and_alphapo_are_trls_cpo_trainer(ours, trl_keys, averaged):
+def test_the_cpo_trainer_types_are_trls(ours, trl_keys, averaged):
     """float64, 1e-6 relative: our step loss is CPOTrainer's (its `cpo_loss` plus cpo_alpha times the NLL),
     and so are the rewards."""
     config = LossConfig(**ours)
