@@ -11,8 +11,8 @@ from dpo_state.layout import list_checkpoints
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, read_log, step_scalars
 from dpo_state.strict_yaml import read_yaml_file
 
-REPORT_FORMAT_VERSION = 1
-"""`dpo-state report --json` prints one document of this version; schema `run-report`."""
+REPORT_FORMAT_VERSION = 2
+"""`dpo-state report --json` prints one document of this version; schema `run-report`. 2: eval `loss`, `nll`."""
 
 FILL_EDGES = [b / 10 for b in range(11)]
 """The bins of the trainer's micro-batch fill histogram (dpo_train.metrics.FILL_BINS)."""
@@ -196,8 +196,8 @@ def _sources(steps: list[dict]) -> list[dict[str, Any]]:
 
 
 def _eval_series(evals: list[dict]) -> dict[str, list]:
-    keys = ("step", "pairs", "accuracy", "ties", "margin", "logp_accuracy")
-    return {key: [r[key] for r in evals] for key in keys}
+    keys = ("step", "pairs", "accuracy", "ties", "margin", "logp_accuracy", "loss", "nll")
+    return {key: [r.get(key) for r in evals] for key in keys}  # loss, nll: None in format_version 1
 
 
 def _microbatches(steps: list[dict]) -> dict[str, Any]:

@@ -1,42 +1,50 @@
-"""Held-out preference accuracy: the share of held-out pairs whose margin over the reference is positive."""
+"""Held-out evaluation: the run's objective on held-out pairs, and how many the policy prefers over the reference."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import torch
 
 from dpo_data.dataset.store import PairStore
+from dpo_train.loss import LossConfig, pair_losses
 from dpo_train.reference.scoring import Scores, score_pairs
+from dpo_train.step_sort import SortScores, set_partners, sorted_types
 
-EVAL_FORMAT_VERSION = 1
-"""Every eval.jsonl record carries it; schema `eval-record`."""
+EVAL_FORMAT_VERSION = 2
+"""Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added."""
 
 
 class Evaluator:
     """Scores a held-out store with the initial policy once (it is the reference), then with the policy.
 
     accuracy: share of pairs with (c - c0) - (r - r0) > 0 (a tie is not a win, so it is 0 before
-    training, when policy = reference); logp_accuracy: share with c > r, the policy alone.
+    training, when policy = reference); logp_accuracy: share with c > r, the policy alone; loss: the run's
+    objective over the held-out pairs (`held_out_loss`).
     """
 
     def __init__(self, store: PairStore, initial: Any, setup: Any):
-        """`setup` (a RunSetup) gives the placement's autocast, the sequence mesh and the data layout."""
+        """`setup` (a RunSetup) gives the placement's autocast, the sequence mesh, the data layout and the loss."""
         self.store, self.setup, self.layout = store, setup, setup.config.data.layout
+        self.loss = setup.config.loss
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
             setup.config.data.max_tokens_per_microbatch,
             int(store.segment_tokens(np.arange(store.num_pairs), self.layout).max(initial=0)),
         )
-        self.reference = self._score(initial)
+        self.reference = self._score(initial, weighting=False)
 
-    def _score(self, model: Any) -> Scores:
-        return score_pairs(model, self.store, self.budget, self.setup.place.autocast, self.setup.mesh, self.layout)
+    def _score(self, model: Any, weighting: bool) -> Scores:
+        place, mesh = self.setup.place, self.setup.mesh
+        ld_alpha = self.loss.ld_alpha
+        return score_pairs(model, self.store, self.budget, place.autocast, mesh, self.layout, ld_alpha, weighting)
 
     def run(self, model: Any, step: int) -> dict:
         """The eval.jsonl record of `model` after `step` optimizer steps (step 0: the reference itself)."""
-        policy = self.reference if step == 0 else self._score(model)
+        policy = self._score(model, self.loss.use_weighting) if step or self.loss.use_weighting else self.reference
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
+        loss, nll = held_out_loss(self.loss, policy, self.reference)
         return {
             "format_version": EVAL_FORMAT_VERSION,
             "step": step,
@@ -45,4 +53,26 @@ class Evaluator:
             "ties": float((margin == 0).sum() / n),
             "margin": float(margin.sum() / n),
             "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n),
+            "loss": loss,
+            "nll": nll,
         }
+
+
+def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tuple[float, float]:
+    """(loss, nll): the training objective with the held-out set as one step, every pair weighing 1/N (the
+    sorted types sort over the whole set), plus the NLL term's weight times `nll`, the NLL per chosen
+    completion token; the router load-balancing loss, a regularizer of training, is left out."""
+    as_tensor = [torch.from_numpy(np.asarray(v, dtype=np.float64)) for v in (*policy.scored, *reference.scored)]
+    chosen, rejected, ref_chosen, ref_rejected = as_tensor
+    counts = torch.from_numpy(policy.chosen_tokens), torch.from_numpy(policy.rejected_tokens)
+    if not len(chosen):
+        return float("nan"), float("nan")
+    partners = None
+    if sorted_types(config):
+        partners = set_partners(
+            SortScores(torch.arange(len(chosen)), chosen, rejected, ref_chosen, ref_rejected), config
+        )
+    weights = None if policy.weights is None else torch.from_numpy(policy.weights)
+    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, weights, partners)
+    nll = float(-policy.chosen.sum() / max(int(policy.chosen_tokens.sum()), 1))
+    return float(terms.losses.mean()) + config.sft_weight * nll, nll

@@ -77,19 +77,34 @@ def step_partners(scores: list[SortScores | None], loss: LossConfig, mesh=None) 
     parallelism (`mesh`, a SequenceMesh; None: one process) one rank of each group sends its group's pairs,
     and every rank of the group takes them back by its data-parallel rank."""
     dp_rank, sends = (0, True) if mesh is None else (mesh.dp_rank, mesh.counts_pairs)
+    names, held = sorted_types(loss), [s for s in scores if s is not None]
+    rows = _rows(held, names, dp_rank) if held and sends else torch.zeros(0, 2 + 2 * len(names), dtype=torch.float64)
+    found = _partners(collectives.all_gather_rows(rows), names, dp_rank)
+    return _split(found, names, [0 if s is None else len(s.pair_index) for s in scores])
+
+
+def set_partners(scores: SortScores, loss: LossConfig) -> dict[str, torch.Tensor]:
+    """The partners of a whole set of pairs that this process holds (held-out evaluation): no collective."""
     names = sorted_types(loss)
-    held = [s for s in scores if s is not None]
-    local = torch.zeros(0, 2 + 2 * len(names), dtype=torch.float64)
-    if held and sends:
-        ties = torch.cat([s.pair_index.double().cpu() for s in held])
-        columns = [torch.cat([sort_columns(name, s) for s in held]) for name in names]
-        local = torch.cat([torch.full_like(ties, dp_rank)[:, None], ties[:, None], *columns], dim=1)
-    step = collectives.all_gather_rows(local)
-    mine = step[:, 0] == dp_rank
-    found = {}
+    return _split(_partners(_rows([scores], names, 0), names, 0), names, [len(scores.pair_index)])[0]
+
+
+def _rows(held: list[SortScores], names: list[str], dp_rank: int) -> torch.Tensor:
+    """[pairs, 2 + 2 * types] float64: data-parallel rank, pair index, then each sorted type's two columns."""
+    ties = torch.cat([s.pair_index.double().cpu() for s in held])
+    columns = [torch.cat([sort_columns(name, s) for s in held]) for name in names]
+    return torch.cat([torch.full_like(ties, dp_rank)[:, None], ties[:, None], *columns], dim=1)
+
+
+def _partners(step: torch.Tensor, names: list[str], dp_rank: int) -> dict[str, torch.Tensor]:
+    """Each type's partners of the rows of `dp_rank`, in their order, sorted over all of `step`'s rows."""
+    mine, found = step[:, 0] == dp_rank, {}
     for k, name in enumerate(names):
         columns = step[:, 2 + 2 * k : 4 + 2 * k]
         found[name] = form_partners(name, columns, partners_in_sorts(columns, step[:, 1]))[mine]
-    sizes = [0 if s is None else len(s.pair_index) for s in scores]
+    return found
+
+
+def _split(found: dict[str, torch.Tensor], names: list[str], sizes: list[int]) -> list[dict[str, torch.Tensor]]:
     split = {name: found[name].split(sizes) for name in names}
-    return [{name: split[name][m] for name in names} for m in range(len(scores))]
+    return [{name: split[name][m] for name in names} for m in range(len(sizes))]

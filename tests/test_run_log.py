@@ -17,7 +17,7 @@ def _step(step):
 
 
 def _eval(step):
-    fields = ("accuracy", "ties", "margin", "logp_accuracy")
+    fields = ("accuracy", "ties", "margin", "logp_accuracy", "loss", "nll")
     return {"format_version": EVAL_FORMAT_VERSION, "step": step, "pairs": 2, **dict.fromkeys(fields, 0.5)}
 
 
@@ -58,3 +58,19 @@ def test_a_fresh_start_replaces_an_earlier_runs_logs_and_says_so(tmp_path, capsy
     assert [r["step"] for r in _lines(tmp_path / METRICS_LOG)] == [0]
     assert not _lines(tmp_path / EVAL_LOG)
     assert "held logs of an earlier run without a checkpoint to resume; they are replaced" in capsys.readouterr().err
+
+
+def test_an_eval_log_written_before_loss_existed_stays_readable(tmp_path):
+    """format_version 1 records (no loss, nll) from a run started before them still resume; a version 2
+    record without them is a named error."""
+    import pytest
+
+    from dpo_state.errors import DocumentError
+    from dpo_state.run_logs import read_log
+
+    old = {k: v for k, v in _eval(0).items() if k not in ("loss", "nll")}
+    (tmp_path / EVAL_LOG).write_bytes(orjson.dumps({**old, "format_version": 1}) + b"\n")
+    assert read_log(tmp_path / EVAL_LOG).records[0]["format_version"] == 1
+    (tmp_path / EVAL_LOG).write_bytes(orjson.dumps(old) + b"\n")
+    with pytest.raises(DocumentError, match="'loss' is a required property"):
+        read_log(tmp_path / EVAL_LOG)

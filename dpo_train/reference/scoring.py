@@ -21,18 +21,34 @@ from dpo_train.parallel import collectives
 
 @dataclass
 class Scores:
-    """Per pair (by global pair index): summed completion log-probs and completion token counts."""
+    """Per pair (by global pair index): summed completion log-probs and completion token counts; where asked
+    for, LD-DPO's sums and WPO's weights (dpo_train/logps.py)."""
 
     chosen: np.ndarray
     rejected: np.ndarray
     chosen_tokens: np.ndarray
     rejected_tokens: np.ndarray
+    ld: tuple[np.ndarray, np.ndarray] | None = None
+    weights: np.ndarray | None = None
+
+    @property
+    def scored(self) -> tuple[np.ndarray, np.ndarray]:
+        """The (chosen, rejected) log-probs the loss reads: the LD-DPO sums where asked for, else the sums."""
+        return self.ld if self.ld is not None else (self.chosen, self.rejected)
 
 
 def score_pairs(
-    model: Any, store: PairStore, max_tokens: int, autocast=None, mesh: Any = None, layout: str = "separate"
+    model: Any,
+    store: PairStore,
+    max_tokens: int,
+    autocast=None,
+    mesh: Any = None,
+    layout: str = "separate",
+    ld_alpha: float | None = None,
+    weighting: bool = False,
 ) -> Scores:
-    """Forward every pair of `store` once, packed in `layout` into micro-batches of at most `max_tokens`.
+    """Forward every pair of `store` once, packed in `layout` into micro-batches of at most `max_tokens`
+    (`ld_alpha`, `weighting`: also LD-DPO's sums and WPO's weights, as `pair_logps` takes them).
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
@@ -52,7 +68,7 @@ def score_pairs(
     if mesh is not None:
         rank, world = mesh.dp_rank, mesh.dp_size
     writes = mesh is None or mesh.counts_pairs
-    table = torch.zeros(4, store.num_pairs, dtype=torch.float64)
+    table = torch.zeros(7, store.num_pairs, dtype=torch.float64)  # sums, counts, LD sums, WPO weights
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -67,13 +83,22 @@ def score_pairs(
                 if not members:
                     model(**row_inputs(batch, mesh, model)[0])
                     continue
-                out = pair_logps(model, batch, mesh)
+                out = pair_logps(model, batch, mesh, ld_alpha=ld_alpha, weighting=weighting)
             if not writes:
                 continue
             index = batch["pair_index"].cpu().long()
-            for row, values in enumerate((out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens)):
+            rows = [out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens, *(out.ld or ())]
+            for row, values in enumerate(rows):
                 table[row, index] = values.detach().double().cpu()
+            if weighting:
+                table[6, index] = out.weights.double().cpu()
     model.train(was_training)
-    table = collectives.all_reduce(table)
-    values = table.numpy()
-    return Scores(values[0].copy(), values[1].copy(), values[2].astype(np.int32), values[3].astype(np.int32))
+    values = collectives.all_reduce(table).numpy()
+    return Scores(
+        values[0].copy(),
+        values[1].copy(),
+        values[2].astype(np.int32),
+        values[3].astype(np.int32),
+        (values[4].copy(), values[5].copy()) if ld_alpha is not None else None,
+        values[6].copy() if weighting else None,
+    )
