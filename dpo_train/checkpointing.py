@@ -60,6 +60,7 @@ from dpo_state.state import (
     read_state_tree,
 )
 from dpo_train.config import TrainConfig
+from dpo_train.early_stopping import EarlyStopping
 from dpo_train.errors import CheckpointError, ResumeError
 from dpo_train.parallel import collectives
 
@@ -81,17 +82,23 @@ class Stateful(Protocol):
 
 @dataclass
 class TrainState:
-    """Where the loop stands: optimizer steps taken and what they consumed."""
+    """Where the loop stands: optimizer steps taken, what they consumed, and the early-stopping watch."""
 
     step: int = 0
     consumed: dict[str, int] = field(default_factory=lambda: {"pairs": 0, "input_tokens": 0, "supervised_tokens": 0})
+    early_stopping: EarlyStopping | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "consumed": dict(self.consumed)}
+        state = {"step": self.step, "consumed": dict(self.consumed)}
+        if self.early_stopping is not None:
+            state["early_stopping"] = self.early_stopping.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.consumed = {k: int(v) for k, v in state["consumed"].items()}
+        if self.early_stopping is not None:
+            self.early_stopping.load_state_dict(state.get("early_stopping"))
 
 
 class ModelAndOptimizer:
@@ -173,7 +180,7 @@ class Checkpointable:
     rng: Stateful
     """-> rank-RRRRR.rng.safetensors, one per rank."""
     train: TrainState
-    """-> state.json `step` and `consumed`."""
+    """-> state.json `step`, `consumed` and (with eval.early_stopping_metric) `early_stopping`."""
 
 
 @dataclass(frozen=True)
@@ -355,6 +362,7 @@ def _state_document(parts: Checkpointable, ctx: RunContext, positions: list, ten
             "epoch": position["epoch"],
             "loader": {"position": position, "batching": ctx.batching},
             "consumed": train["consumed"],
+            **({"early_stopping": train["early_stopping"]} if "early_stopping" in train else {}),
             "config": ctx.config,
             "config_sha256": DIGEST_PREFIX + sha256_json(ctx.config),
             "identity": ctx.identity,
@@ -502,7 +510,9 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         from safetensors.torch import load_file
 
         parts.rng.load_state_dict(load_file(str(path / rank_files(ctx.rank)[1])))
-    parts.train.load_state_dict({"step": state["step"], "consumed": state["consumed"]})
+    parts.train.load_state_dict(
+        {"step": state["step"], "consumed": state["consumed"], "early_stopping": state.get("early_stopping")}
+    )
     return state
 
 

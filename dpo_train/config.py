@@ -180,6 +180,13 @@ class EvalConfig:
     """A built held-out dataset: preference accuracy before training and after (OUTPUT/eval.jsonl)."""
     every: int = 0
     """Also evaluate every N optimizer steps (0: only before and after)."""
+    early_stopping_metric: str | None = None
+    """Stop the run when this eval.jsonl metric (loss, nll, accuracy, margin, logp_accuracy) has not improved
+    for `early_stopping_patience` evaluations (dpo_train/early_stopping.py); null: never."""
+    early_stopping_patience: int = 3
+    """Evaluations in a row without a gain that end the run (HF's `early_stopping_patience`)."""
+    early_stopping_threshold: float = 0.0
+    """A gain is more than this (HF's `early_stopping_threshold`), in the metric's units."""
 
 
 SECTIONS = {
@@ -498,6 +505,35 @@ def _reference_rules(config: TrainConfig) -> list[str]:
     return problems
 
 
+def _eval_rules(config: TrainConfig) -> list[str]:
+    """Early stopping watches a metric the evaluations write, evaluated during training; its other keys
+    only with it."""
+    from dpo_train.early_stopping import LOWER_IS_BETTER
+
+    e, defaults = config.eval, EvalConfig()
+    if e.early_stopping_metric is None:
+        keys = ("early_stopping_patience", "early_stopping_threshold")
+        return [
+            f"eval.{key} is {getattr(e, key)}, but eval.early_stopping_metric is null, so nothing reads it; drop it "
+            f"(default {getattr(defaults, key)}), or set eval.early_stopping_metric"
+            for key in keys
+            if getattr(e, key) != getattr(defaults, key)
+        ]
+    problems = []
+    if e.early_stopping_metric not in LOWER_IS_BETTER:
+        problems.append(
+            f"eval.early_stopping_metric is {e.early_stopping_metric!r}; allowed: {', '.join(LOWER_IS_BETTER)}; "
+            "set it to one of them"
+        )
+    if not e.path or not e.every:
+        problems.append(
+            f"eval.early_stopping_metric is {e.early_stopping_metric}, but the run does not evaluate during "
+            f"training (eval.path {e.path!r}, eval.every {e.every}); set eval.path to a held-out dataset and "
+            "eval.every to the steps between evaluations"
+        )
+    return problems
+
+
 def _train_rules(config: TrainConfig) -> list[str]:
     """train.weights_from starts afresh (no resume PATH); train.export chooses among LoRA exports only."""
     problems = []
@@ -521,7 +557,7 @@ def _data_rules(config: TrainConfig) -> list[str]:
     return ["data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"]
 
 
-_RULES = (_loss_rules, _reference_rules, _per_token_rules, _train_rules)
+_RULES = (_loss_rules, _reference_rules, _per_token_rules, _train_rules, _eval_rules)
 """What any loaded config must satisfy."""
 _RUN_RULES = (_data_rules,)
 """What a run needs beyond that: `check_config(config)` (for_run=True) checks these too; `load_config` not."""

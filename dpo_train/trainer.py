@@ -31,6 +31,7 @@ from dpo_train.checkpointing import (
     save,
 )
 from dpo_train.config import TrainConfig
+from dpo_train.early_stopping import EarlyStopping, early_stopping
 from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import export
@@ -91,7 +92,7 @@ class Trainer:
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.vocab_rows = embedding_rows(policy)
-        self.state = TrainState()
+        self.state = TrainState(early_stopping=early_stopping(config.eval))
         self.skipped_steps = 0
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
@@ -321,9 +322,12 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
         RunLog(out, rank, config.train.report_to, config.train.log_every, resumed_at) as log,
         Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
     ):
+        watch = trainer.state.early_stopping
         if evaluator and resume_from is None:
-            log.evaluation(evaluator.run(trainer.model, step=0))
-        for batch in loader if trainer.state.step < config.train.max_steps else ():
+            _evaluate(evaluator, trainer, log, watch)
+        if _stopped(watch) and rank == 0:  # resumed from the checkpoint where it stopped
+            print(watch.reason(), file=sys.stderr, flush=True)
+        for batch in loader if trainer.state.step < config.train.max_steps and not _stopped(watch) else ():
             fault(trainer.state.step)
             epochs_note(batch["epoch"])
             trainer.microbatch(batch)
@@ -333,8 +337,10 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
             log.step(record)
             bar.update(record)
             if evaluator and config.eval.every and trainer.state.step % config.eval.every == 0:
-                log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
-            done = trainer.state.step >= config.train.max_steps
+                stopped = _evaluate(evaluator, trainer, log, watch)
+                if stopped and rank == 0:
+                    print(watch.reason(), file=sys.stderr, flush=True)
+            done = trainer.state.step >= config.train.max_steps or _stopped(watch)
             if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
                 lineage = {**lineage, "parent": save(parts, ctx, lineage).name}
                 saved_step = trainer.state.step
@@ -346,6 +352,18 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
     export(trainer.policy, config, setup.tokenizer, out, rank)
     return out
+
+
+def _evaluate(evaluator: Evaluator, trainer: Trainer, log: RunLog, watch: EarlyStopping | None) -> bool:
+    """Evaluate the policy now, log it, and count it in the early-stopping watch: True when it says stop.
+    Every rank holds the same record (the scores are all-reduced), so every rank decides the same."""
+    record = evaluator.run(trainer.model, step=trainer.state.step)
+    log.evaluation(record)
+    return bool(watch and watch.update(record))
+
+
+def _stopped(watch: EarlyStopping | None) -> bool:
+    return bool(watch and watch.stopped)
 
 
 def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
