@@ -1,6 +1,7 @@
 """Save and resume a run: model and optimizer through DCP, JSON and safetensors state, a commit record last.
 
-A checkpoint is OUTPUT/checkpoints/step-NNNNNN/ holding `dcp/` (torch.distributed.checkpoint), `state.json`
+A checkpoint is OUTPUT/checkpoints/step-NNNNNN/ holding `dcp/` (torch.distributed.checkpoint: the model and
+optimizer tensors, and the reference's when TR-DPO moves it), `state.json`
 (global), `rank-RRRRR.json` (the loader state) and `rank-RRRRR.rng.safetensors` (RNG states) per rank,
 and `commit.json`, written last by rename. Only a committed checkpoint whose files match the record
 is ever read. DCP holds tensors only; every non-tensor value of the model and optimizer state is JSON
@@ -141,6 +142,24 @@ class ModelAndOptimizer:
         return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
+class ReferenceWeights:
+    """The live reference's weights once TR-DPO moves them (reference.sync_ref_model): tensors only, to DCP
+    beside the policy's, sharded as the reference is (FSDP2 shards, or the whole copy)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
+
+
 class RNGState:
     """This process's generator states, by device kind: cpu always, and the rank's accelerator (cuda, or
     npu through torch-npu, whose generators live in `torch.npu`) when the run is on one."""
@@ -181,6 +200,9 @@ class Checkpointable:
     """-> rank-RRRRR.rng.safetensors, one per rank."""
     train: TrainState
     """-> state.json `step`, `consumed` and (with eval.early_stopping_metric) `early_stopping`."""
+    reference: Stateful | None = None
+    """-> dcp/ `reference` (tensors only), when the reference moves (TR-DPO); None: it is the initial policy,
+    rebuilt on resume and checked by the reference weights fingerprint."""
 
 
 @dataclass(frozen=True)
@@ -296,18 +318,25 @@ def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) ->
 
     rank, step = ctx.rank, parts.train.step
     model_state = parts.model.state_dict()
+    tensors = _dcp_tensors(parts, model_state)
     with quiet_single_process_dcp(), _writer_threads_checked():
         # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
         writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
-        dcp.save(model_state["tensors"], storage_writer=writer, no_dist=ctx.world == 1)
+        dcp.save(tensors, storage_writer=writer, no_dist=ctx.world == 1)
     kill_point(f"in-save:{step}:after-dcp")
     if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
         raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
     loader_state = parts.loader.state_dict()
     _write_rank_files(directory, rank, loader_state, parts.rng)
     kill_point(f"in-save:{step}:after-rank-files")
-    tensors = {group: _tensor_summary(value) for group, value in model_state["tensors"].items()}
-    return {"position": loader_state["position"], "tensors": tensors, "tree": model_state["tree"]}
+    summary = {group: _tensor_summary(value) for group, value in tensors.items()}
+    return {"position": loader_state["position"], "tensors": summary, "tree": model_state["tree"]}
+
+
+def _dcp_tensors(parts: Checkpointable, model_state: dict) -> dict:
+    """What DCP holds: the model and optimizer tensors, and the reference's when it moves."""
+    reference = {"reference": parts.reference.state_dict()} if parts.reference is not None else {}
+    return {**model_state["tensors"], **reference}
 
 
 def _commit(
@@ -485,13 +514,15 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         tree = read_state_tree(path)
     except DocumentError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
-    tensors = parts.model.state_dict()["tensors"]  # the shapes and shards to load into
+    tensors = _dcp_tensors(parts, parts.model.state_dict())  # the shapes and shards to load into
     try:
         with reading_tensors(path / DCP_DIR):
             dcp.load(tensors, storage_reader=safe_reader(path / DCP_DIR), no_dist=ctx.world == 1)
     except StateError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
     parts.model.load_state_dict({"tensors": tensors, "tree": tree})
+    if parts.reference is not None:
+        parts.reference.load_state_dict(tensors["reference"])
     parts.scheduler.load_state_dict(state["scheduler_state"])
     saved_world = len(state["ranks"])
     source_rank = ctx.rank if saved_world == ctx.world else 0  # elastic: positions are equal on all ranks

@@ -47,6 +47,14 @@ class ReferenceConfig:
     """live (a frozen copy) | precomputed (a sidecar of reference log-probs) | none (reference-free losses)."""
     path: str | None = None
     """precomputed: the sidecar directory."""
+    sync_ref_model: bool = False
+    """TR-DPO (TRL's): after every `ref_model_sync_steps`-th optimizer step the live reference moves toward the
+    policy, ref = (1 - ref_model_mixup_alpha) ref + ref_model_mixup_alpha policy. Needs reference.mode live,
+    a loss that reads a reference, and full fine-tuning (no model.lora)."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO: the policy's share in each move, in [0, 1] (TRL's default)."""
+    ref_model_sync_steps: int = 512
+    """TR-DPO: move after every this many optimizer steps, counted from 1 (TRL's default)."""
 
 
 LOADER_KEYS = (
@@ -534,6 +542,67 @@ def _eval_rules(config: TrainConfig) -> list[str]:
     return problems
 
 
+def _sync_rules(config: TrainConfig) -> list[str]:
+    """TR-DPO's keys: a bool, alpha in [0, 1], sync steps >= 1; the mixup keys only with sync_ref_model (they
+    would change nothing), and sync_ref_model only where a separate live copy of the reference exists."""
+    ref = config.reference
+    problems = _sync_value_problems(ref)
+    if not isinstance(ref.sync_ref_model, bool):  # named above; whether it is on is unknown
+        return problems
+    if not ref.sync_ref_model:
+        defaults = ReferenceConfig()
+        problems += [
+            f"reference.{key} is {getattr(ref, key)}, but reference.sync_ref_model is false: only TR-DPO reads it; "
+            f"drop it (default {getattr(defaults, key)}), or set reference.sync_ref_model: true"
+            for key in ("ref_model_mixup_alpha", "ref_model_sync_steps")
+            if getattr(ref, key) != getattr(defaults, key)
+        ]
+        return problems
+    keep = "or set reference.sync_ref_model: false"
+    if ref.mode == "precomputed":
+        problems.append(
+            "reference.sync_ref_model is true, but reference.mode is precomputed: the sidecar holds the log-probs "
+            "of a fixed reference, which TR-DPO's moves would make stale (TRL 1.16 refuses it too); set "
+            f"reference.mode: live, {keep}"
+        )
+    free = not _loss_type_problems(config.loss) and not config.loss.needs_reference  # an unknown type: _loss_rules
+    if ref.mode == "none" or free:
+        why = "reference.mode is none" if ref.mode == "none" else f"loss.type {config.loss.type_text} is reference-free"
+        problems.append(
+            f"reference.sync_ref_model is true, but {why}: there is no reference to move; use a loss.type that "
+            f"reads a reference with reference.mode: live, {keep}"
+        )
+    if config.model.lora:
+        problems.append(
+            "reference.sync_ref_model is true, but model.lora is set: the LoRA reference is the policy with its "
+            "adapters disabled, so there is no separate copy to move (TRL 1.16 refuses PEFT with it too); drop "
+            f"model.lora (full fine-tuning), {keep}"
+        )
+    return problems
+
+
+def _sync_value_problems(ref: ReferenceConfig) -> list[str]:
+    """The schema's ranges, for a config built in code (load_config has checked them already)."""
+    problems = []
+    if not isinstance(ref.sync_ref_model, bool):
+        problems.append(
+            f"reference.sync_ref_model is {ref.sync_ref_model!r}; allowed: true or false; set it to one of them"
+        )
+    alpha = ref.ref_model_mixup_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        problems.append(
+            f"reference.ref_model_mixup_alpha is {alpha!r}; allowed: a number in [0, 1] (the policy's share in "
+            "each move); set it so"
+        )
+    steps = ref.ref_model_sync_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1_000_000_000:
+        problems.append(
+            f"reference.ref_model_sync_steps is {steps!r}; allowed: an integer in [1, 1_000_000_000] (optimizer "
+            "steps between moves); set it so"
+        )
+    return problems
+
+
 def _train_rules(config: TrainConfig) -> list[str]:
     """train.weights_from starts afresh (no resume PATH); train.export chooses among LoRA exports only."""
     problems = []
@@ -557,7 +626,7 @@ def _data_rules(config: TrainConfig) -> list[str]:
     return ["data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"]
 
 
-_RULES = (_loss_rules, _reference_rules, _per_token_rules, _train_rules, _eval_rules)
+_RULES = (_loss_rules, _reference_rules, _sync_rules, _per_token_rules, _train_rules, _eval_rules)
 """What any loaded config must satisfy."""
 _RUN_RULES = (_data_rules,)
 """What a run needs beyond that: `check_config(config)` (for_run=True) checks these too; `load_config` not."""

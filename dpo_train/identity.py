@@ -43,6 +43,19 @@ def _objective(config: TrainConfig, router_aux_coef: float) -> dict:
     return {"type": loss.type, **settings}
 
 
+_SYNC_KEYS = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
+"""TR-DPO's keys, added after checkpoints recorded the reference: recorded only when sync_ref_model is on, so
+that a run without it has the identity it had before they existed."""
+
+
+def _reference(config: TrainConfig, weights: str, sidecar_sha256: str | None) -> dict:
+    """The reference's mode and weights (the initial policy's), and TR-DPO's settings when it moves."""
+    settings = {"mode": reference_mode(config), "weights_fingerprint": weights, "sidecar_table": sidecar_sha256}
+    if config.reference.sync_ref_model:
+        settings.update({k: getattr(config.reference, k) for k in _SYNC_KEYS})
+    return settings
+
+
 def run_identity(
     config: TrainConfig,
     store: PairStore,
@@ -66,11 +79,7 @@ def run_identity(
                 "num_pairs": store.num_pairs,
             },
             "tokenizer": {"fingerprint": store.tokenizer_fingerprint, "attestation": store.tokenizer_attestation},
-            "reference": {
-                "mode": reference_mode(config),
-                "weights_fingerprint": weights,
-                "sidecar_table": sidecar_sha256,
-            },
+            "reference": _reference(config, weights, sidecar_sha256),
             "objective": _objective(config, router_aux_coef),
             "optimizer": {
                 "class": type(optimizer).__name__,

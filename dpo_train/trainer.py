@@ -21,6 +21,7 @@ from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, 
 from dpo_train.checkpointing import (
     Checkpointable,
     ModelAndOptimizer,
+    ReferenceWeights,
     RNGState,
     RunContext,
     TrainState,
@@ -122,6 +123,7 @@ class Trainer:
             loader,
             RNGState(self.place.device.type),
             self.state,
+            ReferenceWeights(self.reference.initial) if self.reference.moves else None,
         )
 
     def run_context(self, loader: DPOLoader, out: Path) -> RunContext:
@@ -259,6 +261,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.reference.sync(self.policy, self.state.step + 1)  # TR-DPO; a skipped step counts (train-config.md)
         record = step_record(
             self.sums,
             self.sources,
@@ -308,13 +311,14 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
     parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
     lineage = new_lineage()
     resume_from = find_resume(config, out, rank)
+    # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
+    evaluator = Evaluator(held_out, trainer.reference.initial, setup) if held_out else None
     if resume_from is not None:
         state = restore(parts, ctx, resume_from)
         abandon_later(out, resume_from, rank, world)
         lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
         if rank == 0:
             print(f"resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr, flush=True)
-    evaluator = Evaluator(held_out, trainer.reference.initial, setup) if held_out else None
     fault, epochs_note = _fault(rank), _epochs_note(config, rank)
     saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
     resumed_at = trainer.state.step if resume_from else None

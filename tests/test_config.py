@@ -658,3 +658,136 @@ def test_the_edges_of_each_sorted_rule_load(overrides):
     """AOT reads the reference's plain (or LD) sums like any type, from a sidecar too, and its partners are
     found over sequence-parallel groups (tests/test_step_sort.py)."""
     load_config({}, overrides)
+
+
+# -- TR-DPO (reference.sync_ref_model) --
+
+SYNC = "reference.sync_ref_model=true"
+KEEP = "or set reference.sync_ref_model: false"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [SYNC, "reference.mode=precomputed", "reference.path=sidecar"],
+            "reference.sync_ref_model is true, but reference.mode is precomputed: the sidecar holds the log-probs "
+            "of a fixed reference, which TR-DPO's moves would make stale (TRL 1.16 refuses it too); set "
+            f"reference.mode: live, {KEEP}",
+        ),
+        (
+            [SYNC, "reference.mode=none", "loss.type=simpo"],
+            "reference.sync_ref_model is true, but reference.mode is none: there is no reference to move; use a "
+            f"loss.type that reads a reference with reference.mode: live, {KEEP}",
+        ),
+        (
+            [SYNC, "loss.type=[orpo, sft]"],
+            "reference.sync_ref_model is true, but loss.type [orpo, sft] is reference-free: there is no reference "
+            f"to move; use a loss.type that reads a reference with reference.mode: live, {KEEP}",
+        ),
+        (
+            [SYNC, "model.lora={r: 2}"],
+            "reference.sync_ref_model is true, but model.lora is set: the LoRA reference is the policy with its "
+            "adapters disabled, so there is no separate copy to move (TRL 1.16 refuses PEFT with it too); drop "
+            f"model.lora (full fine-tuning), {KEEP}",
+        ),
+        (
+            ["reference.ref_model_mixup_alpha=0.5"],
+            "reference.ref_model_mixup_alpha is 0.5, but reference.sync_ref_model is false: only TR-DPO reads it; "
+            "drop it (default 0.6), or set reference.sync_ref_model: true",
+        ),
+        (
+            ["reference.ref_model_sync_steps=64"],
+            "reference.ref_model_sync_steps is 64, but reference.sync_ref_model is false: only TR-DPO reads it; "
+            "drop it (default 512), or set reference.sync_ref_model: true",
+        ),
+        (
+            [SYNC, "reference.ref_model_mixup_alpha=1.5"],
+            SCHEMA + "reference/ref_model_mixup_alpha: 1.5 is greater than the maximum of 1; allowed: a number in "
+            "[0, 1]" + BOUNDS,
+        ),
+        (
+            [SYNC, "reference.ref_model_mixup_alpha=-0.1"],
+            SCHEMA + "reference/ref_model_mixup_alpha: -0.1 is less than the minimum of 0; allowed: a number in "
+            "[0, 1]" + BOUNDS,
+        ),
+        (
+            [SYNC, "reference.ref_model_sync_steps=0"],
+            SCHEMA + "reference/ref_model_sync_steps: 0 is less than the minimum of 1; allowed: an integer in "
+            "[1, 1_000_000_000]" + BOUNDS,
+        ),
+        (["reference.sync_ref_model=1"], SCHEMA + "reference/sync_ref_model: 1 is not of type 'boolean'"),
+    ],
+    ids=[
+        "precomputed",
+        "mode-none",
+        "reference-free",
+        "lora",
+        "alpha-without-sync",
+        "steps-without-sync",
+        "alpha-above-1",
+        "alpha-below-0",
+        "steps-0",
+        "sync-not-bool",
+    ],
+)
+def test_each_tr_dpo_rule_refuses_its_case_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"path": "x"}}, overrides)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [SYNC],
+        [SYNC, "reference.ref_model_mixup_alpha=0", "reference.ref_model_sync_steps=1"],
+        [SYNC, "reference.ref_model_mixup_alpha=1", "loss.ld_alpha=0.5", "eval.path=held-out"],
+        [SYNC, "loss.type=[sigmoid, sft]", "loss.weights=[1.0, 0.1]", "distributed.strategy=ddp"],
+        ["reference.sync_ref_model=false", "reference.ref_model_mixup_alpha=0.6", "reference.ref_model_sync_steps=512"],
+    ],
+    ids=["defaults", "alpha-0-steps-1", "alpha-1-ld-eval", "list-ddp", "off-at-defaults"],
+)
+def test_the_edges_of_each_tr_dpo_rule_load(overrides):
+    """A move with alpha 0 leaves the reference as it is and alpha 1 makes it the policy: both are TRL's range;
+    a list with a type that reads a reference moves it too."""
+    load_config({}, overrides)
+
+
+def test_tr_dpo_keys_built_in_code_are_checked_too():
+    from dpo_train.config import ReferenceConfig, TrainConfig, config_problems
+
+    def problems(**reference):
+        return config_problems(TrainConfig(reference=ReferenceConfig(**reference)), for_run=False)
+
+    assert problems(sync_ref_model=True, ref_model_mixup_alpha=float("nan"), ref_model_sync_steps=2.5) == [
+        "reference.ref_model_mixup_alpha is nan; allowed: a number in [0, 1] (the policy's share in each move); "
+        "set it so",
+        "reference.ref_model_sync_steps is 2.5; allowed: an integer in [1, 1_000_000_000] (optimizer steps between "
+        "moves); set it so",
+    ]
+    assert problems(sync_ref_model="yes", ref_model_mixup_alpha=True, ref_model_sync_steps=0) == [
+        "reference.sync_ref_model is 'yes'; allowed: true or false; set it to one of them",
+        "reference.ref_model_mixup_alpha is True; allowed: a number in [0, 1] (the policy's share in each move); "
+        "set it so",
+        "reference.ref_model_sync_steps is 0; allowed: an integer in [1, 1_000_000_000] (optimizer steps between "
+        "moves); set it so",
+    ]
+    assert problems(sync_ref_model=True, ref_model_mixup_alpha=0, ref_model_sync_steps=1) == []
+
+
+def test_the_tr_dpo_keys_join_the_reference_identity_only_when_on():
+    """A run without TR-DPO records the reference as main's identity.py did before the keys existed (this dict),
+    so its checkpoints still resume; with it, the three keys are recorded and a resume with others is refused."""
+    from dpo_train.config import ReferenceConfig, TrainConfig
+    from dpo_train.identity import _reference
+
+    before = {"mode": "live", "weights_fingerprint": "sha256:w", "sidecar_table": None}
+    assert _reference(TrainConfig(), "sha256:w", None) == before
+    on = ReferenceConfig(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=8)
+    assert _reference(TrainConfig(reference=on), "sha256:w", None) == {
+        **before,
+        "sync_ref_model": True,
+        "ref_model_mixup_alpha": 0.5,
+        "ref_model_sync_steps": 8,
+    }

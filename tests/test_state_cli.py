@@ -34,6 +34,7 @@ def test_inspect_reads_json_only_and_names_what_the_checkpoint_holds(run_dir):
     info = json.loads(state_cli("inspect", run_dir, "--json").stdout)
     assert info["step"] == 3 and info["committed"] and info["consumed"]["pairs"] == 12
     assert info["tensors"]["model"]["count"] == 21 and info["tensors"]["optim"]["count"] == 63
+    assert sorted(info["tensors"]) == ["model", "optim"]  # no reference group: it only moves under TR-DPO
     assert info["ranks"][0]["loader_position"] == {"epoch": 0, "step": 3, "microbatch": 0}
     assert info["lineage"]["parent"] == "step-000002"
     text = state_cli("inspect", run_dir).stdout

@@ -11,7 +11,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_train.config import TrainConfig
 from dpo_train.logps import pair_logps
 from dpo_train.parallel.device import Placement
-from dpo_train.reference.live import AdaptersDisabled, frozen_reference
+from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into
 from dpo_train.reference.sidecar import ReferenceTable, load_sidecar
 
 
@@ -25,7 +25,9 @@ class Reference:
     """The reference's log-probs of a micro-batch's pairs, however this run gets them.
 
     `initial` is the frozen initial policy where the run keeps one: the live reference, and held-out
-    evaluation's baseline (whatever the mode)."""
+    evaluation's baseline (whatever the mode). With TR-DPO (`sync_steps`) the live copy moves toward the
+    policy during training; evaluation scores its baseline before the first step (and before a resume
+    loads the moved weights), so that stays the initial policy."""
 
     mode: str
     place: Placement
@@ -34,6 +36,15 @@ class Reference:
     table: ReferenceTable | None = None
     ld_alpha: float | None = None
     """loss.ld_alpha: the live reference's sums are LD-DPO's, as the policy's (a sidecar is refused with it)."""
+    sync_steps: int = 0
+    """TR-DPO: reference.ref_model_sync_steps when reference.sync_ref_model is on; 0: the reference never moves."""
+    mixup_alpha: float = 0.0
+    """TR-DPO: reference.ref_model_mixup_alpha, the policy's share in each move."""
+
+    @property
+    def moves(self) -> bool:
+        """Whether the live copy moves (TR-DPO): its weights are then checkpoint state."""
+        return self.sync_steps > 0
 
     @property
     def sidecar_sha256(self) -> str | None:
@@ -57,6 +68,12 @@ class Reference:
             with torch.no_grad():
                 self.initial(**inputs)
 
+    def sync(self, policy: Any, step: int) -> None:
+        """TR-DPO after optimizer step `step` (counted from 1, TRL's `global_step`): on every multiple of
+        `sync_steps`, the live copy moves toward `policy` (the unwrapped policy), TRL's mixup rule."""
+        if self.moves and step % self.sync_steps == 0:
+            mix_into(self.initial, policy, self.mixup_alpha)
+
     def check_initial(self, policy: Any, batch: dict, step: int) -> None:
         """Before the first optimizer step the policy is the reference: a sidecar's values must be its own."""
         if self.table is not None and step == 0:
@@ -75,4 +92,6 @@ def build_reference(
     table = None
     if mode == "precomputed":
         table = load_sidecar(config.reference.path, store, weights, place.precision, config.data.layout)
-    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha)
+    sync = config.reference
+    steps, alpha = (sync.ref_model_sync_steps, sync.ref_model_mixup_alpha) if sync.sync_ref_model else (0, 0.0)
+    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha, steps, alpha)

@@ -1,5 +1,5 @@
 """The live reference: the initial policy frozen (a copy, sharded from birth under FSDP2) or, under LoRA, the
-policy itself with its adapters off."""
+policy itself with its adapters off; TR-DPO's move of the copy toward the policy."""
 
 from __future__ import annotations
 
@@ -40,6 +40,45 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     for name, buffer in policy.named_buffers():
         reference.get_buffer(name).copy_(buffer)
     return reference
+
+
+def mix_into(reference: Any, policy: Any, alpha: float) -> None:
+    """TR-DPO's move, TRL 1.16's rule (`SyncRefModelCallback._sync_target_model`): every reference parameter
+    becomes (1 - alpha) ref + alpha policy, in place, in the same two operations.
+
+    Under FSDP2 the copy is sharded like the policy (`frozen_reference`): each parameter pair is two DTensors
+    with the same mesh and placements, so each rank mixes its own local shards and no gather is needed. FSDP2
+    keeps the root's parameters unsharded after a forward; both are resharded first, so that the shards (the
+    weights that persist) are what moves, not a gathered copy that the next reshard would drop."""
+    _reshard(reference)
+    _reshard(policy)
+    source = dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, target in reference.named_parameters():
+            mine, theirs = _local_pair(name, target, source[name])
+            mine.mul_(1.0 - alpha).add_(theirs, alpha=alpha)
+
+
+def _reshard(model: Any) -> None:
+    """Every FSDP2 unit of `model` back on its sharded parameters (a no-op for one that is, or for a plain model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _local_pair(name: str, target: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local tensors of a reference parameter and its policy parameter: DTensor shards laid out alike, or
+    two plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor) or isinstance(source, DTensor):
+        assert isinstance(target, DTensor) and isinstance(source, DTensor), name
+        assert (target.device_mesh, target.placements) == (source.device_mesh, source.placements), name
+        target, source = target.to_local(), source.to_local()
+    assert target.shape == source.shape, name
+    return target, source
 
 
 class AdaptersDisabled:
