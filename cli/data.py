@@ -75,6 +75,13 @@ def main() -> None:
     metavar="N",
     help="Rows larger than this (decompressed) are rejected as row_too_large, never held whole or parsed.",
 )
+@click.option(
+    "--columns",
+    default=None,
+    metavar="FIELD=COLUMN,...",
+    help="Read row fields from other column names, e.g. prompt=question,chosen=response_j,rejected=response_k. "
+    "Fields: prompt, chosen, rejected, id, source, tools. Recorded in the manifest and its fingerprint.",
+)
 def build(
     inputs,
     tokenizer_dir,
@@ -88,6 +95,7 @@ def build(
     max_reject_fraction,
     pairs_per_shard,
     max_row_bytes,
+    columns,
 ) -> None:
     """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet) into an attested dataset at --out.
 
@@ -108,6 +116,7 @@ def build(
             max_reject_fraction=max_reject_fraction,
             pairs_per_shard=pairs_per_shard,
             max_row_bytes=max_row_bytes,
+            columns=columns,
             num_proc=num_proc,
             overwrite=overwrite,
             progress=True,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dpo_data.dataset.manifest import read_manifest
 from dpo_data.dataset.shards import open_shard
+from dpo_data.errors import DataError
 from dpo_data.prepare.build import BuildOptions, build
 from tests.conftest import chat, write_jsonl
 
@@ -50,3 +53,80 @@ def test_a_prompt_that_is_not_the_conversations_prefix_is_a_recorded_reject(smol
     [record] = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert (record["file"], record["line"], record["reason"]) == (str(data), 2, "prompt_not_prefix")
     assert record["message"].startswith("field 'chosen' is a whole conversation but does not begin with")
+
+
+def stack_exchange(i: int) -> dict:
+    """A row as lvwerra/stack-exchange-paired holds it: TRL's fields under other names, plain text."""
+    return {"question": f"Q: what is {i} + {i}?\nA:", "response_j": f" {2 * i}.", "response_k": f" {2 * i + 1}."}
+
+
+SPEC = "prompt=question,chosen=response_j,rejected=response_k"
+MAPPING = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+
+
+def test_columns_read_the_row_fields_from_other_names_and_enter_the_fingerprint(smollm2_dir, tmp_path, run_cli):
+    from dpo_cli.data import main as dpo_data
+    from dpo_data.dataset.manifest import dataset_fingerprint
+
+    rows = [stack_exchange(i) for i in range(5)]
+    mapped = write_jsonl(tmp_path / "se.jsonl", rows)
+    renamed = write_jsonl(tmp_path / "trl.jsonl", [{f: r[c] for f, c in MAPPING.items()} for r in rows])
+    r = run_cli(dpo_data, "build", mapped, "--tokenizer", smollm2_dir, "--out", tmp_path / "a", "--columns", SPEC)
+    assert r.exit_code == 0, r.output
+    build([str(renamed)], str(smollm2_dir), tmp_path / "b", BuildOptions(source="se"))
+    assert pairs(tmp_path / "a") == pairs(tmp_path / "b") and len(pairs(tmp_path / "a")) == 5
+    a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+    assert a["producer"]["options"]["columns"] == MAPPING and "columns" not in b["producer"]["options"]
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+    assert a["fingerprint"] == dataset_fingerprint(a["tokenizer"]["fingerprint"], a["sources"], a["shards"], MAPPING)
+    assert a["fingerprint"] != b["fingerprint"]
+
+
+BAD_SPECS = [
+    (
+        "prompt=question,answer=response_j",
+        "--columns maps unknown field 'answer' (from column 'response_j'); the fields",
+    ),
+    ("prompt=question,prompt=title", "--columns names field 'prompt' twice (prompt=question and prompt=title)"),
+    ("chosen=response,rejected=response", "--columns maps column 'response' to both 'chosen' and 'rejected'"),
+    ("prompt:question", "--columns item 'prompt:question' is not FIELD=COLUMN"),
+    ("chosen=", "--columns item 'chosen=' is not FIELD=COLUMN"),
+]
+
+
+@pytest.mark.parametrize("spec, message", BAD_SPECS, ids=[s for s, _ in BAD_SPECS])
+def test_a_bad_columns_spec_is_a_named_error(spec, message):
+    with pytest.raises(DataError) as info:
+        BuildOptions(columns=spec)
+    assert str(info.value).startswith(message)
+
+
+def test_a_bad_columns_spec_exits_2_on_the_command_line(smollm2_dir, tmp_path, run_cli):
+    from dpo_cli.data import main as dpo_data
+
+    data = write_jsonl(tmp_path / "se.jsonl", [stack_exchange(0)])
+    r = run_cli(dpo_data, "build", data, "--tokenizer", smollm2_dir, "--out", tmp_path / "o", "--columns", "q=question")
+    assert r.exit_code == 2 and "error: --columns maps unknown field 'q' (from column 'question')" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_mapped_column_no_row_has_is_a_named_error_and_nothing_is_committed(smollm2_dir, tmp_path):
+    rows = [{"question": f"Q{i}", "response_j": " a", "response_l": " b"} for i in range(3)]  # a mistyped name
+    data = write_jsonl(tmp_path / "se.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        build([str(data)], str(smollm2_dir), tmp_path / "o", BuildOptions(columns=SPEC))
+    assert str(info.value) == (
+        f"--columns maps rejected=response_k, but no row of input {data} has a column 'response_k'; its rows have: "
+        "question, response_j, response_l. Fix: map rejected from one of these columns"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.lock", "se.jsonl"]  # no dataset, no staging left
+
+
+def test_a_row_without_a_mapped_column_is_rejected_naming_it(smollm2_dir, tmp_path):
+    rows = [stack_exchange(0), {k: v for k, v in stack_exchange(1).items() if k != "response_j"}]
+    result = build(
+        [str(write_jsonl(tmp_path / "se.jsonl", rows))], str(smollm2_dir), tmp_path / "o", BuildOptions(columns=SPEC)
+    )
+    assert (result.pairs, result.rejects_by_reason) == (1, {"missing_field": 1})
+    [record] = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert record["message"] == "column 'response_j' is missing; --columns maps it to 'chosen', which every row needs"
