@@ -137,6 +137,9 @@ def _summary(result) -> str:
         lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")
     for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  rejected {n:>7}  {reason}")
+    if result.ignored_columns:
+        named = ", ".join(f"{name} ({n} rows)" for name, n in result.ignored_columns.items())
+        lines.append(f"ignored columns (no row field reads them; see --columns): {named}")
     if result.manifest:
         lines.append(
             f"wrote {result.out} ({len(result.manifest['shards'])} shards, "

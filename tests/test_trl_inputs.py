@@ -42,6 +42,9 @@ def test_ultrafeedback_rows_build_the_pairs_of_their_explicit_prompt_form(smollm
     assert (result.pairs, result.rejects_by_reason) == (12, {})
     built = pairs(tmp_path / "out")
     assert built[:6] == built[6:]
+    ignored = [entry["ignored_columns"] for entry in read_manifest(tmp_path / "out")["inputs"]]
+    assert ignored == [{"messages": 6, "prompt_id": 6, "score_chosen": 6, "score_rejected": 6}, {}]
+    assert result.ignored_columns == ignored[0]
 
 
 def test_a_prompt_that_is_not_the_conversations_prefix_is_a_recorded_reject(smollm2_dir, tmp_path):
@@ -57,7 +60,13 @@ def test_a_prompt_that_is_not_the_conversations_prefix_is_a_recorded_reject(smol
 
 def stack_exchange(i: int) -> dict:
     """A row as lvwerra/stack-exchange-paired holds it: TRL's fields under other names, plain text."""
-    return {"question": f"Q: what is {i} + {i}?\nA:", "response_j": f" {2 * i}.", "response_k": f" {2 * i + 1}."}
+    return {
+        "qid": i,
+        "question": f"Q: what is {i} + {i}?\nA:",
+        "date": "2023/01/01",
+        "response_j": f" {2 * i}.",
+        "response_k": f" {2 * i + 1}.",
+    }
 
 
 SPEC = "prompt=question,chosen=response_j,rejected=response_k"
@@ -73,10 +82,12 @@ def test_columns_read_the_row_fields_from_other_names_and_enter_the_fingerprint(
     renamed = write_jsonl(tmp_path / "trl.jsonl", [{f: r[c] for f, c in MAPPING.items()} for r in rows])
     r = run_cli(dpo_data, "build", mapped, "--tokenizer", smollm2_dir, "--out", tmp_path / "a", "--columns", SPEC)
     assert r.exit_code == 0, r.output
+    assert "\nignored columns (no row field reads them; see --columns): date (5 rows), qid (5 rows)\n" in r.output
     build([str(renamed)], str(smollm2_dir), tmp_path / "b", BuildOptions(source="se"))
     assert pairs(tmp_path / "a") == pairs(tmp_path / "b") and len(pairs(tmp_path / "a")) == 5
     a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
     assert a["producer"]["options"]["columns"] == MAPPING and "columns" not in b["producer"]["options"]
+    assert (a["inputs"][0]["ignored_columns"], b["inputs"][0]["ignored_columns"]) == ({"date": 5, "qid": 5}, {})
     assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
     assert a["fingerprint"] == dataset_fingerprint(a["tokenizer"]["fingerprint"], a["sources"], a["shards"], MAPPING)
     assert a["fingerprint"] != b["fingerprint"]
@@ -130,3 +141,12 @@ def test_a_row_without_a_mapped_column_is_rejected_naming_it(smollm2_dir, tmp_pa
     assert (result.pairs, result.rejects_by_reason) == (1, {"missing_field": 1})
     [record] = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert record["message"] == "column 'response_j' is missing; --columns maps it to 'chosen', which every row needs"
+
+
+def test_a_field_column_that_a_mapping_replaces_is_ignored_and_the_mapped_ones_are_read():
+    from dpo_data.prepare.columns import ignored_columns
+
+    counts = {"prompt": 3, "question": 3, "chosen": 3, "rejected": 2, "id": 1, "score": 3}
+    assert ignored_columns(counts, {"prompt": "question"}) == {"prompt": 3, "score": 3}
+    assert ignored_columns(counts, {"prompt": "prompt"}) == {"question": 3, "score": 3}
+    assert ignored_columns(counts, None) == {"question": 3, "score": 3}

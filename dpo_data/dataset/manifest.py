@@ -95,6 +95,9 @@ def manifest_problems(m: dict) -> list[str]:
     for entry in m["inputs"]:
         if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
             problems.append(f"input {entry['path']}: pairs + rejected != rows_read")
+        over = [k for k, n in entry.get("ignored_columns", {}).items() if n > entry["rows_read"]]
+        if over:
+            problems.append(f"input {entry['path']}: ignored columns {over} counted in more rows than rows_read")
     if totals["pairs"] + totals["rejected"] != totals["rows_read"]:
         problems.append("totals: pairs + rejected != rows_read")
     if totals["completion_tokens"] != totals["chosen_tokens"] + totals["rejected_tokens"]:

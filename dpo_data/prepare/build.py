@@ -27,7 +27,7 @@ from dpo_data.dataset.manifest import (
 )
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
-from dpo_data.prepare.columns import check_columns, rename_columns
+from dpo_data.prepare.columns import check_columns, ignored_columns, rename_columns
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import (
     OutputLock,
@@ -104,6 +104,8 @@ class BuildResult:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    ignored_columns: dict[str, int] = field(default_factory=dict)
+    """Columns no field reads, with the rows (of every input) having them."""
 
     @property
     def rejected(self) -> int:
@@ -298,8 +300,13 @@ def _build_into(
             _consume(result, tally, writer, rejects_file)
     shards = [asdict(s) for s in writer.close()]
     _check_mapped_columns(tally, options)
+    ignored = Counter()
+    for entry, seen in zip(tally.inputs, tally.columns):
+        entry["ignored_columns"] = ignored_columns(seen, options.columns)
+        ignored.update(entry["ignored_columns"])
     rows_read = sum(e["rows_read"] for e in tally.inputs)
     result = BuildResult(staging, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
+    result.ignored_columns = dict(sorted(ignored.items()))
     result.error = _refusal(tally, rows_read, options)
     if result.error is None:
         manifest = _manifest(tally, shards, attestation, options, staging)

@@ -74,10 +74,8 @@ def rename_columns(row: Any, columns: Mapping[str, str]) -> Any:
     return renamed
 
 
-def ignored_columns(row: Any, columns: Mapping[str, str] | None) -> list[str]:
-    """The columns of a row that no field reads."""
-    if not isinstance(row, dict):
-        return []
+def ignored_columns(counts: Mapping[str, int], columns: Mapping[str, str] | None) -> dict[str, int]:
+    """Of {column: rows having it}, the columns that no field reads, by name."""
     columns = columns or {}
     sources = set(columns.values())
-    return [k for k in row if k not in sources and (k not in FIELDS or k in columns)]
+    return {k: counts[k] for k in sorted(counts) if k not in sources and (k not in FIELDS or k in columns)}
