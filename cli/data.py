@@ -97,7 +97,8 @@ def build(
     max_row_bytes,
     columns,
 ) -> None:
-    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet) into an attested dataset at --out.
+    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow) or Hugging Face datasets save_to_disk
+    directories into an attested dataset at --out.
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives or the reject

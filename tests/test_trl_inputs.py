@@ -150,3 +150,42 @@ def test_a_field_column_that_a_mapping_replaces_is_ignored_and_the_mapped_ones_a
     assert ignored_columns(counts, {"prompt": "question"}) == {"prompt": 3, "score": 3}
     assert ignored_columns(counts, {"prompt": "prompt"}) == {"question": 3, "score": 3}
     assert ignored_columns(counts, None) == {"question": 3, "score": 3}
+
+
+def test_hugging_face_save_to_disk_directories_and_arrow_files_are_inputs(smollm2_dir, tmp_path):
+    """Read with pyarrow alone: a `save_to_disk` split (its Arrow files in state.json's order), one of those
+    files (the stream format of the `datasets` cache) and an IPC file-format .arrow build the jsonl's pairs."""
+    import datasets
+    import pyarrow as pa
+
+    rows = [ultrafeedback(i) for i in range(4)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "train_prefs"), num_shards=2)
+    first = tmp_path / "train_prefs" / "data-00000-of-00002.arrow"
+    table = pa.Table.from_pylist(rows)
+    with pa.ipc.new_file(tmp_path / "file.arrow", table.schema) as writer:
+        writer.write_table(table)
+    inputs = [tmp_path / "train_prefs", first, tmp_path / "file.arrow", write_jsonl(tmp_path / "uf.jsonl", rows)]
+    result = build(list(map(str, inputs)), str(smollm2_dir), tmp_path / "out", BuildOptions())
+    assert (result.pairs, result.rejects_by_reason) == (4 + 2 + 4 + 4, {})
+    built = pairs(tmp_path / "out")
+    assert built[:4] == built[6:10] == built[10:] and built[4:6] == built[:2]
+    m = read_manifest(tmp_path / "out")
+    assert [(e["format"], e["default_source"], e["rows_read"]) for e in m["inputs"]] == [
+        ("hf-dataset", "train_prefs", 4),
+        ("arrow", "data-00000-of-00002", 2),
+        ("arrow", "file", 4),
+        ("jsonl", "uf", 4),
+    ]
+    assert m["inputs"][0]["ignored_columns"] == {"messages": 4, "prompt_id": 4, "score_chosen": 4, "score_rejected": 4}
+
+
+def test_a_dataset_dict_directory_names_its_splits(smollm2_dir, tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([ultrafeedback(0)])}).save_to_disk(str(tmp_path / "uf"))
+    with pytest.raises(DataError) as info:
+        build([str(tmp_path / "uf")], str(smollm2_dir), tmp_path / "out", BuildOptions())
+    assert str(info.value) == (
+        f"input file {tmp_path / 'uf'}: a DatasetDict of splits (train); pass one split's directory, "
+        f"e.g. {tmp_path / 'uf' / 'train'}"
+    )

@@ -40,7 +40,7 @@ from dpo_data.prepare.output import (
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
-from dpo_state.digest import file_digest
+from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
@@ -319,7 +319,10 @@ def _build_into(
 
 def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
     if not inputs:
-        raise DataError("no INPUT given; pass one or more .jsonl, .jsonl.zst, .json or .parquet files")
+        raise DataError(
+            "no INPUT given; pass one or more .jsonl, .jsonl.zst, .json, .parquet or .arrow files, or Hugging "
+            "Face datasets save_to_disk directories"
+        )
     if options.source is not None and len(inputs) > 1:
         raise DataError(
             f"--source {options.source!r} names the source of a single input, but {len(inputs)} inputs were given; "
@@ -349,17 +352,23 @@ def _load_tokenizer(tokenizer_dir: str) -> Any:
 
 
 def _input_entry(f: InputFile) -> dict:
-    p = Path(f.path)
     return {
         "path": f.path,
         "format": f.format,
         "default_source": f.source,
-        "bytes": p.stat().st_size,
-        "sha256": file_digest(p),
+        "bytes": sum(Path(name).stat().st_size for name in f.files),
+        "sha256": _input_digest(f),
         "rows_read": 0,
         "pairs": 0,
         "rejected": 0,
     }
+
+
+def _input_digest(f: InputFile) -> str:
+    """A file's sha256; a directory's is that of its data files' names and sha256, in reading order."""
+    if f.files == (f.path,):
+        return file_digest(f.path)
+    return DIGEST_PREFIX + sha256_json([[Path(name).name, file_digest(name)] for name in f.files])
 
 
 def _progress(enabled: bool):
