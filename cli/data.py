@@ -75,6 +75,13 @@ def main() -> None:
     metavar="N",
     help="Rows larger than this (decompressed) are rejected as row_too_large, never held whole or parsed.",
 )
+@click.option(
+    "--columns",
+    default=None,
+    metavar="FIELD=COLUMN,...",
+    help="Read row fields from other column names, e.g. prompt=question,chosen=response_j,rejected=response_k. "
+    "Fields: prompt, chosen, rejected, id, source, tools. Recorded in the manifest and its fingerprint.",
+)
 def build(
     inputs,
     tokenizer_dir,
@@ -88,8 +95,10 @@ def build(
     max_reject_fraction,
     pairs_per_shard,
     max_row_bytes,
+    columns,
 ) -> None:
-    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet) into an attested dataset at --out.
+    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow) or Hugging Face datasets save_to_disk
+    directories into an attested dataset at --out.
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives or the reject
@@ -108,6 +117,7 @@ def build(
             max_reject_fraction=max_reject_fraction,
             pairs_per_shard=pairs_per_shard,
             max_row_bytes=max_row_bytes,
+            columns=columns,
             num_proc=num_proc,
             overwrite=overwrite,
             progress=True,
@@ -128,6 +138,9 @@ def _summary(result) -> str:
         lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")
     for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  rejected {n:>7}  {reason}")
+    if result.ignored_columns:
+        named = ", ".join(f"{name} ({n} rows)" for name, n in result.ignored_columns.items())
+        lines.append(f"ignored columns (no row field reads them; see --columns): {named}")
     if result.manifest:
         lines.append(
             f"wrote {result.out} ({len(result.manifest['shards'])} shards, "

@@ -35,6 +35,7 @@ BAD_ROWS = {
     "unknown_role": {"prompt": [{"role": "robot", "content": "q"}], "chosen": A("x"), "rejected": A("y")},
     "roles_out_of_order": {"prompt": U("q") + U("q"), "chosen": A("x"), "rejected": A("y")},
     "history_diverges": {"chosen": U("q") + A("x") + U("r") + A("z"), "rejected": U("q") + A("y") + U("r") + A("z")},
+    "prompt_not_prefix": {"prompt": "q", "chosen": U("other") + A("x"), "rejected": U("q") + A("y")},
     "too_long": chat("word " * 300, "x", "y"),
     "completion_too_long": chat("q", "word " * 300, "y"),
     "tool_calls_not_rendered": {
@@ -162,6 +163,16 @@ def test_the_manifest_records_producer_inputs_tokenizer_and_lengths(built, mixed
     assert m["tokenizer"]["fingerprint"].startswith("v2:")
     assert sum(m["length_histogram"]["counts"]) == 2 * m["totals"]["pairs"]
     assert m["lengths"]["segment"]["max"] <= 256
+
+
+SAMPLE_FINGERPRINT = "sha256:9dce46b834393c9cb328fffe6166e343c38e54d9011cba91e54b07e384cfab96"
+"""The bundled sample's dataset fingerprint with SmolLM2's tokenizer, as every build since issue 10 made it."""
+
+
+def test_existing_inputs_still_build_the_same_dataset(sample_dataset):
+    """New row shapes and options must not change a byte of what existing inputs build: their fingerprint (the
+    tokenizer, sources and every shard's sha256) is pinned."""
+    assert read_manifest(sample_dataset)["fingerprint"] == SAMPLE_FINGERPRINT
 
 
 def test_build_is_byte_identical_across_num_proc(mixed_inputs, smollm2_dir, tmp_path, run_cli):

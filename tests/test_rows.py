@@ -62,6 +62,15 @@ REJECTS = [
     ("history_diverges", {"chosen": [u("q"), a("x"), u("q2"), a("z")], "rejected": [u("q"), a("y"), u("q2"), a("z")]}),
     ("history_diverges", {"chosen": [u("q"), a("x")], "rejected": [u("other"), a("x")]}),
     ("history_diverges", {"chosen": [u("q"), a("x")], "rejected": [u("q"), a("x"), u("more"), a("y")]}),
+    ("prompt_not_prefix", {"prompt": "q", "chosen": [u("q"), a("x")], "rejected": [u("Q"), a("y")]}),
+    (
+        "prompt_not_prefix",
+        {"prompt": [s("sys"), u("q")], "chosen": [s("sys"), u("q2"), a("x")], "rejected": [s("sys")]},
+    ),
+    ("empty_prompt", {"prompt": " ", "chosen": [u(" "), a("x")], "rejected": [u(" "), a("y")]}),
+    ("empty_completion", {"prompt": "q", "chosen": [u("q")], "rejected": [u("q"), a("y")]}),
+    ("identical_completions", {"prompt": "q", "chosen": [u("q"), a("x")], "rejected": [u("q"), a("x")]}),
+    ("roles_out_of_order", {"prompt": "q", "chosen": [u("q"), u("x")], "rejected": [u("q"), a("y")]}),
 ]
 
 
@@ -71,6 +80,40 @@ def test_bad_rows_are_rejected_with_their_reason(reason, row):
         normalize_row(row)
     assert info.value.reason == reason
     assert info.value.message  # a human message accompanies every code
+
+
+def test_a_string_prompt_with_whole_conversations_is_their_first_user_turn():
+    """The UltraFeedback-binarized shape: `prompt` a string, `chosen`/`rejected` whole conversations that open
+    with it as a user turn; the completions are what follows it."""
+    row = {"prompt": "2+2?", "chosen": [u("2+2?"), a("4.")], "rejected": [u("2+2?"), a("5.")], "score_chosen": 8.0}
+    pair = normalize_row(row)
+    assert (pair.kind, pair.prompt, pair.chosen, pair.rejected) == ("chat", [u("2+2?")], [a("4.")], [a("5.")])
+
+
+def test_a_message_prompt_with_whole_conversations_strips_those_turns():
+    history = [s("be brief"), u("2+2?"), a("4."), u("and 3+3?")]
+    pair = normalize_row(
+        {"prompt": history, "chosen": history + [a("6.")], "rejected": history + [a("7."), u("?"), a("6.")]}
+    )
+    assert (pair.prompt, pair.chosen, pair.rejected) == (history, [a("6.")], [a("7."), u("?"), a("6.")])
+
+
+def test_whole_conversations_that_do_not_begin_with_the_prompt_name_the_first_differing_message():
+    with pytest.raises(RowReject) as info:
+        normalize_row({"prompt": "2+2?", "chosen": [u("2+2?"), a("4.")], "rejected": [u("2+3?"), a("5.")]})
+    assert info.value.reason == "prompt_not_prefix"
+    assert info.value.message.startswith(
+        "field 'rejected' is a whole conversation but does not begin with the string 'prompt' as one user turn: "
+        "rejected[0] is {'role': 'user', 'content': '2+3?'}, the prompt's turn 0 is "
+        "{'role': 'user', 'content': '2+2?'}; fix: "
+    )
+
+
+def test_completion_lists_beside_a_string_prompt_stay_mixed_formats():
+    """Lists that open with an assistant turn are completions, not conversations: the old reject stands."""
+    with pytest.raises(RowReject) as info:
+        normalize_row({"prompt": "q", "chosen": [a("x")], "rejected": [u("q"), a("y")]})
+    assert info.value.reason == "mixed_formats"
 
 
 def test_reject_messages_name_the_field_and_the_fix():

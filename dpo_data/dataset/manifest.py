@@ -20,20 +20,25 @@ MANIFEST_SCHEMA = "dataset-manifest"
 PERCENTILES = (50, 90, 99)
 
 
-def dataset_fingerprint(tokenizer_fingerprint: str, sources: list[dict], shards: list[dict]) -> str:
-    """Content identity of a dataset: tokenizer, source names and every shard's hash and rows.
+def dataset_fingerprint(
+    tokenizer_fingerprint: str, sources: list[dict], shards: list[dict], columns: dict | None = None
+) -> str:
+    """Content identity of a dataset: tokenizer, source names, every shard's hash and rows, and the column
+    mapping (`--columns`) when one was given.
 
-    Paths of inputs and build options are left out: two builds that wrote the same pairs with the
-    same tokenizer are the same dataset, wherever their inputs lay.
+    Paths of inputs and the other build options are left out: two builds that wrote the same pairs with the
+    same tokenizer are the same dataset, wherever their inputs lay. The mapping is part of what the inputs
+    were read as; it enters only when given, so a build without one keeps the fingerprint it always had.
     """
-    return DIGEST_PREFIX + sha256_json(
-        {
-            "format_version": MANIFEST_FORMAT_VERSION,
-            "tokenizer": tokenizer_fingerprint,
-            "sources": [s["name"] for s in sources],
-            "shards": [[s["path"], s["rows"], s["sha256"]] for s in shards],
-        }
-    )
+    content = {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "tokenizer": tokenizer_fingerprint,
+        "sources": [s["name"] for s in sources],
+        "shards": [[s["path"], s["rows"], s["sha256"]] for s in shards],
+    }
+    if columns:
+        content["columns"] = columns
+    return DIGEST_PREFIX + sha256_json(content)
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, Any]:
@@ -69,7 +74,8 @@ def manifest_problems(m: dict) -> list[str]:
     from dpo_state.attestation import attestation_problems
 
     problems = attestation_problems(m["tokenizer"])
-    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"])
+    columns = m["producer"]["options"].get("columns")
+    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns)
     if expected != m["fingerprint"]:
         problems.append(f"fingerprint {m['fingerprint']} does not match its content ({expected})")
     totals, offset = m["totals"], 0
@@ -89,6 +95,9 @@ def manifest_problems(m: dict) -> list[str]:
     for entry in m["inputs"]:
         if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
             problems.append(f"input {entry['path']}: pairs + rejected != rows_read")
+        over = [k for k, n in entry.get("ignored_columns", {}).items() if n > entry["rows_read"]]
+        if over:
+            problems.append(f"input {entry['path']}: ignored columns {over} counted in more rows than rows_read")
     if totals["pairs"] + totals["rejected"] != totals["rows_read"]:
         problems.append("totals: pairs + rejected != rows_read")
     if totals["completion_tokens"] != totals["chosen_tokens"] + totals["rejected_tokens"]:

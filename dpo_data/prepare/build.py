@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -27,6 +27,7 @@ from dpo_data.dataset.manifest import (
 )
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
+from dpo_data.prepare.columns import check_columns, ignored_columns, rename_columns
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import (
     OutputLock,
@@ -39,7 +40,7 @@ from dpo_data.prepare.output import (
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_state.attestation import tokenizer_attestation
-from dpo_state.digest import file_digest
+from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
@@ -47,7 +48,10 @@ RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Options of one build. All but `num_proc`, `overwrite` and `progress` are recorded in the manifest."""
+    """Options of one build. All but `num_proc`, `overwrite` and `progress` are recorded in the manifest.
+
+    `columns` maps row fields onto the input's column names: {"prompt": "question", ...} or the CLI's
+    "prompt=question,chosen=response_j,rejected=response_k"; it is kept as a checked dict in field order."""
 
     max_length: int | None = None
     overlength: str = "reject"
@@ -56,6 +60,7 @@ class BuildOptions:
     max_reject_fraction: float | None = None
     pairs_per_shard: int = 100_000
     max_row_bytes: int = 8 << 20
+    columns: Mapping[str, str] | str | None = None
     num_proc: int = 1
     overwrite: bool = False
     progress: bool = False
@@ -75,10 +80,14 @@ class BuildOptions:
             raise DataError(f"--max-row-bytes is {self.max_row_bytes}; it must be at least 1024")
         if self.num_proc < 1:
             raise DataError(f"--num-proc is {self.num_proc}; it must be at least 1")
+        if self.columns is not None:
+            object.__setattr__(self, "columns", check_columns(self.columns))
 
     def recorded(self) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest; --num-proc never changes a byte)."""
         skip = {"num_proc", "overwrite", "progress"}
+        if self.columns is None:
+            skip.add("columns")  # left out, not null: a build without a mapping records what it always did
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -95,6 +104,8 @@ class BuildResult:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    ignored_columns: dict[str, int] = field(default_factory=dict)
+    """Columns no field reads, with the rows (of every input) having them."""
 
     @property
     def rejected(self) -> int:
@@ -121,6 +132,8 @@ class ChunkResult:
     sources: list[str]
     truncated: list[int]
     rejects: list[tuple[int, dict]]
+    columns: dict[int, Counter]
+    """Per input index: how many of the chunk's rows (objects) have each column."""
 
 
 def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
@@ -133,13 +146,15 @@ def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputF
 def _process_chunk(chunk: list[tuple[int, int, Any]]) -> ChunkResult:
     """Parse, validate and encode a chunk of rows."""
     inputs, options, encoder = _worker["inputs"], _worker["options"], _worker["encoder"]
-    rejects, pairs, where = [], [], []
+    rejects, pairs, where, columns = [], [], [], {}
     for input_index, number, item in chunk:
         inp = inputs[input_index]
         row = None
         try:
             row = _parse(item, options.max_row_bytes)
-            pairs.append(normalize_row(row))
+            if isinstance(row, dict):
+                columns.setdefault(input_index, Counter()).update(row.keys())
+            pairs.append(normalize_row(rename_columns(row, options.columns) if options.columns else row))
             where.append((input_index, number, item))
         except RowReject as reject:
             rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
@@ -155,7 +170,7 @@ def _process_chunk(chunk: list[tuple[int, int, Any]]) -> ChunkResult:
         for part in PARTS:
             ids[part].extend(getattr(encoded, part))
     rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
-    return ChunkResult(_block(kept, ids), sources, truncated, rejects)
+    return ChunkResult(_block(kept, ids), sources, truncated, rejects, columns)
 
 
 def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
@@ -237,6 +252,8 @@ class _Tally:
     """Everything the manifest counts, accumulated in output order."""
 
     inputs: list[dict]
+    columns: list[Counter]
+    """Per input: how many rows (objects) have each column."""
     sources: dict[str, int] = field(default_factory=dict)
     source_pairs: Counter = field(default_factory=Counter)
     source_rejects: Counter = field(default_factory=Counter)
@@ -276,14 +293,20 @@ def _build_into(
     staging: Path, files: list[InputFile], tokenizer: Any, attestation: dict, options: BuildOptions
 ) -> BuildResult:
     """Everything but the commit: shards, rejects and (unless refused) the manifest, all in `staging`."""
-    tally = _Tally(inputs=[_input_entry(f) for f in files])
+    tally = _Tally(inputs=[_input_entry(f) for f in files], columns=[Counter() for _ in files])
     writer = ShardWriter(staging, options.pairs_per_shard)
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
         for result in _run(files, tokenizer, options, bar):
             _consume(result, tally, writer, rejects_file)
     shards = [asdict(s) for s in writer.close()]
+    _check_mapped_columns(tally, options)
+    ignored = Counter()
+    for entry, seen in zip(tally.inputs, tally.columns):
+        entry["ignored_columns"] = ignored_columns(seen, options.columns)
+        ignored.update(entry["ignored_columns"])
     rows_read = sum(e["rows_read"] for e in tally.inputs)
     result = BuildResult(staging, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
+    result.ignored_columns = dict(sorted(ignored.items()))
     result.error = _refusal(tally, rows_read, options)
     if result.error is None:
         manifest = _manifest(tally, shards, attestation, options, staging)
@@ -296,7 +319,10 @@ def _build_into(
 
 def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
     if not inputs:
-        raise DataError("no INPUT given; pass one or more .jsonl, .jsonl.zst, .json or .parquet files")
+        raise DataError(
+            "no INPUT given; pass one or more .jsonl, .jsonl.zst, .json, .parquet or .arrow files, or Hugging "
+            "Face datasets save_to_disk directories"
+        )
     if options.source is not None and len(inputs) > 1:
         raise DataError(
             f"--source {options.source!r} names the source of a single input, but {len(inputs)} inputs were given; "
@@ -326,17 +352,23 @@ def _load_tokenizer(tokenizer_dir: str) -> Any:
 
 
 def _input_entry(f: InputFile) -> dict:
-    p = Path(f.path)
     return {
         "path": f.path,
         "format": f.format,
         "default_source": f.source,
-        "bytes": p.stat().st_size,
-        "sha256": file_digest(p),
+        "bytes": sum(Path(name).stat().st_size for name in f.files),
+        "sha256": _input_digest(f),
         "rows_read": 0,
         "pairs": 0,
         "rejected": 0,
     }
+
+
+def _input_digest(f: InputFile) -> str:
+    """A file's sha256; a directory's is that of its data files' names and sha256, in reading order."""
+    if f.files == (f.path,):
+        return file_digest(f.path)
+    return DIGEST_PREFIX + sha256_json([[Path(name).name, file_digest(name)] for name in f.files])
 
 
 def _progress(enabled: bool):
@@ -360,6 +392,8 @@ def _run(files, tokenizer, options, bar) -> Iterator[ChunkResult]:
 
 
 def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_file) -> None:
+    for input_index, counts in result.columns.items():
+        tally.columns[input_index].update(counts)
     for input_index, record in result.rejects:
         entry = tally.inputs[input_index]
         entry["rows_read"] += 1
@@ -386,6 +420,18 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
     writer.add(block)
 
 
+def _check_mapped_columns(tally: _Tally, options: BuildOptions) -> None:
+    """A mapped column that no row of an input has is a mistyped name, not a row problem: a named error."""
+    for entry, seen in zip(tally.inputs, tally.columns):
+        for field_name, column in (options.columns or {}).items():
+            if entry["rows_read"] and not seen[column]:
+                have = ", ".join(sorted(seen)[:20]) or "none (no row is an object)"
+                raise DataError(
+                    f"--columns maps {field_name}={column}, but no row of input {entry['path']} has a column "
+                    f"{column!r}; its rows have: {have}. Fix: map {field_name} from one of these columns"
+                )
+
+
 def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None:
     if tally.pairs == 0:
         return f"no pair survived: all {rows_read} rows read were rejected" if rows_read else "the inputs hold no rows"
@@ -407,7 +453,7 @@ def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: Bui
     return {
         "format_version": MANIFEST_FORMAT_VERSION,
         "kind": "dpo-dataset",
-        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards),
+        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards, options.columns),
         "producer": {"name": "dpo-toolkit", "version": __version__, "options": options.recorded()},
         "tokenizer": attestation,
         "inputs": tally.inputs,

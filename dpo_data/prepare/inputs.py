@@ -1,4 +1,5 @@
-"""Read input files (.jsonl, .jsonl.zst, .json, .parquet) into numbered raw rows; a broken file is a named error."""
+"""Read input files (.jsonl, .jsonl.zst, .json, .parquet, .arrow) and Hugging Face `save_to_disk` directories into
+numbered raw rows; a broken file is a named error."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ FORMATS = {
     ".jsonl.zstd": "jsonl.zst",
     ".json": "json",
     ".parquet": "parquet",
+    ".arrow": "arrow",
 }
+HF_DATASET = "hf-dataset"
+"""A `datasets.Dataset.save_to_disk` directory: state.json lists its Arrow files, read in that order."""
 _READ_CHUNK = 1 << 20
 MAX_JSON_INPUT_BYTES = 1 << 30
 """A .json input is one array, parsed whole (several times its size in memory): larger data is .jsonl."""
@@ -35,6 +39,8 @@ class InputFile:
     path: str
     format: str
     source: str
+    files: tuple[str, ...] = ()
+    """What is read, in order: the path itself, or a `save_to_disk` directory's Arrow files."""
 
     @property
     def locator(self) -> str:
@@ -65,9 +71,11 @@ def source_name(path: str) -> str:
 
 
 def open_input(path: str, source: str | None = None) -> InputFile:
-    """Check that `path` is a readable file of a known format and describe it."""
-    fmt = detect_format(path)
+    """Check that `path` is a readable file of a known format (or a `save_to_disk` directory) and describe it."""
     p = Path(path)
+    if p.is_dir():
+        return InputFile(path=path, format=HF_DATASET, source=source or p.name, files=_saved_files(p))
+    fmt = detect_format(path)
     if not p.is_file():
         raise InputFileError(path, "no such file" if not p.exists() else "not a regular file")
     try:
@@ -75,7 +83,37 @@ def open_input(path: str, source: str | None = None) -> InputFile:
             pass
     except OSError as e:
         raise InputFileError(path, f"cannot be opened ({e.strerror})") from None
-    return InputFile(path=path, format=fmt, source=source or source_name(path))
+    return InputFile(path=path, format=fmt, source=source or source_name(path), files=(path,))
+
+
+def _saved_files(directory: Path) -> tuple[str, ...]:
+    """The Arrow files of a `save_to_disk` directory, from its state.json; anything else is a named error."""
+    state = directory / "state.json"
+    if (directory / "dataset_dict.json").is_file():
+        splits = sorted(d.name for d in directory.iterdir() if (d / "state.json").is_file())
+        raise InputFileError(
+            str(directory),
+            f"a DatasetDict of splits ({', '.join(splits)}); pass one split's directory, e.g. {directory / splits[0]}"
+            if splits
+            else "a DatasetDict without split directories",
+        )
+    if not state.is_file():
+        raise InputFileError(
+            str(directory),
+            "a directory without state.json; a directory input must be a Hugging Face datasets save_to_disk "
+            "directory (or pass its .arrow / .parquet files)",
+        )
+    try:
+        names = [entry["filename"] for entry in orjson.loads(state.read_bytes())["_data_files"]]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        raise InputFileError(str(directory), f"state.json does not list _data_files[].filename ({e!r})") from None
+    files = []
+    for name in names:
+        f = directory / str(name)
+        if Path(str(name)).name != name or not f.is_file():
+            raise InputFileError(str(directory), f"state.json lists data file {name!r}, which is not a file in it")
+        files.append(str(f))
+    return tuple(files)
 
 
 def iter_rows(inp: InputFile, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
@@ -94,8 +132,10 @@ def iter_rows(inp: InputFile, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
                 yield from _lines(inp.path, reader, max_row_bytes)
         elif inp.format == "json":
             yield from _json_array(inp.path)
-        else:
+        elif inp.format == "parquet":
             yield from _parquet(inp.path)
+        else:
+            yield from _arrow_rows(inp.files)
     except InputFileError:
         raise
     except (OSError, zstandard.ZstdError) as e:
@@ -228,3 +268,30 @@ def _parquet(path: str) -> Iterator[tuple[int, Any]]:
                 yield number, row
     except (pa.ArrowException, UnicodeDecodeError) as e:
         raise InputFileError(path, f"corrupt or unreadable parquet ({e})") from None
+
+
+def _arrow_rows(files: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
+    """Rows of Arrow files, numbered across them: the stream format `datasets` writes, or the IPC file format."""
+    number = 0
+    for path in files:
+        for batch in _arrow_batches(path):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+
+
+def _arrow_batches(path: str) -> Iterator[Any]:
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                return
+            yield from reader
+    except (pa.ArrowException, UnicodeDecodeError) as e:
+        raise InputFileError(path, f"corrupt or unreadable Arrow ({e})") from None

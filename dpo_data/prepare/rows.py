@@ -46,6 +46,9 @@ def normalize_row(row: Any) -> Pair:
         return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     kinds = {f: _part_kind(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
+    if _whole_conversations(prompt, chosen, rejected):
+        prompt, chosen, rejected = _strip_prompt(prompt, chosen, rejected)
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
     if len(set(kinds.values())) > 1:
         found = ", ".join(f"{f} is {k}" for f, k in kinds.items())
         raise RowReject(
@@ -257,3 +260,50 @@ def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     prompt = chosen[:shared]
     _check_chat(prompt, chosen[shared:], rejected[shared:])
     return prompt, chosen[shared:], rejected[shared:]
+
+
+def _prompt_turns(prompt: str | list) -> list:
+    """The turns a prompt stands for: a string is one user turn with that content (UltraFeedback's `prompt`)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _whole_conversations(prompt: Any, chosen: Any, rejected: Any) -> bool:
+    """Whether chosen and rejected are whole conversations beside an explicit prompt (the UltraFeedback-binarized
+    shape): both open with a message of the prompt's first role, where a completion opens with an assistant turn.
+    Any other row keeps the explicit-prompt rules (and their rejects)."""
+    turns = _prompt_turns(prompt)
+    if not (isinstance(turns, list) and turns and isinstance(turns[0], dict)) or turns[0].get("role") == "assistant":
+        return False
+    return all(
+        isinstance(v, list) and v and isinstance(v[0], dict) and v[0].get("role") == turns[0].get("role")
+        for v in (chosen, rejected)
+    )
+
+
+def _strip_prompt(prompt: str | list, chosen: list, rejected: list) -> tuple[list, list, list]:
+    """Split whole conversations at the prompt's turns, which both must begin with, into (prompt, chosen turns,
+    rejected turns). TRL 1.16's `maybe_extract_prompt` drops a string prompt and keeps whatever prefix the
+    conversations share; here the prefix must be the prompt, so a prompt column that disagrees is named."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise RowReject("empty_prompt", "field 'prompt' is empty; a pair needs a prompt to condition on")
+    turns = _messages("prompt", _prompt_turns(prompt))
+    chosen, rejected = _messages("chosen", chosen), _messages("rejected", rejected)
+    for field, conversation in (("chosen", chosen), ("rejected", rejected)):
+        _check_prefix(field, turns, conversation, isinstance(prompt, str))
+    _check_chat(turns, chosen[len(turns) :], rejected[len(turns) :])
+    return turns, chosen[len(turns) :], rejected[len(turns) :]
+
+
+def _check_prefix(field: str, turns: list, conversation: list, from_text: bool) -> None:
+    """`conversation` begins with exactly the prompt's `turns`, else a `prompt_not_prefix` reject naming the first
+    message that differs."""
+    for i, turn in enumerate(turns):
+        if i >= len(conversation) or conversation[i] != turn:
+            got = f"{conversation[i]!r:.120}" if i < len(conversation) else "nothing (the conversation is shorter)"
+            spelled = "the string 'prompt' as one user turn" if from_text else "the 'prompt' messages"
+            raise RowReject(
+                "prompt_not_prefix",
+                f"field '{field}' is a whole conversation but does not begin with {spelled}: {field}[{i}] is {got}, "
+                f"the prompt's turn {i} is {turn!r:.120}; fix: make the prompt the conversations' leading turns, "
+                "or drop 'prompt' so their shared prefix is the prompt",
+            )
