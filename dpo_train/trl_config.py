@@ -122,6 +122,8 @@ def _warmup(name: str) -> Callable:
                 "(it ignores the warm-up steps); set lr_scheduler_type: constant_with_warmup to warm up, or drop "
                 f"{name}"
             )
+        if not steps and name == "warmup_steps" and ctx.trl.get("warmup_ratio"):
+            return {}  # transformers 4.x: warmup_steps 0 leaves the warm-up to warmup_ratio
         return {"optim.warmup_steps": steps}
 
     return convert
@@ -305,9 +307,9 @@ def _dataset(value: Any, ctx: Context) -> dict:
     )
 
 
-def _used_by(*names: str) -> Callable:
-    """A converter for a field another field's converter reads (its value lands there)."""
-    return lambda value, ctx: {}
+def _read_elsewhere(value: Any, ctx: Context) -> dict:
+    """A field another field's converter reads (its value lands there): it sets nothing itself."""
+    return {}
 
 
 def _build_time(option: str) -> str:
@@ -342,7 +344,7 @@ TABLE: dict[str, Row] = {
     "pad_to_multiple_of": Row("", "packed rows are not padded", harmless=("auto", None)),
     "precompute_ref_log_probs": Row(
         "reference.mode, reference.path",
-        "true: precomputed, sidecar OUTPUT_DIR-reference; create it first with `dpo-train CONFIG --precompute-reference`",
+        "true: precomputed, sidecar OUTPUT_DIR-reference; create it with `dpo-train CONFIG --precompute-reference`",
         _reference,
         default=False,
     ),
@@ -459,7 +461,7 @@ TABLE: dict[str, Row] = {
         _eval_every,
         default="no",
     ),
-    "eval_steps": Row("eval.every", "with eval_strategy steps (above)", _used_by("eval_strategy"), default=None),
+    "eval_steps": Row("eval.every", "with eval_strategy steps (above)", _read_elsewhere, default=None),
     "per_device_eval_batch_size": Row("", "evaluation is packed like training; " + _UNUSED, harmless=(8,)),
     "dataloader_num_workers": Row("data.num_workers", "", _to("data.num_workers"), default=0),
     "dataloader_drop_last": Row("", "no pair is dropped here (the last step may be short)", harmless=(False,)),
@@ -486,11 +488,11 @@ TABLE: dict[str, Row] = {
         "model.attention", "flash_attention_2, sdpa, eager; null: auto", _attention, default=None
     ),
     "use_peft": Row("model.lora", "true: {r, alpha, dropout, target_modules} from lora_*", _lora, default=False),
-    "lora_r": Row("model.lora.r", "with use_peft", _used_by("use_peft"), default=16),
-    "lora_alpha": Row("model.lora.alpha", "with use_peft", _used_by("use_peft"), default=32),
-    "lora_dropout": Row("model.lora.dropout", "with use_peft", _used_by("use_peft"), default=0.05),
+    "lora_r": Row("model.lora.r", "with use_peft", _read_elsewhere, default=16),
+    "lora_alpha": Row("model.lora.alpha", "with use_peft", _read_elsewhere, default=32),
+    "lora_dropout": Row("model.lora.dropout", "with use_peft", _read_elsewhere, default=0.05),
     "lora_target_modules": Row(
-        "model.lora.target_modules", "with use_peft; required then", _used_by("use_peft"), default=None
+        "model.lora.target_modules", "with use_peft; required then", _read_elsewhere, default=None
     ),
     "lora_target_parameters": Row("", "LoRA on linear modules only", harmless=(None,)),
     "lora_modules_to_save": Row("", "no extra trained modules with LoRA here", harmless=(None,)),
@@ -585,9 +587,7 @@ def _unknown(name: str, value: Any, unused: list[str]) -> dict:
         unused.append(name)
         return {}
     if name in defaults:
-        _refuse(
-            f"{name} is {value!r:.60}: a transformers TrainingArguments field this toolkit has no counterpart for; drop it"
-        )
+        _refuse(f"{name} is {value!r:.60}: a transformers TrainingArguments field with no counterpart here; drop it")
     import difflib
 
     close = difflib.get_close_matches(name, list(TABLE) + list(defaults), n=1)
@@ -628,13 +628,17 @@ def read_trl(path: str | Path) -> dict:
 
 def markdown_table() -> str:
     """docs/train-config.md's mapping table, from TABLE."""
-    lines = ["| TRL field | TRL default | here | notes |", "|---|---|---|---|"]
+    lines = ["| TRL field | TRL default (when omitted) | here | notes |", "|---|---|---|---|"]
     for name, row in TABLE.items():
         default = "" if row.default is _UNSET else f"`{row.default!r}`"
-        here = f"`{row.here}`" if row.here else "refused" + (f" unless {_values(row.harmless)}" if row.harmless else "")
+        here = f"`{row.here}`" if row.here else f"none: accepted at {_values(row.harmless)}" if row.harmless else "none"
         lines.append(f"| `{name}` | {default} | {here} | {row.note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
 def _values(values: tuple) -> str:
     return " or ".join(f"`{value!r}`" for value in values)
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
