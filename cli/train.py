@@ -14,7 +14,7 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.argument("config", metavar="CONFIG", required=False)
+@click.argument("config", metavar="[CONFIG]", required=False)
 @click.option(
     "--from-trl",
     "from_trl",
