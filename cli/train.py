@@ -14,7 +14,16 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.argument("config", metavar="CONFIG")
+@click.argument("config", metavar="[CONFIG]", required=False)
+@click.option(
+    "--from-trl",
+    "from_trl",
+    metavar="TRL.yaml",
+    help="Translate a TRL config (flat DPOConfig / TrainingArguments / ModelConfig fields, as `trl dpo --config` "
+    "reads) into this toolkit's config, print it (YAML) on stdout and exit; notes on stderr. --set applies to "
+    "the translation, --nproc-per-node N sets the processes the global batch is counted for. Save it and train "
+    "it: dpo-train --from-trl trl.yaml > train.yaml && dpo-train train.yaml. Table: docs/train-config.md.",
+)
 @click.option(
     "--set",
     "overrides",
@@ -40,8 +49,9 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 @click.option("--overwrite", is_flag=True, help="With --precompute-reference: replace the sidecar at reference.path.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
 @click.version_option(package_name="dpo-toolkit")
-def main(config, overrides, nproc_per_node, precompute_reference, overwrite, quiet) -> None:
-    """Train with DPO from a YAML CONFIG (keys: docs/train-config.md).
+def main(config, from_trl, overrides, nproc_per_node, precompute_reference, overwrite, quiet) -> None:
+    """Train with DPO from a YAML CONFIG (keys: docs/train-config.md), or translate a TRL config
+    (--from-trl: TRL's names, their keys here, and what is refused, in docs/train-config.md "From TRL").
 
     Writes OUTPUT/config.resolved.yaml, OUTPUT/metrics.jsonl (one JSON object per optimizer step,
     pair-weighted over the whole step), OUTPUT/eval.jsonl with eval.path (held-out preference accuracy
@@ -71,6 +81,8 @@ def main(config, overrides, nproc_per_node, precompute_reference, overwrite, qui
     mixture-of-experts model adds its router loss (loss.router_aux_coef). Supported architectures:
     docs/train-config.md.
     """
+    if from_trl or not config:
+        sys.exit(_translate(config, from_trl, list(overrides), nproc_per_node, precompute_reference or overwrite))
     if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
@@ -141,6 +153,37 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
         return _exit(1)
     if rank == 0:
         click.echo(f"done: {out}/metrics.jsonl, final policy in {out}/final")
+    return 0
+
+
+def _translate(config: str | None, from_trl: str | None, overrides: list[str], world: int, other: bool) -> int:
+    """`--from-trl`: the translated config on stdout, notes on stderr; exit 2 naming every field that does not
+    translate (or a wrong combination of arguments)."""
+    import yaml
+
+    from dpo_state.errors import ToolkitError
+    from dpo_train.trl_config import read_trl, translate
+
+    wrong = (
+        "give CONFIG to train, or --from-trl TRL.yaml to translate a TRL config"
+        if not from_trl
+        else "--from-trl translates a TRL config and trains nothing; give CONFIG or --from-trl, not both"
+        if config
+        else "--precompute-reference and --overwrite need CONFIG, not --from-trl"
+        if other
+        else ""
+    )
+    if wrong:
+        click.echo(f"error: {wrong}", err=True)
+        return 2
+    try:
+        translated, notes = translate(read_trl(from_trl), world, overrides)
+    except ToolkitError as e:
+        click.echo(f"error: {e}", err=True)
+        return e.exit_code
+    click.echo(yaml.safe_dump(translated, sort_keys=False), nl=False)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     return 0
 
 

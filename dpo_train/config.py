@@ -737,5 +737,10 @@ def _end(node: dict, key: str, bracket: str) -> str | None:
 
 
 def _suggest(name: str, choices) -> str:
+    from dpo_train.trl_config import hint  # imports this module: TRL's names live there alone
+
+    trl = hint(name)
+    if trl:
+        return f" ({trl})"
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

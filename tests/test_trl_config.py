@@ -1,0 +1,279 @@
+"""TRL's names: every DPOConfig field mapped or refused by name, translations load with TRL's values, the
+"did you mean" of a normal config answers TRL names, `dpo-train --from-trl`, and the docs table is the table."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dpo_train.config import load_config
+from dpo_train.errors import ConfigError
+from dpo_train.trl_config import KEEP_ALL, TABLE, markdown_table, translate
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
+
+SAMPLES = {
+    "model_init_kwargs": ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model.attention", "sdpa"),
+    "router_aux_loss_coef": ({"router_aux_loss_coef": 0.01}, "loss.router_aux_coef", 0.01),
+    "precompute_ref_log_probs": (
+        {"precompute_ref_log_probs": True, "output_dir": "/r/run"},
+        "reference.path",
+        "/r/run-reference",
+    ),
+    "loss_type": ({"loss_type": ["ipo"]}, "loss.type", "ipo"),
+    "loss_weights": ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, "loss.weights", [1.0, 0.5]),
+    "ld_alpha": ({"ld_alpha": 0.5}, "loss.ld_alpha", 0.5),
+    "f_divergence_type": ({"f_divergence_type": "js_divergence"}, "loss.f_divergence_type", "js_divergence"),
+    "f_alpha_divergence_coef": (
+        {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+        "loss.f_alpha_divergence_coef",
+        0.3,
+    ),
+    "label_smoothing": ({"loss_type": "robust", "label_smoothing": 0.2}, "loss.label_smoothing", 0.2),
+    "beta": ({"beta": 0.3}, "loss.beta", 0.3),
+    "use_weighting": ({"use_weighting": True}, "loss.use_weighting", True),
+    "discopop_tau": ({"loss_type": "discopop", "discopop_tau": 0.1}, "loss.discopop_tau", 0.1),
+    "output_dir": ({"output_dir": "/r/run"}, "train.output_dir", "/r/run"),
+    "per_device_train_batch_size": ({"per_device_train_batch_size": 3}, "data.pairs_per_step", 3),
+    "gradient_accumulation_steps": ({"gradient_accumulation_steps": 5}, "data.pairs_per_step", 40),
+    "num_train_epochs": ({"num_train_epochs": 2}, "train.epochs", 2),
+    "max_steps": ({"max_steps": 30}, "train.max_steps", 30),
+    "learning_rate": ({"learning_rate": 3e-5}, "optim.lr", 3e-5),
+    "lr_scheduler_type": ({"lr_scheduler_type": "cosine"}, "optim.scheduler", "cosine"),
+    "warmup_steps": ({"warmup_steps": 7}, "optim.warmup_steps", 7),
+    "warmup_ratio": ({"max_steps": 40, "warmup_ratio": 0.1}, "optim.warmup_steps", 4),
+    "optim": ({"optim": "sgd"}, "optim.name", "sgd"),
+    "weight_decay": ({"weight_decay": 0.01}, "optim.weight_decay", 0.01),
+    "adam_beta1": ({"adam_beta1": 0.8}, "optim.betas", [0.8, 0.999]),
+    "adam_beta2": ({"adam_beta2": 0.95}, "optim.betas", [0.9, 0.95]),
+    "adam_epsilon": ({"adam_epsilon": 1e-6}, "optim.eps", 1e-6),
+    "max_grad_norm": ({"max_grad_norm": 0.5}, "optim.max_grad_norm", 0.5),
+    "seed": ({"seed": 7}, "data.seed", 7),
+    "data_seed": ({"seed": 7, "data_seed": 9}, "data.seed", 9),
+    "logging_strategy": ({"logging_strategy": "steps", "logging_steps": 4}, "train.log_every", 4),
+    "logging_steps": ({"logging_steps": 3}, "train.log_every", 3),
+    "save_strategy": ({"save_strategy": "no", "save_steps": 20}, "train.save_every", 0),
+    "save_steps": ({"save_steps": 25}, "train.save_every", 25),
+    "save_total_limit": ({"save_total_limit": 2}, "train.keep_last", 2),
+    "resume_from_checkpoint": ({"resume_from_checkpoint": "/r/ck"}, "train.resume", "/r/ck"),
+    "bf16": ({"bf16": False}, "train.precision", "fp32"),
+    "fp16": ({"fp16": False, "bf16": True}, "train.precision", "bf16"),
+    "gradient_checkpointing": ({"gradient_checkpointing": False}, "train.activation_checkpointing", False),
+    "report_to": ({"report_to": ["tensorboard"]}, "train.report_to", ["tensorboard"]),
+    "eval_strategy": ({"eval_strategy": "steps", "eval_steps": 5}, "eval.every", 5),
+    "eval_steps": ({"eval_strategy": "steps", "eval_steps": 6}, "eval.every", 6),
+    "dataloader_num_workers": ({"dataloader_num_workers": 2}, "data.num_workers", 2),
+    "use_cpu": ({"use_cpu": True}, "distributed.device", "cpu"),
+    "rpo_alpha": ({"rpo_alpha": 0.5}, "loss.nll_weight", 0.5),
+    "model_name_or_path": ({"model_name_or_path": "/models/x"}, "model.path", "/models/x"),
+    "attn_implementation": ({"attn_implementation": "eager"}, "model.attention", "eager"),
+    "use_peft": (
+        {"use_peft": True, "lora_target_modules": ["q_proj"]},
+        "model.lora",
+        {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": ["q_proj"]},
+    ),
+    "lora_r": ({"use_peft": True, "lora_target_modules": ["q_proj"], "lora_r": 4}, "model.lora.r", 4),
+    "lora_alpha": ({"use_peft": True, "lora_target_modules": ["q_proj"], "lora_alpha": 8}, "model.lora.alpha", 8),
+    "lora_dropout": (
+        {"use_peft": True, "lora_target_modules": ["q_proj"], "lora_dropout": 0.1},
+        "model.lora.dropout",
+        0.1,
+    ),
+    "lora_target_modules": (
+        {"use_peft": True, "lora_target_modules": "all-linear"},
+        "model.lora.target_modules",
+        "all-linear",
+    ),
+    "dataset_name": ({"dataset_name": "BUILT"}, "data.path", "BUILT"),
+}
+"""Per mapped TRL field: a TRL config setting it, the key here, and the value that key must then hold."""
+
+COMMON_TRAINING_ARGUMENTS = (
+    "learning_rate per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps warmup_steps "
+    "lr_scheduler_type weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm seed save_steps save_total_limit "
+    "logging_steps eval_steps output_dir bf16 fp16 gradient_checkpointing report_to resume_from_checkpoint optim "
+    "data_seed save_strategy logging_strategy eval_strategy dataloader_num_workers"
+).split()
+
+
+def _value(config, key: str):
+    """The value at section.key[.sub] of a loaded config."""
+    section, *names = key.split(".")
+    value = getattr(getattr(config, section), names[0])
+    for name in names[1:]:
+        value = value[name]
+    return value
+
+
+def _built(tmp_path: Path) -> str:
+    """A directory that looks like a built dataset to the translator (it holds manifest.json)."""
+    (tmp_path / "built").mkdir()
+    (tmp_path / "built" / "manifest.json").write_text("{}")
+    return str(tmp_path / "built")
+
+
+def test_every_field_of_trls_dpoconfig_is_mapped_or_refused_and_the_common_training_arguments_too():
+    trl = pytest.importorskip("trl")
+    from transformers import TrainingArguments
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [f.name for f in dataclasses.fields(trl.DPOConfig) if f.name not in inherited]
+    assert len(own) == 25  # TRL 1.16's own fields: a new TRL field must get a row
+    assert [name for name in own + COMMON_TRAINING_ARGUMENTS if name not in TABLE] == []
+    script = [f.name for c in (trl.ModelConfig, trl.ScriptArguments) for f in dataclasses.fields(c)]
+    assert [name for name in script if name not in TABLE] == []
+
+
+def test_each_rows_trl_default_is_trls_own():
+    trl = pytest.importorskip("trl")
+    defaults = {}
+    for cls in (trl.DPOConfig, trl.ModelConfig, trl.ScriptArguments):
+        for f in dataclasses.fields(cls):
+            has = f.default is not dataclasses.MISSING
+            defaults[f.name] = f.default if has else f.default_factory()
+    filled = {name: row.default for name, row in TABLE.items() if row.convert and name in defaults}
+    assert {name: defaults[name] for name in filled} == filled
+    harmless = {name: row.harmless[0] for name, row in TABLE.items() if row.harmless and name in defaults}
+    assert {name: defaults[name] for name in harmless if name != "padding_free"} == {
+        name: value for name, value in harmless.items() if name != "padding_free"
+    }
+
+
+def test_every_mapped_field_translates_into_a_config_holding_trls_value(tmp_path):
+    assert sorted(SAMPLES) == sorted(name for name, row in TABLE.items() if row.convert)
+    built = _built(tmp_path)
+    for name, (trl, key, expected) in SAMPLES.items():
+        trl = {k: built if v == "BUILT" else v for k, v in trl.items()}
+        translated, _ = translate(trl)
+        got = _value(load_config(translated), key)
+        assert got == (built if expected == "BUILT" else expected), (name, key, got)
+
+
+def test_omitted_fields_take_trls_defaults_and_the_global_batch_counts_every_process():
+    translated, _ = translate({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}, world=4)
+    config = load_config(translated)
+    assert config.data.pairs_per_step == 2 * 4 * 4 and config.data.batching == "pairs"
+    assert (config.optim.lr, config.optim.scheduler, config.optim.name) == (1e-6, "linear", "adamw")
+    assert (config.train.max_steps, config.train.epochs, config.train.seed, config.data.seed) == (None, 3, 42, 42)
+    assert (config.train.log_every, config.train.save_every, config.train.keep_last) == (10, 500, KEEP_ALL)
+    assert config.train.activation_checkpointing is True and config.train.output_dir == "trainer_output"
+    assert config.train.precision == "auto" and config.loss.type == "sigmoid" and config.loss.beta == 0.1
+
+
+def test_a_ratio_of_steps_converts_with_max_steps_and_is_refused_without():
+    config = load_config(translate({"max_steps": 25, "warmup_steps": 0.1, "logging_steps": 0.2})[0])
+    assert (config.optim.warmup_steps, config.train.log_every) == (3, 5)  # ceil(2.5), ceil(5.0): transformers'
+    with pytest.raises(ConfigError, match=r"warmup_steps is 0.1, a ratio of the run's steps, but max_steps is not"):
+        translate({"warmup_steps": 0.1})
+
+
+def test_every_field_without_a_counterpart_is_refused_by_name_in_one_error():
+    refused = [name for name, row in TABLE.items() if row.convert is None]
+    with pytest.raises(ConfigError) as caught:
+        translate({name: 12345 for name in refused})
+    lines = str(caught.value).splitlines()[1:]
+    assert [line.split(" is 12345")[0] for line in lines] == [f"  - {name}" for name in refused]
+    assert all("this toolkit has no counterpart" in line and line.endswith("drop it") for line in lines)
+    assert (
+        "max_length is 12345; this toolkit has no counterpart: a build option here: `dpo-data build --max-length"
+        in (str(caught.value))
+    )
+
+
+def test_values_that_change_nothing_here_are_accepted_and_listed():
+    _, notes = translate({"disable_dropout": True, "padding_free": True, "push_to_hub": False, "pad_token": None})
+    assert notes[-1] == "accepted, changing nothing here: disable_dropout, padding_free, push_to_hub, pad_token"
+
+
+def test_values_trl_runs_differently_are_refused_naming_the_fix():
+    cases = {
+        "fp16": ({"fp16": True}, "fp16 is true; this toolkit has no fp16"),
+        "scheduler": ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type is 'polynomial'; here: linear, cosine"),
+        "constant": (
+            {"lr_scheduler_type": "constant", "warmup_steps": 10},
+            "lr_scheduler_type is constant, which in transformers takes no warm-up",
+        ),
+        "smoothing": ({"label_smoothing": 0.1}, "TRL 1.16's sigmoid reads no label_smoothing"),
+        "epochs": ({"num_train_epochs": 1.5}, "num_train_epochs is 1.5; here train.epochs counts whole epochs"),
+        "report": ({"report_to": "wandb"}, "report_to names wandb; here only tensorboard"),
+        "peft": ({"use_peft": True}, "use_peft is true and lora_target_modules is not set"),
+        "dtype": ({"model_init_kwargs": {"dtype": "bfloat16"}}, "model_init_kwargs has dtype bfloat16"),
+        "dataset": ({"dataset_name": "trl-lib/ultrafeedback"}, "build it (dpo-data build RAW_FILES"),
+        "training_arguments": ({"hub_model_id": "me/x"}, "hub_model_id is 'me/x': a transformers TrainingArguments"),
+        "typo": ({"learnig_rate": 1e-5}, "learnig_rate is not a field of TRL 1.16's DPOConfig, TrainingArguments, "),
+        "loss": ({"loss_type": "kto_pair"}, "loss_type names 'kto_pair'; here (TRL 1.16's names"),
+    }
+    for case, (trl, message) in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            translate(trl)
+        assert message in str(caught.value), case
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        translate({"learnig_rate": 1e-5})
+
+
+def test_a_dataset_name_is_superseded_by_a_data_path_override_and_the_overrides_apply():
+    translated, notes = translate({"dataset_name": "trl-lib/ultrafeedback"}, overrides=["data.path=/d/train"])
+    assert translated["data"]["path"] == "/d/train"
+    assert not any("data.path is empty" in note for note in notes)
+
+
+def test_a_trl_name_in_a_config_answers_with_its_key_here_not_a_lookalike():
+    cases = {
+        "learning_rate": (
+            {"learning_rate": 1e-5},
+            "unknown section 'learning_rate' (learning_rate is TRL's name; here it is optim.lr;",
+        ),
+        "save_steps": (
+            {"train": {"save_steps": 5}},
+            "unknown key train.save_steps (save_steps is TRL's name; here it is train.save_every;",
+        ),
+        "batch": (
+            {"data": {"per_device_train_batch_size": 4}},
+            "per_device_train_batch_size is TRL's name; here it is data.pairs_per_step;",
+        ),
+        "max_length": (
+            {"max_length": 512},
+            "max_length is TRL's name; this toolkit has no counterpart: a build option",
+        ),
+    }
+    for case, (raw, message) in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            load_config(raw)
+        assert message in str(caught.value), case
+        assert "did you mean" not in str(caught.value), case
+
+
+def test_dpo_train_from_trl_prints_a_config_dpo_train_loads(tmp_path, run_cli):
+    from dpo_cli.train import main
+
+    built = _built(tmp_path)
+    trl = tmp_path / "trl.yaml"
+    trl.write_text(
+        "model_name_or_path: /models/smol\nlearning_rate: 5.0e-7\nper_device_train_batch_size: 2\n"
+        f"gradient_accumulation_steps: 4\nmax_steps: 50\nbeta: 0.05\ndataset_name: {built}\npush_to_hub: false\n"
+    )
+    result = run_cli(main, "--from-trl", trl, "--nproc-per-node", "2", "--set", "train.output_dir=/r/x")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "train.yaml"
+    out.write_text(result.stdout)
+    config = load_config(out)
+    assert (config.optim.lr, config.loss.beta, config.data.pairs_per_step) == (5e-7, 0.05, 16)
+    assert (config.model.path, config.data.path, config.train.output_dir) == ("/models/smol", built, "/r/x")
+    assert result.stderr == "note: accepted, changing nothing here: push_to_hub\n"
+    trl.write_text("max_length: 512\nfp16: true\n")
+    result = run_cli(main, "--from-trl", trl)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert (
+        result.stderr.startswith("error: the TRL config does not translate")
+        and "  - max_length is 512" in result.stderr
+    )
+    result = run_cli(main, str(out), "--from-trl", trl)
+    assert result.exit_code == 2 and "give CONFIG or --from-trl, not both" in result.stderr
+    assert "--from-trl TRL.yaml" in run_cli(main, "--help").stdout
+
+
+def test_the_docs_table_is_the_modules_table():
+    table = DOCS.read_text().split("<!-- trl:start -->\n")[1].split("<!-- trl:end -->")[0]
+    assert table == markdown_table()
