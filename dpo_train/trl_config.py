@@ -368,9 +368,15 @@ TABLE: dict[str, Row] = {
     "use_weighting": Row("loss.use_weighting", "", _to("loss.use_weighting"), default=False),
     "discopop_tau": Row("loss.discopop_tau", "", _to("loss.discopop_tau"), default=0.05),
     "activation_offloading": Row("", "no CPU offload of activations here", harmless=(False,)),
-    "sync_ref_model": Row("", 'TR-DPO: not in this toolkit yet (docs/objective.md, "Not yet")', harmless=(False,)),
-    "ref_model_mixup_alpha": Row("", "TR-DPO only (sync_ref_model)", harmless=(0.6,)),
-    "ref_model_sync_steps": Row("", "TR-DPO only (sync_ref_model)", harmless=(512,)),
+    "sync_ref_model": Row(
+        "reference.sync_ref_model", "TR-DPO (docs/objective.md)", _to("reference.sync_ref_model"), default=False
+    ),
+    "ref_model_mixup_alpha": Row(
+        "reference.ref_model_mixup_alpha", "", _to("reference.ref_model_mixup_alpha"), default=0.6
+    ),
+    "ref_model_sync_steps": Row(
+        "reference.ref_model_sync_steps", "", _to("reference.ref_model_sync_steps"), default=512
+    ),
     "pad_token": Row("", "packed rows have no padding (TRL deprecates it)", harmless=(None,)),
     # TrainingArguments fields TRL users set
     "output_dir": Row("train.output_dir", "null: trainer_output, as transformers", _output_dir, default=None),

@@ -23,6 +23,17 @@ SAMPLES = {
         "/r/run-reference",
     ),
     "loss_type": ({"loss_type": ["ipo"]}, "loss.type", "ipo"),
+    "sync_ref_model": ({"sync_ref_model": True}, "reference.sync_ref_model", True),
+    "ref_model_mixup_alpha": (
+        {"sync_ref_model": True, "ref_model_mixup_alpha": 0.9},
+        "reference.ref_model_mixup_alpha",
+        0.9,
+    ),
+    "ref_model_sync_steps": (
+        {"sync_ref_model": True, "ref_model_sync_steps": 64},
+        "reference.ref_model_sync_steps",
+        64,
+    ),
     "loss_weights": ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, "loss.weights", [1.0, 0.5]),
     "ld_alpha": ({"ld_alpha": 0.5}, "loss.ld_alpha", 0.5),
     "f_divergence_type": ({"f_divergence_type": "js_divergence"}, "loss.f_divergence_type", "js_divergence"),
