@@ -57,8 +57,10 @@ def main(config, from_trl, overrides, nproc_per_node, precompute_reference, over
     pair-weighted over the whole step), OUTPUT/eval.jsonl with eval.path (held-out preference accuracy
     before and after) and the final policy in OUTPUT/final/ (a Hugging Face directory; with model.lora,
     a PEFT adapter directory and/or the merged model, per train.export; weights in train.export_dtype).
-    On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA. `dpo-state report OUTPUT` draws
-    the run (docs/report.md); train.report_to: [tensorboard] also writes OUTPUT/tensorboard/.
+    On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA (in a log, a line per step with
+    elapsed time and ETA); scoring, checkpoint saves and the export say when they start and end. `dpo-state
+    report OUTPUT` draws the run (docs/report.md); train.report_to: [tensorboard] also writes
+    OUTPUT/tensorboard/.
 
     With train.save_every, checkpoints go to OUTPUT/checkpoints/step-NNNNNN/ and a rerun resumes from the
     newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).
@@ -132,7 +134,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
         if precompute:
             from dpo_train.reference.precompute import precompute_reference
 
-            path = precompute_reference(resolved, overwrite)
+            path = precompute_reference(resolved, overwrite, progress=not quiet)
             if rank == 0:
                 click.echo(f"reference sidecar written: {path}")
             collectives.shutdown()

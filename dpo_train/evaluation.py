@@ -24,24 +24,30 @@ class Evaluator:
     objective over the held-out pairs (`held_out_loss`).
     """
 
-    def __init__(self, store: PairStore, initial: Any, setup: Any):
-        """`setup` (a RunSetup) gives the placement's autocast, the sequence mesh, the data layout and the loss."""
+    def __init__(self, store: PairStore, initial: Any, setup: Any, progress: bool = False):
+        """`setup` (a RunSetup) gives the placement's autocast, the sequence mesh, the data layout and the loss;
+        `progress`: show each scoring as a stage (on rank 0, not --quiet)."""
         self.store, self.setup, self.layout = store, setup, setup.config.data.layout
-        self.loss = setup.config.loss
+        self.loss, self.progress = setup.config.loss, progress
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
             setup.config.data.max_tokens_per_microbatch,
             int(store.segment_tokens(np.arange(store.num_pairs), self.layout).max(initial=0)),
         )
-        self.reference = self._score(initial, weighting=False)
+        self.reference = self._score(initial, weighting=False, stage="eval: the reference scores the held-out set")
 
-    def _score(self, model: Any, weighting: bool) -> Scores:
-        place, mesh = self.setup.place, self.setup.mesh
-        ld_alpha = self.loss.ld_alpha
-        return score_pairs(model, self.store, self.budget, place.autocast, mesh, self.layout, ld_alpha, weighting)
+    def _score(self, model: Any, weighting: bool, stage: str) -> Scores:
+        place, mesh, ld_alpha = self.setup.place, self.setup.mesh, self.loss.ld_alpha
+        shown = stage if self.progress else None
+        return score_pairs(
+            model, self.store, self.budget, place.autocast, mesh, self.layout, ld_alpha, weighting, shown
+        )
 
     def run(self, model: Any, step: int) -> dict:
         """The eval.jsonl record of `model` after `step` optimizer steps (step 0: the reference itself)."""
-        policy = self._score(model, self.loss.use_weighting) if step or self.loss.use_weighting else self.reference
+        policy = self.reference  # step 0 without WPO weights: the policy is the reference
+        if step or self.loss.use_weighting:
+            stage = f"eval at step {step}: the policy scores the held-out set"
+            policy = self._score(model, self.loss.use_weighting, stage)
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
         loss, nll = held_out_loss(self.loss, policy, self.reference)

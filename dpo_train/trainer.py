@@ -48,7 +48,7 @@ from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.parallel import collectives
 from dpo_train.parallel.device import Placement
 from dpo_train.parallel.wrapping import no_sync, wrap
-from dpo_train.progress import Progress
+from dpo_train.progress import Progress, Stage
 from dpo_train.reference.choice import build_reference
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.run_log import RunLog
@@ -312,7 +312,8 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
     lineage = new_lineage()
     resume_from = find_resume(config, out, rank)
     # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
-    evaluator = Evaluator(held_out, trainer.reference.initial, setup) if held_out else None
+    shown = progress and rank == 0  # long stages say what they do
+    evaluator = Evaluator(held_out, trainer.reference.initial, setup, shown) if held_out else None
     if resume_from is not None:
         state = restore(parts, ctx, resume_from)
         abandon_later(out, resume_from, rank, world)
@@ -346,16 +347,22 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
                     print(watch.reason(), file=sys.stderr, flush=True)
             done = trainer.state.step >= config.train.max_steps or _stopped(watch)
             if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
-                lineage = {**lineage, "parent": save(parts, ctx, lineage).name}
+                lineage = {**lineage, "parent": _save(parts, ctx, lineage, shown).name}
                 saved_step = trainer.state.step
             if done:
                 break
         if config.train.save_every and trainer.state.step != saved_step:
-            save(parts, ctx, lineage)  # the data ran out before max_steps: keep the last step
+            _save(parts, ctx, lineage, shown)  # the data ran out before max_steps: keep the last step
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
-    export(trainer.policy, config, setup.tokenizer, out, rank)
+    with Stage(f"export {out / 'final'}", enabled=shown):
+        export(trainer.policy, config, setup.tokenizer, out, rank)
     return out
+
+
+def _save(parts, ctx: RunContext, lineage: dict, shown: bool) -> Path:
+    with Stage(f"checkpoint at step {parts.train.step}", enabled=shown):
+        return save(parts, ctx, lineage)
 
 
 def _evaluate(evaluator: Evaluator, trainer: Trainer, log: RunLog, watch: EarlyStopping | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -58,13 +59,22 @@ def single(sample_dataset, smollm2_dir, tmp_path_factory):
 def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(
     single, sample_dataset, smollm2_dir, tmp_path, run_cli
 ):
-    lines = [x for x in (single / "stderr.txt").read_text().splitlines() if x.startswith("step ")]
+    stderr = (single / "stderr.txt").read_text().splitlines()
+    lines = [x for x in stderr if x.startswith("step ")]
     assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"] and "pairs/s" in lines[0]
+    assert all(re.search(r"elapsed \d:\d\d:\d\d  eta \d:\d\d:\d\d$", x) for x in lines), lines
+    # every long stage says that it starts and when it is done (a log has no bar)
+    for stage in (
+        "eval: the reference scores the held-out set",
+        "eval at step 3: the policy scores the held-out set",
+        f"export {single / 'final'}",
+    ):
+        assert f"{stage} ..." in stderr and any(x.startswith(f"{stage}: done in ") for x in stderr), stage
     # --quiet in this process: the progress line is printed to sys.stderr when it is written, which click's
     # runner captures, so a line would show here as in a process of its own
     config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "q")
     quiet = train_here(run_cli, config, "--set", "train.max_steps=1")
-    assert not [x for x in quiet.stderr.splitlines() if x.startswith("step ")]
+    assert not [x for x in quiet.stderr.splitlines() if x.startswith(("step ", "eval", "checkpoint", "export"))]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, write_sidecar
 from dpo_train.run_setup import setup_run
 
 
-def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
+def precompute_reference(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:
     """Write the sidecar at `reference.path` for `data.path` and the initial policy (= the reference).
 
     Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes. An existing
@@ -34,7 +34,9 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False) -> Path:
     setup.check_model(model)
     model.to(setup.place.device)
     layout, place = config.data.layout, setup.place
-    scores = score_pairs(model, store, config.data.max_tokens_per_microbatch, place.autocast, setup.mesh, layout)
+    shown = "precompute: the reference scores every training pair" if progress and setup.rank == 0 else None
+    budget = config.data.max_tokens_per_microbatch
+    scores = score_pairs(model, store, budget, place.autocast, setup.mesh, layout, progress=shown)
     path = Path(config.reference.path)
     if setup.rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")

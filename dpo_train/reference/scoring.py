@@ -17,6 +17,7 @@ from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.logps import pair_logps
 from dpo_train.parallel import collectives
+from dpo_train.progress import Stage
 
 
 @dataclass
@@ -46,9 +47,11 @@ def score_pairs(
     layout: str = "separate",
     ld_alpha: float | None = None,
     weighting: bool = False,
+    progress: str | None = None,
 ) -> Scores:
     """Forward every pair of `store` once, packed in `layout` into micro-batches of at most `max_tokens`
     (`ld_alpha`, `weighting`: also LD-DPO's sums and WPO's weights, as `pair_logps` takes them).
+    `progress`: the stage's name to show it under (`Stage`, on the caller's rank 0), None: silent.
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
@@ -73,25 +76,29 @@ def score_pairs(
     was_training = model.training
     model.eval()
     rounds = -(-len(bins) // world)  # equal forwards on every rank: FSDP all-gathers in each one
-    with torch.no_grad():
+
+    def score(members: list) -> None:
+        batch = pack([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with (autocast or contextlib.nullcontext)():
+            if not members:
+                model(**row_inputs(batch, mesh, model)[0])
+                return
+            out = pair_logps(model, batch, mesh, ld_alpha=ld_alpha, weighting=weighting)
+        if not writes:
+            return
+        index = batch["pair_index"].cpu().long()
+        rows = [out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens, *(out.ld or ())]
+        for row, values in enumerate(rows):
+            table[row, index] = values.detach().double().cpu()
+        if weighting:
+            table[6, index] = out.weights.double().cpu()
+
+    with torch.no_grad(), Stage(progress or "", rounds, enabled=progress is not None, unit="micro-batch") as stage:
         for k in range(rounds):
             j = k * world + rank
-            members = bins[j] if j < len(bins) else []
-            batch = pack([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with (autocast or contextlib.nullcontext)():
-                if not members:
-                    model(**row_inputs(batch, mesh, model)[0])
-                    continue
-                out = pair_logps(model, batch, mesh, ld_alpha=ld_alpha, weighting=weighting)
-            if not writes:
-                continue
-            index = batch["pair_index"].cpu().long()
-            rows = [out.chosen, out.rejected, out.chosen_tokens, out.rejected_tokens, *(out.ld or ())]
-            for row, values in enumerate(rows):
-                table[row, index] = values.detach().double().cpu()
-            if weighting:
-                table[6, index] = out.weights.double().cpu()
+            score(bins[j] if j < len(bins) else [])
+            stage.advance()
     model.train(was_training)
     values = collectives.all_reduce(table).numpy()
     return Scores(
