@@ -127,12 +127,20 @@ def verify(path) -> None:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the summary and every series as one JSON object; draw nothing."
 )
-def report(run_dir, out, as_json) -> None:
+@click.option(
+    "--smoothing",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Also draw each step series as its moving average with this weight in [0, 1) (TensorBoard's slider).",
+)
+def report(run_dir, out, as_json, smoothing) -> None:
     """Charts of a run (docs/report.md): loss, reward accuracy, margins, rewards, log-probs, gradient norm and
     learning rate, pairs/s and tokens/s, per-source loss, accuracy and pairs (the 12 sources with the most
     pairs; the others listed), held-out accuracy and margin, micro-batch fill; checkpoints marked. Writes
-    PNGs and one self-contained report.html (images inlined, nothing fetched) and prints its path. Reads
-    RUN_DIR's logs, config and checkpoint JSON only; works on a running, resumed or stopped run."""
+    PNGs and one self-contained report.html (images inlined, nothing fetched; the summary, then the charts at
+    full width, then the identity folded) and prints its path. Reads RUN_DIR's logs, config and checkpoint
+    JSON only; works on a running, resumed or stopped run."""
     if as_json:
         from dpo_report.summary import run_report
 
@@ -140,7 +148,7 @@ def report(run_dir, out, as_json) -> None:
         return
     from dpo_report.charts import write_report
 
-    click.echo(_guard(write_report, run_dir, out))
+    click.echo(_guard(write_report, run_dir, out, smoothing))
 
 
 if __name__ == "__main__":

@@ -19,14 +19,19 @@ PLOT_LIMIT = 1e300  # matplotlib's ticks overflow on an axis spanning about 1e30
 LABEL_CHARS = 40  # a source name is any string: its legend entry is cut to this many characters
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run's charts into `out` (default RUN_DIR/report) and write report.html there; return its path."""
+def write_report(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 0.0) -> Path:
+    """Draw the run's charts into `out` (default RUN_DIR/report) and write report.html there; return its path.
+    `smoothing` in [0, 1): each step series also drawn as its exponential moving average with that weight
+    (TensorBoard's slider; 0: none)."""
+    if not 0.0 <= smoothing < 1.0:
+        raise ToolkitError(f"--smoothing is {smoothing}; allowed: a number in [0, 1) (0: none); set it so")
     plt = _pyplot()
     report = run_report(run_dir)
+    report["smoothing"] = smoothing  # read by _panel; not part of the --json document
     out = Path(out) if out is not None else Path(run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     charts = {}
-    for name, draw in (("training", _training), ("throughput", _throughput), ("sources", _sources), ("eval", _eval)):
+    for name, draw in (("training", _training), ("eval", _eval), ("throughput", _throughput), ("sources", _sources)):
         figure = draw(plt, report)
         if figure is None:
             continue
@@ -80,10 +85,15 @@ def _panel(
 ) -> None:
     x = _steps_done(report) if x is None else x
     marker = "." if len(x) < 40 else None
-    drawn = [  # dashed after the ten colours of matplotlib's cycle, so no two lines look alike
-        ax.plot(x, _values(values), marker=marker, linestyle="-" if k < 10 else "--")[0]
-        for k, values in enumerate(lines.values())
-    ]
+    smoothing = report.get("smoothing", 0.0)
+    drawn = []
+    for k, values in enumerate(lines.values()):  # dashed after the ten colours of matplotlib's cycle
+        style = "-" if k < 10 else "--"
+        if not smoothing:
+            drawn.append(ax.plot(x, _values(values), marker=marker, linestyle=style)[0])
+            continue
+        raw = ax.plot(x, _values(values), linestyle=style, alpha=0.25)[0]  # faint: the values as logged
+        drawn.append(ax.plot(x, smoothed(_values(values), smoothing), linestyle=style, color=raw.get_color())[0])
     for step in report["summary"]["checkpoints"]:
         ax.axvline(step, color="grey", linestyle=":", linewidth=1)
     beyond = sum(v is not None and not _drawable(v) for values in lines.values() for v in values)
@@ -98,9 +108,22 @@ def _panel(
         ax.legend(drawn, [_label(name) for name in lines], fontsize=7)
 
 
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: the exponential moving average with `weight`, debiased at the start (so the
+    first value is itself), over the finite values; a gap (nan) stays a gap and does not enter the mean."""
+    out, mean, seen = [], 0.0, 0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(float("nan"))
+            continue
+        mean, seen = mean * weight + (1 - weight) * value, seen + 1
+        out.append(mean / (1 - weight**seen))
+    return out
+
+
 def _training(plt, report: dict):
     s = report["series"]
-    figure, axes = plt.subplots(4, 2, figsize=(11, 12))
+    figure, axes = plt.subplots(4, 2, figsize=(16, 14))
     panels = [
         ("loss", {"loss": s["loss"]}),
         ("reward accuracy (chosen reward > rejected)", {"accuracy": s["rewards/accuracies"]}),
@@ -118,7 +141,7 @@ def _training(plt, report: dict):
 
 def _throughput(plt, report: dict):
     s, mb = report["series"], report["microbatches"]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    figure, axes = plt.subplots(2, 2, figsize=(16, 8))
     _panel(axes[0, 0], report, "pairs / s", {"pairs/s": s["pairs/s"]})
     _panel(axes[0, 1], report, "input tokens / s", {"tokens/s": s["tokens/s"]})
     ax = axes[1, 0]
@@ -151,7 +174,7 @@ def _sources(plt, report: dict):
     s = report["series"]
     names = [source["name"] for source in report["sources"] if source["charted"]]
     window = min(50, max(1, round(len(s["step"]) / 5)))
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
 
     def metric(name: str, key: str) -> list:  # a hand-written record may lack any key but pairs
         return s.get(f"sources/{name}/{key}") or [None] * len(s["step"])
@@ -179,15 +202,17 @@ def _eval(plt, report: dict):
     e = report["eval"]
     if not e["step"]:
         return None
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     lines = {"margin > 0 (vs reference)": e["accuracy"], "chosen logp > rejected (policy)": e["logp_accuracy"]}
     _panel(axes[0], report, "held-out accuracy", lines, x=e["step"])
     _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"])
+    _panel(axes[2], report, "held-out loss (the run's objective)", {"loss": e["loss"]}, x=e["step"])
     return figure
 
 
 def _html(report: dict, charts: dict[str, Path]) -> str:
-    """One page: summary and identity tables, then the charts inlined as data: URLs (nothing fetched)."""
+    """One page, full width: the summary table, the charts inlined as data: URLs (nothing fetched), then the
+    identity, folded (a `<details>` a reader opens), so the first chart is near the top."""
     summary = report["summary"]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _summary_rows(summary))
     ident = summary["identity"]
@@ -206,10 +231,12 @@ def _html(report: dict, charts: dict[str, Path]) -> str:
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>dpo-train run {html.escape(summary['run'])}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "th,td{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}img{max-width:100%}</style>"
-        f"</head><body><h1>Run {html.escape(summary['run'])}</h1><table>{rows}</table>"
-        f"<h2>identity (latest committed checkpoint)</h2><table>{identity}</table>{images}</body></html>\n"
+        "<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse}"
+        "th,td{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}img{width:100%}"
+        "summary{font-size:1.5em;font-weight:bold;margin:0.83em 0;cursor:pointer}</style>"
+        f"</head><body><h1>Run {html.escape(summary['run'])}</h1><table>{rows}</table>{images}"
+        f"<details><summary>identity (latest committed checkpoint)</summary><table>{identity}</table></details>"
+        "</body></html>\n"
     )
 
 

@@ -78,6 +78,19 @@ def test_the_report_of_a_resumed_run_has_every_chart_and_each_step_once(run, tmp
     assert "http://" not in text and "https://" not in text
     assert text.count("data:image/png;base64,") == 4
     assert records[0]["sources"] and len({s for r in records for s in r["sources"]}) > 1
+    # the layout: the summary, the charts (training first) at full width, the identity last and folded
+    first_chart, identity = text.index("<h2>training</h2><img"), text.index("<details><summary>identity")
+    assert text.index("<h2>eval</h2>") < text.index("<h2>throughput</h2>") and first_chart < identity
+    assert "img{width:100%}" in text and text.count("<table>") == 2 and text.rindex("<table>") > identity
+    above, below = text[:first_chart].count("<tr>"), text[identity:].count("<tr>")
+    assert above < 20 < below  # the short summary above the charts; the identity's many rows below them
+    smooth = state_here(run_cli, "report", run, "--out", tmp_path / "s", "--smoothing", "0.8")
+    assert (tmp_path / "s" / "training.png").read_bytes() != (tmp_path / "r" / "training.png").read_bytes()
+    assert smooth.stdout.strip() == str(tmp_path / "s" / "report.html")
+    assert (
+        "--smoothing is 1.0; allowed: a number in [0, 1)"
+        in state_here(run_cli, "report", run, "--smoothing", "1", code=2).stderr
+    )
 
     report = _report_json(run_cli, run)
     series, summary = report["series"], report["summary"]
@@ -195,3 +208,13 @@ def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):
     check_report_to([])  # nothing asked, nothing needed
     with pytest.raises(ToolkitError, match=r"dpo-toolkit\[report\].*--json"):
         write_report(tmp_path)
+
+
+def test_smoothing_is_tensorboards_debiased_moving_average_and_keeps_gaps():
+    from dpo_report.charts import smoothed
+
+    out = smoothed([1.0, 3.0, float("nan"), 3.0], 0.5)
+    assert out[0] == 1.0  # debiased: the first value is itself
+    assert out[1] == pytest.approx((0.5 * 0.5 * 1 + 0.5 * 3) / (1 - 0.25))
+    assert math.isnan(out[2]) and out[3] == pytest.approx((0.5 * (0.25 * 1 + 0.5 * 3) + 0.5 * 3) / (1 - 0.125))
+    assert smoothed([2.0, 4.0], 0.0) == [2.0, 4.0]
