@@ -48,7 +48,8 @@ def main(config, overrides, nproc_per_node, precompute_reference, overwrite, qui
     before and after) and the final policy in OUTPUT/final/ (a Hugging Face directory; with model.lora,
     a PEFT adapter directory and/or the merged model, per train.export; weights in train.export_dtype).
     On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA. `dpo-state report OUTPUT` draws
-    the run (docs/report.md); train.report_to: [tensorboard] also writes OUTPUT/tensorboard/.
+    the run (docs/report.md); train.report_to: [tensorboard] also writes OUTPUT/tensorboard/, [wandb] a
+    W&B run (WANDB_* variables; docs/report.md).
 
     With train.save_every, checkpoints go to OUTPUT/checkpoints/step-NNNNNN/ and a rerun resumes from the
     newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).
