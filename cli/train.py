@@ -60,7 +60,7 @@ def main(config, from_trl, overrides, nproc_per_node, precompute_reference, over
     On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA (in a log, a line per step with
     elapsed time and ETA); scoring, checkpoint saves and the export say when they start and end. `dpo-state
     report OUTPUT` draws the run (docs/report.md); train.report_to: [tensorboard] also writes
-    OUTPUT/tensorboard/.
+    OUTPUT/tensorboard/, [wandb] a W&B run (WANDB_* variables; docs/report.md).
 
     With train.save_every, checkpoints go to OUTPUT/checkpoints/step-NNNNNN/ and a rerun resumes from the
     newest committed one that verifies, after checking it belongs to this run (docs/checkpoints.md).

@@ -161,8 +161,9 @@ class TrainSection:
     """The dtype of the exported weights: model (the model's own dtype as loaded: its config's dtype,
     fp32 without one) | fp32 | bf16. Training keeps fp32 master weights whatever this says."""
     report_to: list = field(default_factory=list)
-    """Where the step metrics also go, besides OUTPUT/metrics.jsonl: [] | [tensorboard] (event files under
-    OUTPUT/tensorboard/, written by rank 0; needs the `report` extra)."""
+    """Where the step metrics also go, besides OUTPUT/metrics.jsonl, written by rank 0: tensorboard (event
+    files under OUTPUT/tensorboard/; needs the `report` extra) and/or wandb (a W&B run, set up by the WANDB_*
+    environment variables; needs the `wandb` extra)."""
 
 
 @dataclass(frozen=True)

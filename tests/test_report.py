@@ -199,7 +199,7 @@ def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):
     from dpo_train.sinks import check_report_to
 
     with pytest.raises(ConfigError, match="report_to"):
-        load_config({"train": {"report_to": ["wandb"]}})
+        load_config({"train": {"report_to": ["mlflow"]}})
     assert load_config({"train": {"report_to": ["tensorboard"]}}).train.report_to == ["tensorboard"]
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib", None)
