@@ -175,7 +175,8 @@ def _evaluation(config: TrainConfig, facts: RunFacts) -> str | None:
     if not records:
         return None
     first, last = records[0], records[-1]
-    head = f"| held-out ({last['pairs']} pairs) | step {first['step']} (before) | step {last['step']} (after) |\n|---|---|---|\n"
+    head = f"| held-out ({last['pairs']} pairs) | step {first['step']} (before) | step {last['step']} (after) |\n"
+    head += "|---|---|---|\n"
     rows = [f"| {k} | {_cell(first.get(k))} | {_cell(last.get(k))} |" for k in _EVAL_ROWS if k in last]
     return "## Held-out evaluation\n\n" + head + "\n".join(rows)
 
