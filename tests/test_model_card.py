@@ -175,3 +175,84 @@ def test_the_base_model_is_a_hub_name_or_the_directory_name_never_a_local_path(t
     (directory / "config.json").write_text(json.dumps({"_name_or_path": recorded, "model_type": "llama"}))
     assert base_model(ModelConfig(path=str(directory))) == expected
     assert base_model(ModelConfig(init={"config": TINY_LLAMA})) is None
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """huggingface_hub's create_repo and upload_folder replaced by recorders: what a push would send, and
+    what the folder held at that moment (file names, and the text of every file but the weights)."""
+    import huggingface_hub
+
+    sent: dict = {}
+
+    def create_repo(repo_id, **kwargs):
+        sent["create_repo"] = {"repo_id": repo_id, **kwargs}
+
+    def upload_folder(**kwargs):
+        folder = Path(kwargs["folder_path"])
+        sent["upload_folder"] = kwargs
+        sent["files"] = sorted(p.name for p in folder.iterdir())
+        sent["texts"] = {p.name: p.read_text() for p in _text_files(folder)}
+        return f"https://huggingface.co/{kwargs['repo_id']}/commit/0123"
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload_folder)
+    return sent
+
+
+def test_push_sends_the_verified_export_folder_as_it_is(lora_run, hub, run_cli, small_dataset, smollm2_dir):
+    final = lora_run / "final"
+    result = state_here(run_cli, "push", final, "me/tiny-dpo", "--token", "hf_test", "--private")
+    assert result.output == "https://huggingface.co/me/tiny-dpo/commit/0123\n"
+    assert hub["create_repo"] == {
+        "repo_id": "me/tiny-dpo",
+        "token": "hf_test",
+        "private": True,
+        "repo_type": "model",
+        "exist_ok": True,
+    }
+    assert hub["upload_folder"] == {
+        "repo_id": "me/tiny-dpo",
+        "folder_path": final,
+        "token": "hf_test",
+        "commit_message": "dpo-toolkit export at step 2",
+    }
+    record = json.loads((final / "export.json").read_text())
+    assert hub["files"] == sorted([f["path"] for f in record["files"]] + ["export.json"])
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(hub["files"])
+    roots = {str(p) for p in (lora_run.parent, small_dataset, smollm2_dir, Path.home())}
+    assert {name: [r for r in roots if r in text] for name, text in hub["texts"].items()} == {
+        name: [] for name in hub["texts"]
+    }
+
+
+def test_push_without_a_token_or_of_a_changed_export_sends_nothing(lora_run, hub, run_cli, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no HF_TOKEN, no `hf auth login`
+    final = lora_run / "final"
+    result = state_here(run_cli, "push", final, "me/tiny-dpo", code=2)
+    assert result.stderr == (
+        f"error: no Hugging Face token to push {final} to me/tiny-dpo: pass --token, set HF_TOKEN, or run "
+        "`hf auth login` (a token with write access)\n"
+    )
+    copy = shutil.copytree(final, tmp_path / "final")
+    (copy / "README.md").write_text("edited")
+    result = state_here(run_cli, "push", copy, "me/tiny-dpo", "--token", "hf_test", code=2)
+    assert "README.md: 6 bytes, export.json says" in result.stderr and result.stderr.startswith(
+        f"error: {copy} does not verify against its export.json"
+    )
+    assert hub == {}
+
+
+def test_push_without_network_is_a_named_error(lora_run):
+    from tests.harness import free_port, state_cli
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: as a machine without network
+    result = state_cli(
+        "push", lora_run / "final", "me/tiny-dpo", "--token", "hf_test", env={"HF_ENDPOINT": endpoint}, code=2
+    )
+    assert result.stderr.startswith(
+        f"error: pushing {lora_run / 'final'} to the Hub as me/tiny-dpo failed: ConnectError: "
+    )
+    assert "Traceback" not in result.stderr
