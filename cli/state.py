@@ -1,4 +1,4 @@
-"""`dpo-state`: inspect, diff and verify checkpoints, without a process group and without unpickling state."""
+"""`dpo-state`: inspect, diff and verify checkpoints (no process group, nothing unpickled); verify and push exports."""
 
 from __future__ import annotations
 
@@ -106,8 +106,9 @@ def diff(a, b, as_json, values, atol) -> None:
 @main.command()
 @click.argument("path", type=click.Path())
 def verify(path) -> None:
-    """Check the commit record, every file's size and sha256, the schemas and the rank files.
-    Exit 0 when all hold, 1 with every failure named."""
+    """Check the commit record, every file's size and sha256, the schemas and the rank files. PATH may also
+    be an export (OUTPUT/final, OUTPUT/final-merged): its files against its export.json (changed, missing
+    or extra). Exit 0 when all hold, 1 with every failure named."""
     from dpo_state import verify_checkpoint
 
     problems = verify_checkpoint(path)
@@ -117,6 +118,21 @@ def verify(path) -> None:
             click.echo(f"  - {p}", err=True)
         sys.exit(1)
     click.echo(f"ok: {path}")
+
+
+@main.command()
+@click.argument("final_dir", type=click.Path())
+@click.argument("repo_id")
+@click.option("--token", default=None, help="A Hub token with write access [default: HF_TOKEN, or `hf auth login`'s].")
+@click.option("--private", is_flag=True, help="Create the repository private (when it does not exist yet).")
+def push(final_dir, repo_id, token, private) -> None:
+    """Upload an export (OUTPUT/final or OUTPUT/final-merged) to the Hugging Face Hub as model repository
+    REPO_ID (namespace/name; created when missing), in one commit: model card, weights, tokenizer,
+    export.json. It must verify against its export.json first; nothing is sent otherwise. Prints the
+    commit's URL. Exit 2 with the reason named (no token, no network, a refused repo id)."""
+    from dpo_train.hub import push_export
+
+    click.echo(_guard(push_export, final_dir, repo_id, token=token, private=private))
 
 
 @main.command()

@@ -1,4 +1,4 @@
-"""`dpo-state inspect / diff / verify`: read checkpoints without a process group and without unpickling state."""
+"""`dpo-state inspect / diff / verify`: read checkpoints (and verify exports) without a process group or unpickling."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
 from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, read_dcp_metadata, reading_tensors, safe_reader
 from dpo_state.errors import DocumentError, StateError
+from dpo_state.export_record import EXPORT_FILE, export_problems
 from dpo_state.files import read_json
 from dpo_state.layout import resolve
 from dpo_state.state import (
@@ -119,7 +120,10 @@ def _unique(problems: list[str]) -> list[str]:
 
 
 def verify_checkpoint(path: str | Path) -> list[str]:
-    """`checkpoint_problems` of a step directory, or of a run directory's latest committed checkpoint."""
+    """`checkpoint_problems` of a step directory, or of a run directory's latest committed checkpoint; for an
+    export (final/, final-merged/: a directory holding export.json), `export_problems`."""
+    if (Path(path) / EXPORT_FILE).is_file():
+        return export_problems(path)
     try:
         directory = resolve(path)
     except StateError as e:

@@ -17,13 +17,7 @@ def write_commit(directory: str | Path, step: int) -> dict:
     """Hash every file under `directory` and write `commit.json` by atomic rename. From that moment
     the checkpoint exists; before it, it is incomplete and is never loaded."""
     directory = Path(directory)
-    files = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel == COMMIT_FILE:
-            continue
-        files.append({"path": rel, "bytes": path.stat().st_size, "sha256": file_digest(path)})
-    record = {"format_version": COMMIT_FORMAT_VERSION, "step": step, "files": files}
+    record = {"format_version": COMMIT_FORMAT_VERSION, "step": step, "files": listed_files(directory, COMMIT_FILE)}
     write_json_atomic(directory / COMMIT_FILE, record, schema=COMMIT_SCHEMA)
     return record
 
@@ -41,16 +35,34 @@ def commit_problems(directory: str | Path, hashes: bool = True) -> list[str]:
         record = read_commit(directory)
     except DocumentError as e:
         return [str(e)]
+    return listing_problems(directory, record["files"], COMMIT_FILE, "the commit record", "the checkpoint", hashes)
+
+
+def listed_files(directory: Path, record_file: str) -> list[dict]:
+    """Every file under `directory` but `record_file` (the record that lists them): path, bytes, sha256."""
+    return [
+        {"path": rel, "bytes": path.stat().st_size, "sha256": file_digest(path)}
+        for rel, path in _files(directory)
+        if rel != record_file
+    ]
+
+
+def listing_problems(
+    directory: Path, files: list[dict], record_file: str, record: str, place: str, hashes: bool = True
+) -> list[str]:
+    """How `directory` differs from the `files` that `record` (its `record_file`) lists: missing, resized,
+    altered (unless not `hashes`), outside `place`, or present but unlisted."""
     problems, listed = [], set()
-    for entry in record["files"]:
+    for entry in files:
         rel = entry["path"]
         listed.add(rel)
         if ".." in Path(rel).parts or Path(rel).is_absolute():
-            problems.append(f"{rel}: a path outside the checkpoint")
+            problems.append(f"{rel}: a path outside {place}")
             continue
-        problems += file_problems(directory / rel, entry["bytes"], entry["sha256"], rel, "the commit record", hashes)
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel not in listed and rel != COMMIT_FILE:
-            problems.append(f"{rel}: present but not in the commit record")
-    return problems
+        problems += file_problems(directory / rel, entry["bytes"], entry["sha256"], rel, record, hashes)
+    unlisted = [rel for rel, _ in _files(directory) if rel not in listed and rel != record_file]
+    return problems + [f"{rel}: present but not in {record}" for rel in unlisted]
+
+
+def _files(directory: Path) -> list[tuple[str, Path]]:
+    return [(p.relative_to(directory).as_posix(), p) for p in sorted(directory.rglob("*")) if p.is_file()]

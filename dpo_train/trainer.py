@@ -43,6 +43,7 @@ from dpo_train.lora import apply_lora
 from dpo_train.loss import pair_losses
 from dpo_train.metrics import add_pairs, new_sums, step_record
 from dpo_train.model import embedding_rows
+from dpo_train.model_card import run_facts
 from dpo_train.nonfinite import agree, local_nonfinite, step_sources
 from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.parallel import collectives
@@ -355,8 +356,9 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
             _save(parts, ctx, lineage, shown)  # the data ran out before max_steps: keep the last step
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
+    facts = run_facts(ctx.identity, lineage, trainer.state.step, loader.stream.store, out)
     with Stage(f"export {out / 'final'}", enabled=shown):
-        export(trainer.policy, config, setup.tokenizer, out, rank)
+        export(trainer.policy, config, setup.tokenizer, out, rank, facts)
     return out
 
 
