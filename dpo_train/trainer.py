@@ -16,6 +16,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
+from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
 from dpo_train.checkpointing import (
@@ -49,7 +50,7 @@ from dpo_train.objective import microbatch_loss, router_aux_coef
 from dpo_train.parallel import collectives
 from dpo_train.parallel.device import Placement
 from dpo_train.parallel.wrapping import no_sync, wrap
-from dpo_train.progress import Progress, Stage
+from dpo_train.progress import Progress
 from dpo_train.reference.choice import build_reference
 from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
 from dpo_train.run_log import RunLog

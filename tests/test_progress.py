@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dpo_train import progress
-from dpo_train.progress import Stage
+from dpo_data import progress
+from dpo_data.progress import Stage
 
 
 def test_a_stage_in_a_log_says_start_progress_with_eta_and_done(monkeypatch, capsys):
@@ -32,3 +32,19 @@ def test_a_failed_stage_does_not_say_done(capsys):
     except OSError:
         pass
     assert capsys.readouterr().err.splitlines() == ["export ..."]
+
+
+def test_a_stage_without_a_total_counts_in_a_log(monkeypatch, capsys):
+    """The build reads rows of unknown number: in a log it says how many so far, without an ETA."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    with Stage("build", unit="rows", bar=True) as stage:
+        for _ in range(4):
+            now[0] += 20.0
+            stage.update(1000)
+    assert capsys.readouterr().err.splitlines() == [
+        "build ...",
+        "build: 2000 rows  elapsed 0:00:40",
+        "build: 4000 rows  elapsed 0:01:20",
+        "build: done in 0:01:20",
+    ]

@@ -39,6 +39,7 @@ from dpo_data.prepare.output import (
 )
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
+from dpo_data.progress import Stage
 from dpo_state.attestation import tokenizer_attestation
 from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
@@ -371,11 +372,9 @@ def _input_digest(f: InputFile) -> str:
     return DIGEST_PREFIX + sha256_json([[Path(name).name, file_digest(name)] for name in f.files])
 
 
-def _progress(enabled: bool):
-    from tqdm import tqdm
-
-    # disable=None lets tqdm switch itself off when stderr is not a TTY.
-    return tqdm(unit=" rows", desc="build", disable=None if enabled else True, smoothing=0.1)
+def _progress(enabled: bool) -> Stage:
+    """A bar counting rows on a terminal; in a log, a line at most every 30 s (rows read, elapsed)."""
+    return Stage("build", enabled=enabled, unit="rows", bar=True)
 
 
 def _run(files, tokenizer, options, bar) -> Iterator[ChunkResult]:

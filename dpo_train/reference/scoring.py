@@ -14,10 +14,10 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.logps import pair_logps
 from dpo_train.parallel import collectives
-from dpo_train.progress import Stage
 
 
 @dataclass
