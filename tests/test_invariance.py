@@ -17,6 +17,7 @@ reference-free type.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -33,9 +34,12 @@ OBJECTIVES = {
     "sigmoid": {},
     "mpo": {"loss": {"type": ["sigmoid", "bco_pair", "sft"], "weights": [0.8, 0.2, 1.0]}},
     "orpo": {"loss": {"type": "orpo", "nll_weight": 1.0}, "reference": {"mode": "none"}},
+    "aot": {"loss": {"type": ["aot", "aot_unpaired", "sigmoid"], "weights": [1.0, 0.5, 0.5]}},
 }
 """The objectives each split trains, as config sections: DPO (the default loss); TRL's MPO-style list (two per-pair
-types and sft, the NLL term, weighted); ORPO, per-token means without a reference, with its NLL term."""
+types and sft, the NLL term, weighted); ORPO, per-token means without a reference, with its NLL term; both AOT
+types, whose sorts span the step's micro-batches and ranks (in the second step, once the policy orders the pairs
+otherwise than the reference)."""
 
 
 def _config(
@@ -222,7 +226,7 @@ kind (micro-batches, ranks under DDP and FSDP2, 4 ranks two of them empty, the l
 the step's chosen tokens unevenly, which a per-micro-batch or per-rank NLL mean would weigh wrongly. A split
 costs a fraction of a second inside the running ranks; these took this file's CPU time from 51 s to 57-69 s
 (measured on 2 shared cores), and the whole grid for both objectives would take about twice that increase."""
-SPLIT_RUNS = {"sigmoid": 12, "mpo": 5, "orpo": 5}
+SPLIT_RUNS = {"sigmoid": 12, "mpo": 5, "orpo": 5, "aot": 5}
 """Runs per objective and layout besides its baseline: sigmoid 6 splits (2 of them also under FSDP2) and 3 loader
 runs; the others NLL_SPLITS' 3 (1 also under FSDP2) and 1 loader run."""
 
@@ -288,7 +292,7 @@ def test_each_objective_trains_its_own_parameters(layout, trained):
     """The objectives are not one another under another name: their baselines differ far beyond the tolerance
     (so a loss section the runs dropped would not pass the invariance above as sigmoid's)."""
     baselines = {o: trained[f"{o}, {layout}: packing: [4] (baseline) (ddp)"] for o in OBJECTIVES}
-    for a, b in (("sigmoid", "mpo"), ("sigmoid", "orpo"), ("mpo", "orpo")):
+    for a, b in itertools.combinations(OBJECTIVES, 2):
         assert _worst(baselines[a], baselines[b]) > 100 * RTOL, (a, b)
 
 

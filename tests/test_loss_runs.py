@@ -47,6 +47,10 @@ AT_REFERENCE = {
     "discopop": lambda b, e: 0.5 * LOG2 + 0.5 * 1.0,
     "sft": lambda b, e: 0.0,
     "sigmoid_norm": lambda b, e: LOG2,
+    # the sorted types: at policy = reference every pair's margin is its reference margin, so aot's sorts pair
+    # each with itself (shift 0); aot_unpaired's log-ratios are all 0, and so are its partners
+    "aot": lambda b, e: LOG2,
+    "aot_unpaired": lambda b, e: LOG2,
 }
 
 
@@ -67,6 +71,8 @@ ON_POLICY = {
     "cpo": lambda c, r, nc, nr: _softplus(-BETA * (c - r)),
     "alphapo": lambda c, r, nc, nr: _softplus(-(BETA * (c / nc - r / nr) - 0.5)),
     "orpo": lambda c, r, nc, nr: BETA * _softplus(-((c / nc - r / nr) - (_log1mexp(c / nc) - _log1mexp(r / nr)))),
+    "cpo_hinge": lambda c, r, nc, nr: max(0.0, 1 - BETA * (c - r)),
+    "cpo_ipo": lambda c, r, nc, nr: (c / nc - r / nr - 1 / (2 * BETA)) ** 2,
 }
 
 
