@@ -113,6 +113,13 @@ def recorded_chat_template(m: dict) -> dict | None:
     return m["producer"]["options"].get("chat_template")
 
 
+def template_origin(template: dict | None) -> str:
+    """Where a dataset's chat template came from (its `recorded_chat_template`), for messages comparing datasets."""
+    if template is None:
+        return "its tokenizer's own chat template"
+    return f"--chat-template {template['file']} ({template['sha256'][:19]}...)"
+
+
 def _template_problems(m: dict) -> list[str]:
     """A recorded override template must be the text the tokenizer attestation hashed, and its own sha256."""
     template = recorded_chat_template(m)
