@@ -88,8 +88,8 @@ def main() -> None:
     default=None,
     metavar="FILE",
     help="Jinja chat template file used instead of the tokenizer's own; recorded in the manifest and the "
-    "tokenizer attestation (dpo-train applies it to the run's tokenizer). The build is refused (exit 1) when "
-    "it is not prefix-stable on any row.",
+    "tokenizer attestation (dpo-train applies it to the run's tokenizer). The build is refused (exit 1, nothing "
+    "committed) if it is not prefix-stable on some row.",
 )
 def build(
     inputs,
