@@ -185,7 +185,9 @@ def test_a_run_on_an_override_built_dataset_trains_and_exports_the_template(
 
 
 def _differing(stderr: str) -> list[str]:
-    return re.search(r"differing parts: ([a-z_, ]+)\)", stderr).group(1).split(", ")
+    found = re.search(r"differing parts: ([a-z_, ]+)\)", stderr)
+    assert found, stderr
+    return found.group(1).split(", ")
 
 
 def test_a_run_tokenizer_that_differs_in_anything_else_is_still_refused(built, tokenizer, tmp_path, run_cli):
