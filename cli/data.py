@@ -82,6 +82,15 @@ def main() -> None:
     help="Read row fields from other column names, e.g. prompt=question,chosen=response_j,rejected=response_k. "
     "Fields: prompt, chosen, rejected, id, source, tools. Recorded in the manifest and its fingerprint.",
 )
+@click.option(
+    "--chat-template",
+    "chat_template",
+    default=None,
+    metavar="FILE",
+    help="Jinja chat template file used instead of the tokenizer's own; recorded in the manifest and the "
+    "tokenizer attestation (dpo-train applies it to the run's tokenizer). The build is refused (exit 1, nothing "
+    "committed) if it is not prefix-stable on some row.",
+)
 def build(
     inputs,
     tokenizer_dir,
@@ -96,14 +105,16 @@ def build(
     pairs_per_shard,
     max_row_bytes,
     columns,
+    chat_template,
 ) -> None:
     """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow) or Hugging Face datasets save_to_disk
     directories into an attested dataset at --out.
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
-    written last, commits the dataset. Exit 0 on success; 1 when no pair survives or the reject
-    fraction exceeds --max-reject-fraction (nothing is committed; rejects stay in OUT.incomplete-*/
-    until the next successful build of --out); 2 on a usage or input-file error.
+    written last, commits the dataset. Exit 0 on success; 1 when no pair survives, the reject
+    fraction exceeds --max-reject-fraction or a --chat-template is not prefix-stable on a row (nothing
+    is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out); 2 on a
+    usage, input-file or template-file error.
     """
     from dpo_data import BuildOptions
     from dpo_data import build as run_build
@@ -118,6 +129,7 @@ def build(
             pairs_per_shard=pairs_per_shard,
             max_row_bytes=max_row_bytes,
             columns=columns,
+            chat_template=chat_template,
             num_proc=num_proc,
             overwrite=overwrite,
             progress=True,

@@ -60,11 +60,17 @@ def attestation_mismatch(recorded: dict, actual: dict, actual_label: str, record
     """None when two attestations agree; else one line naming both fingerprints and every differing component."""
     if actual["fingerprint"] == recorded["fingerprint"]:
         return None
-    parts = [k for k in recorded.get("components", {}) if recorded["components"][k] != actual["components"].get(k)]
+    parts = differing_parts(recorded, actual)
     return (
         f"{actual_label} has fingerprint {actual['fingerprint']}, {recorded_label} was built with "
-        f"{recorded['fingerprint']} (differing parts: {', '.join(parts) or 'unknown'})"
+        f"{recorded['fingerprint']} (differing parts: {', '.join(parts)})"
     )
+
+
+def differing_parts(recorded: dict, actual: dict) -> list[str]:
+    """The components two attestations disagree on, in the recorded order (['unknown'] when none is named)."""
+    parts = [k for k in recorded.get("components", {}) if recorded["components"][k] != actual["components"].get(k)]
+    return parts or ["unknown"]
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -24,6 +24,11 @@ def file_digest(path: str | Path) -> str:
     return DIGEST_PREFIX + h.hexdigest()
 
 
+def bytes_digest(data: bytes) -> str:
+    """`sha256:<hex>` of bytes held in memory, spelled as `file_digest` spells a file's."""
+    return DIGEST_PREFIX + hashlib.sha256(data).hexdigest()
+
+
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON bytes: sorted keys, no whitespace, UTF-8; the form every fingerprint hashes."""
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from dpo_data.dataset.store import PairStore
@@ -49,6 +50,29 @@ def load_run_tokenizer(config: TrainConfig) -> Any | None:
         ) from None
 
 
+def apply_dataset_template(tokenizer: Any | None, config: TrainConfig, key: str, store: PairStore, rank: int) -> None:
+    """A dataset built with `--chat-template` attests that template, not the run tokenizer's own: the run's
+    tokenizer takes it (said once, on rank 0), so `check_tokenizer` then compares every other attested part
+    exactly and `final/` exports the template the model was trained with. The text was checked against the
+    attestation when the manifest was read."""
+    template = store.chat_template
+    if tokenizer is None or template is None or tokenizer.chat_template == template["text"]:
+        return
+    tokenizer.chat_template = template["text"]
+    if rank == 0:
+        print(
+            f"note: {key} {', '.join(store.dirs)} was built with --chat-template {template['file']} "
+            f"({template['sha256']}); the run's tokenizer ({_label(config)}) uses that template instead of its own, "
+            "and final/ saves it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _label(config: TrainConfig) -> str:
+    return f"model.tokenizer {config.model.tokenizer}" if config.model.tokenizer else f"model.path {config.model.path}"
+
+
 def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str, PairStore]) -> None:
     """Refuse (ConfigError) a run tokenizer whose attestation differs from any dataset's: `stores` maps a
     config key (data.path, eval.path) to its store. A precomputed reference is bound to the training
@@ -56,7 +80,7 @@ def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str
     if tokenizer is None:
         return
     actual = tokenizer_attestation(tokenizer)
-    label = f"model.tokenizer {config.model.tokenizer}" if config.model.tokenizer else f"model.path {config.model.path}"
+    label = _label(config)
     problems = []
     for key, store in stores.items():  # a store's datasets share one tokenizer (PairStore checks)
         recorded_by = f"{key} {', '.join(store.dirs)}"

@@ -6,13 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpo_data.dataset.manifest import template_origin
 from dpo_data.dataset.store import PairStore
+from dpo_state.attestation import attestation_mismatch
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
 from dpo_train.config import TrainConfig, check_config
 from dpo_train.errors import ConfigError
 from dpo_train.model import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
-from dpo_train.preflight import check_data, check_tokenizer, check_vocabulary, load_run_tokenizer
+from dpo_train.preflight import (
+    apply_dataset_template,
+    check_data,
+    check_tokenizer,
+    check_vocabulary,
+    load_run_tokenizer,
+)
 
 
 @dataclass
@@ -33,11 +41,9 @@ class RunSetup:
         the run's, or than the run's other datasets (a random init has no tokenizer to compare)."""
         first = next(iter(self.datasets.items()), None)
         if first and store.tokenizer_fingerprint != first[1].tokenizer_fingerprint:
-            raise ConfigError(
-                f"{key} {', '.join(store.dirs)} was built with tokenizer {store.tokenizer_fingerprint}, "
-                f"{first[0]} with {first[1].tokenizer_fingerprint}; build both with the same tokenizer"
-            )
+            raise ConfigError(_two_tokenizers(key, store, *first))
         check_data({key: store}, self.config.data.verify, self.rank, self.world)
+        apply_dataset_template(self.tokenizer, self.config, key, store, self.rank)
         check_tokenizer(self.tokenizer, self.config, {key: store})
         self.datasets[key] = store
         return store
@@ -45,6 +51,20 @@ class RunSetup:
     def check_model(self, model: Any) -> None:
         """Refuse a model that cannot embed every token id of the run's datasets."""
         check_vocabulary(model, self.datasets)
+
+
+def _two_tokenizers(key: str, store: PairStore, first_key: str, first: PairStore) -> str:
+    mismatch = attestation_mismatch(
+        first.tokenizer_attestation,
+        store.tokenizer_attestation,
+        f"{key} {', '.join(store.dirs)} was built with a tokenizer that",
+        f"{first_key} {', '.join(first.dirs)}",
+    )
+    return (
+        f"{mismatch}; {key}: {template_origin(store.chat_template)}, {first_key}: "
+        f"{template_origin(first.chat_template)}. Fix: build both with the same tokenizer and the same "
+        "--chat-template (or none)"
+    )
 
 
 def setup_run(config: TrainConfig) -> RunSetup:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from dpo_data.errors import DataError
-from dpo_state.digest import DIGEST_PREFIX, sha256_json
+from dpo_state.digest import DIGEST_PREFIX, bytes_digest, sha256_json
 from dpo_state.errors import DocumentError
 from dpo_state.files import read_document, write_json_atomic
 
@@ -78,6 +78,7 @@ def manifest_problems(m: dict) -> list[str]:
     expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns)
     if expected != m["fingerprint"]:
         problems.append(f"fingerprint {m['fingerprint']} does not match its content ({expected})")
+    problems += _template_problems(m)
     totals, offset = m["totals"], 0
     for shard in m["shards"]:
         if shard["first_pair_index"] != offset:
@@ -104,6 +105,31 @@ def manifest_problems(m: dict) -> list[str]:
         problems.append("totals: completion_tokens != chosen_tokens + rejected_tokens")
     if totals["input_tokens"] != 2 * totals["prompt_tokens"] + totals["completion_tokens"]:
         problems.append("totals: input_tokens != 2 x prompt_tokens + completion_tokens")
+    return problems
+
+
+def recorded_chat_template(m: dict) -> dict | None:
+    """The `--chat-template` override a dataset was built with (file, sha256, text), or None."""
+    return m["producer"]["options"].get("chat_template")
+
+
+def template_origin(template: dict | None) -> str:
+    """Where a dataset's chat template came from (its `recorded_chat_template`), for messages comparing datasets."""
+    if template is None:
+        return "its tokenizer's own chat template"
+    return f"--chat-template {template['file']} ({template['sha256'][:19]}...)"
+
+
+def _template_problems(m: dict) -> list[str]:
+    """A recorded override template must be the text the tokenizer attestation hashed, and its own sha256."""
+    template = recorded_chat_template(m)
+    if template is None:
+        return []
+    problems = []
+    if sha256_json(template["text"]) != m["tokenizer"]["components"]["chat_template"]:
+        problems.append("producer.options.chat_template.text is not the chat template the tokenizer attestation hashed")
+    if bytes_digest(template["text"].encode("utf-8")) != template["sha256"]:
+        problems.append("producer.options.chat_template.sha256 is not the digest of its text")
     return problems
 
 

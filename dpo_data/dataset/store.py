@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dpo_data.dataset.manifest import read_manifest
+from dpo_data.dataset.manifest import read_manifest, recorded_chat_template, template_origin
 from dpo_data.errors import DataError
+from dpo_state.attestation import differing_parts
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
 
 
@@ -57,6 +58,12 @@ class PairStore:
     def tokenizer_attestation(self) -> dict:
         """The tokenizer attestation (v2) the datasets were built with (one tokenizer for all of them)."""
         return self._manifests[0]["tokenizer"]
+
+    @property
+    def chat_template(self) -> dict | None:
+        """The `--chat-template` override the datasets were built with (file, sha256, text), or None. One
+        tokenizer attestation for all means one template text, so the first dataset recording one speaks for all."""
+        return next((t for t in map(recorded_chat_template, self._manifests) if t is not None), None)
 
     @property
     def num_pairs(self) -> int:
@@ -140,6 +147,15 @@ def _batches(path: Path, rows: int) -> list[pa.RecordBatch]:
 def _one_tokenizer(dirs: list[str], manifests: list[dict]) -> str:
     prints = {m["tokenizer"]["fingerprint"] for m in manifests}
     if len(prints) > 1:
-        listing = ", ".join(f"{d}: {m['tokenizer']['fingerprint'][:15]}" for d, m in zip(dirs, manifests))
-        raise DataError(f"datasets built with different tokenizers cannot be mixed ({listing}); rebuild them with one")
+        listing = ", ".join(
+            f"{d}: {m['tokenizer']['fingerprint'][:15]} with {template_origin(recorded_chat_template(m))}"
+            for d, m in zip(dirs, manifests)
+        )
+        first = manifests[0]["tokenizer"]
+        other = next(m["tokenizer"] for m in manifests if m["tokenizer"]["fingerprint"] != first["fingerprint"])
+        raise DataError(
+            f"datasets built with different tokenizers cannot be mixed ({listing}; differing parts: "
+            f"{', '.join(differing_parts(first, other))}); rebuild them with one tokenizer and one --chat-template "
+            "(or none)"
+        )
     return prints.pop()

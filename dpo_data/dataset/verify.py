@@ -13,6 +13,7 @@ from dpo_data.dataset.manifest import (
     length_stats,
     manifest_problems,
     read_manifest,
+    recorded_chat_template,
 )
 from dpo_data.dataset.shards import SHARD_SCHEMA, open_shard
 from dpo_data.errors import DataError
@@ -261,6 +262,9 @@ def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
         return [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"]
+    template = recorded_chat_template(m)
+    if template is not None:  # as dpo-train does: the dataset's --chat-template replaces the tokenizer's own
+        tokenizer.chat_template = template["text"]
     mismatch = attestation_mismatch(
         m["tokenizer"], tokenizer_attestation(tokenizer), f"tokenizer {tokenizer_dir}", "the dataset"
     )

@@ -38,6 +38,7 @@ from dpo_data.prepare.output import (
     swap_into_place,
 )
 from dpo_data.prepare.rows import RowReject, normalize_row
+from dpo_data.prepare.template import read_chat_template
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_data.progress import Stage
 from dpo_state.attestation import tokenizer_attestation
@@ -52,7 +53,10 @@ class BuildOptions:
     """Options of one build. All but `num_proc`, `overwrite` and `progress` are recorded in the manifest.
 
     `columns` maps row fields onto the input's column names: {"prompt": "question", ...} or the CLI's
-    "prompt=question,chosen=response_j,rejected=response_k"; it is kept as a checked dict in field order."""
+    "prompt=question,chosen=response_j,rejected=response_k"; it is kept as a checked dict in field order.
+
+    `chat_template` is the path of a Jinja file that replaces the tokenizer's chat template (`--chat-template`);
+    the manifest records its name, sha256 and text, and the build is refused when it is not prefix-stable."""
 
     max_length: int | None = None
     overlength: str = "reject"
@@ -62,6 +66,7 @@ class BuildOptions:
     pairs_per_shard: int = 100_000
     max_row_bytes: int = 8 << 20
     columns: Mapping[str, str] | str | None = None
+    chat_template: str | Path | None = None
     num_proc: int = 1
     overwrite: bool = False
     progress: bool = False
@@ -84,12 +89,16 @@ class BuildOptions:
         if self.columns is not None:
             object.__setattr__(self, "columns", check_columns(self.columns))
 
-    def recorded(self) -> dict[str, Any]:
-        """The options that shape the output (recorded in the manifest; --num-proc never changes a byte)."""
-        skip = {"num_proc", "overwrite", "progress"}
+    def recorded(self, chat_template: dict | None = None) -> dict[str, Any]:
+        """The options that shape the output (recorded in the manifest; --num-proc never changes a byte), with
+        the override template as `read_chat_template` read it."""
+        skip = {"num_proc", "overwrite", "progress", "chat_template"}
         if self.columns is None:
             skip.add("columns")  # left out, not null: a build without a mapping records what it always did
-        return {k: v for k, v in asdict(self).items() if k not in skip}
+        options = {k: v for k, v in asdict(self).items() if k not in skip}
+        if chat_template is not None:  # likewise only when given
+            options["chat_template"] = chat_template
+        return options
 
 
 @dataclass
@@ -264,6 +273,8 @@ class _Tally:
     truncated_prompts: int = 0
     truncated_prompt_tokens: int = 0
     max_token_id: int = 0
+    first_unstable: dict | None = None
+    """The first `template_not_prefix_stable` reject, in input order (an override template is refused for it)."""
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
@@ -271,14 +282,17 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     started = time.perf_counter()
     out = Path(out)
     files = _open_inputs(inputs, options)
+    template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
         check_replaceable(out, options.overwrite)
         tokenizer = _load_tokenizer(tokenizer_dir)
+        if template is not None:  # before the attestation, so the dataset attests the template it was built with
+            tokenizer.chat_template = template["text"]
         attestation = tokenizer_attestation(tokenizer)
         staging = new_staging(out)
         try:
-            result = _build_into(staging, files, tokenizer, attestation, options)
+            result = _build_into(staging, files, tokenizer, attestation, options, template)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
             raise
@@ -291,7 +305,12 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
 
 
 def _build_into(
-    staging: Path, files: list[InputFile], tokenizer: Any, attestation: dict, options: BuildOptions
+    staging: Path,
+    files: list[InputFile],
+    tokenizer: Any,
+    attestation: dict,
+    options: BuildOptions,
+    template: dict | None,
 ) -> BuildResult:
     """Everything but the commit: shards, rejects and (unless refused) the manifest, all in `staging`."""
     tally = _Tally(inputs=[_input_entry(f) for f in files], columns=[Counter() for _ in files])
@@ -308,9 +327,9 @@ def _build_into(
     rows_read = sum(e["rows_read"] for e in tally.inputs)
     result = BuildResult(staging, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
     result.ignored_columns = dict(sorted(ignored.items()))
-    result.error = _refusal(tally, rows_read, options)
+    result.error = _refusal(tally, rows_read, options, template)
     if result.error is None:
-        manifest = _manifest(tally, shards, attestation, options, staging)
+        manifest = _manifest(tally, shards, attestation, options.recorded(template), staging)
         write_manifest(staging, manifest)
         result.manifest = manifest
         result.prompt_tokens = manifest["totals"]["prompt_tokens"]
@@ -398,6 +417,8 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
         entry["rows_read"] += 1
         entry["rejected"] += 1
         tally.by_reason[record["reason"]] += 1
+        if record["reason"] == "template_not_prefix_stable" and tally.first_unstable is None:
+            tally.first_unstable = record
         tally.source_rejects[record["source"]] += 1
         rejects_file.write(orjson.dumps(record) + b"\n")
     block = result.block
@@ -431,7 +452,9 @@ def _check_mapped_columns(tally: _Tally, options: BuildOptions) -> None:
                 )
 
 
-def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None:
+def _refusal(tally: _Tally, rows_read: int, options: BuildOptions, template: dict | None) -> str | None:
+    if template is not None and tally.first_unstable is not None:
+        return _unstable_template(tally, options, template)
     if tally.pairs == 0:
         return f"no pair survived: all {rows_read} rows read were rejected" if rows_read else "the inputs hold no rows"
     fraction = (rows_read - tally.pairs) / rows_read
@@ -443,7 +466,20 @@ def _refusal(tally: _Tally, rows_read: int, options: BuildOptions) -> str | None
     return None
 
 
-def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: BuildOptions, staging: Path) -> dict:
+def _unstable_template(tally: _Tally, options: BuildOptions, template: dict) -> str:
+    """A template the user chose that breaks prefix stability is a bug in the template, not in the rows."""
+    first = tally.first_unstable
+    locator = "line" if "line" in first else "row"
+    where = f"{first['file']} {locator} {first[locator]}"
+    return (
+        f"--chat-template {options.chat_template} is not prefix-stable on the data: "
+        f"{tally.by_reason['template_not_prefix_stable']} rows were rejected as template_not_prefix_stable, the "
+        f"first at {where} ({first['message']}); fix the template so that the prompt rendered with "
+        "add_generation_prompt is a prefix of the prompt rendered with its completion (docs/data-build.md)"
+    )
+
+
+def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: dict, staging: Path) -> dict:
     lengths = np.concatenate(tally.lengths).astype(np.int64)
     prompt, chosen, rejected = lengths[:, 0], lengths[:, 1], lengths[:, 2]
     segments = np.concatenate([prompt + chosen, prompt + rejected])
@@ -452,8 +488,8 @@ def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: Bui
     return {
         "format_version": MANIFEST_FORMAT_VERSION,
         "kind": "dpo-dataset",
-        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards, options.columns),
-        "producer": {"name": "dpo-toolkit", "version": __version__, "options": options.recorded()},
+        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards, options.get("columns")),
+        "producer": {"name": "dpo-toolkit", "version": __version__, "options": options},
         "tokenizer": attestation,
         "inputs": tally.inputs,
         "sources": sources,

@@ -1,8 +1,12 @@
-"""Render chat templates exactly as `apply_chat_template` does, without its per-call overhead."""
+"""Render chat templates exactly as `apply_chat_template` does, without its per-call overhead; read an override."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from dpo_data.errors import DataError
+from dpo_state.digest import bytes_digest
 
 _PLAIN_KEYS = frozenset(("role", "content"))
 
@@ -46,3 +50,35 @@ def _compile(template: Any) -> Any:
     except ImportError:  # a transformers without this helper: correctness first, speed second
         return None
     return _compile_jinja_template(template)
+
+
+def read_chat_template(path: str | Path) -> dict:
+    """`--chat-template FILE` as the manifest records it: `{"file": name, "sha256": "sha256:<hex>", "text": ...}`.
+
+    A file that cannot be read, is not UTF-8, is blank or does not compile as a Jinja template (with
+    transformers' own environment) is a DataError naming the file and the fix."""
+    path = Path(path)
+    fix = "pass a chat template file (Jinja text, as in a tokenizer's chat_template.jinja)"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"--chat-template {path}: cannot read it ({e.strerror or e}); {fix}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--chat-template {path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    if not text.strip():
+        raise DataError(f"--chat-template {path}: the file is empty; {fix}")
+    _check_compiles(path, text, fix)
+    return {"file": path.name, "sha256": bytes_digest(data), "text": text}
+
+
+def _check_compiles(path: Path, text: str, fix: str) -> None:
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise DataError(f"--chat-template {path}: not a valid Jinja template ({e.message}{line}); {fix}") from None
