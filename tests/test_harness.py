@@ -80,7 +80,7 @@ def test_env_is_added_to_this_environment_and_cwd_is_where_it_runs(tmp_path):
 
 
 def test_each_runner_runs_its_real_entry_point():
-    assert train_cli("--help").stdout.startswith("Usage: python -m dpo_cli.train [OPTIONS] CONFIG")
+    assert train_cli("--help").stdout.startswith("Usage: python -m dpo_cli.train [OPTIONS] [CONFIG]")
     assert data_cli("--help").stdout.startswith("Usage: python -m dpo_cli.data [OPTIONS] COMMAND")
     assert state_cli("--help").stdout.startswith("Usage: python -m dpo_cli.state [OPTIONS] COMMAND")
 
