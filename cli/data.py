@@ -107,8 +107,9 @@ def build(
     columns,
     chat_template,
 ) -> None:
-    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow) or Hugging Face datasets save_to_disk
-    directories into an attested dataset at --out.
+    """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow), Hugging Face datasets save_to_disk
+    directories, or Hub datasets (hf://datasets/OWNER/NAME[@REVISION]/GLOB, through huggingface_hub's cache;
+    HF_HUB_OFFLINE=1 reads the cache alone) into an attested dataset at --out.
 
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives, the reject

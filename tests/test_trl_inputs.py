@@ -189,3 +189,56 @@ def test_a_dataset_dict_directory_names_its_splits(smollm2_dir, tmp_path):
         f"input file {tmp_path / 'uf'}: a DatasetDict of splits (train); pass one split's directory, "
         f"e.g. {tmp_path / 'uf' / 'train'}"
     )
+
+
+def test_a_hub_dataset_is_an_input_from_the_hub_cache_offline(smollm2_dir, tmp_path):
+    """`hf://datasets/OWNER/NAME/GLOB` through huggingface_hub, in a process of its own with HF_HUB_OFFLINE=1 over a
+    hand-made cache (refs/main and a snapshot, as a download leaves them): the matching split files build, in
+    sorted order, the manifest names the snapshot's commit, and a repo or a GLOB it cannot find is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.harness import data_cli
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "datasets--HuggingFaceH4--ultrafeedback_binarized"
+    snapshot = repo / "snapshots" / commit / "data"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for k in range(2):
+        rows = [ultrafeedback(4 * k + i) for i in range(4)]
+        pq.write_table(pa.Table.from_pylist(rows), snapshot / f"train_prefs-0000{k}-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist([ultrafeedback(9)]), snapshot / "test_prefs-00000-of-00001.parquet")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    spec = "hf://datasets/HuggingFaceH4/ultrafeedback_binarized/data/train_prefs-*.parquet"
+    data_cli("build", spec, "--tokenizer", smollm2_dir, "--out", tmp_path / "out", env=env)
+    m = read_manifest(tmp_path / "out")
+    assert m["totals"]["pairs"] == 8 and [e["default_source"] for e in m["inputs"]] == [
+        "train_prefs-00000-of-00002",
+        "train_prefs-00001-of-00002",
+    ]
+    assert all(f"snapshots/{commit}/data/" in e["path"] for e in m["inputs"])
+    missing = data_cli(
+        "build",
+        spec.replace("ultrafeedback", "nothere"),
+        "--tokenizer",
+        smollm2_dir,
+        "--out",
+        tmp_path / "o2",
+        env=env,
+        code=2,
+    ).stderr
+    assert "cannot get dataset HuggingFaceH4/nothere_binarized from the Hugging Face Hub" in missing
+    glob = data_cli(
+        "build",
+        spec.replace("train_prefs", "valid"),
+        "--tokenizer",
+        smollm2_dir,
+        "--out",
+        tmp_path / "o3",
+        env=env,
+        code=2,
+    ).stderr
+    assert "no file of dataset HuggingFaceH4/ultrafeedback_binarized matches 'data/valid-*.parquet'" in glob
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

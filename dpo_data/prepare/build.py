@@ -28,6 +28,7 @@ from dpo_data.dataset.manifest import (
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
 from dpo_data.prepare.columns import check_columns, ignored_columns, rename_columns
+from dpo_data.prepare.hub import hub_files, is_hub_input
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import (
     OutputLock,
@@ -348,6 +349,7 @@ def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
             f"--source {options.source!r} names the source of a single input, but {len(inputs)} inputs were given; "
             "drop --source (each input's file stem is its source) or set a 'source' field in the rows"
         )
+    inputs = [local for path in inputs for local in (hub_files(path) if is_hub_input(path) else [path])]
     seen: dict[Path, str] = {}
     for path in inputs:
         resolved = Path(path).resolve()
