@@ -303,7 +303,8 @@ def _dataset(value: Any, ctx: Context) -> dict:
         return {"data.path": str(value)}
     _refuse(
         f"dataset_name is {value!r}; here data.path is a dataset built by dpo-data build (tokenized, attested): "
-        f"build it (dpo-data build RAW_FILES --tokenizer MODEL_DIR --out DIR) and pass --set data.path=DIR"
+        f"build it (dpo-data build RAW_FILES --tokenizer MODEL_DIR --out DIR; a Hub dataset's split as "
+        f"hf://datasets/{value}/GLOB) and pass --set data.path=DIR"
     )
 
 
