@@ -153,6 +153,22 @@ def smollm2_and_sample(work: Path) -> tuple[str, str]:
     return model, str(data)
 
 
+def timed_steps(trainer: Any, loader: Any, steps: int) -> tuple[list[float], list[dict]]:
+    """Feed `loader`'s micro-batches to `trainer` for 1 + `steps` optimizer steps: each step's wall seconds
+    (the first one, with its warm-up, included) and every micro-batch fed."""
+    times, batches, started = [], [], time.perf_counter()
+    for batch in loader:
+        batches.append(batch)
+        trainer.microbatch(batch)
+        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+            trainer.step()
+            times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            if len(times) > steps:
+                break
+    return times, batches
+
+
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     """One JSON object per line, UTF-8."""
     with open(path, "w", encoding="utf-8") as f:

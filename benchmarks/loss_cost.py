@@ -15,7 +15,6 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import harness
@@ -45,16 +44,8 @@ def step_seconds(dataset: str, model_dir: str, loss: dict, steps: int) -> dict:
     )
     loader = DPOLoader(config.data.paths, config.data.loader_config(0, 1), pad_to_multiple_of=8)
     trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
-    times, microbatches, started = [], [], time.perf_counter()
-    for batch in loader:
-        trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
-            trainer.step()
-            times.append(time.perf_counter() - started)
-            microbatches.append(batch["microbatches_in_step"])
-            started = time.perf_counter()
-            if len(times) > steps:
-                break
+    times, batches = harness.timed_steps(trainer, loader, steps)
+    microbatches = [b["microbatches_in_step"] for b in batches if b["microbatch"] == 0]
     return {"step_s": times[1:], "microbatches": microbatches[1:]}
 
 

@@ -20,7 +20,6 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import harness
@@ -66,16 +65,7 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
     )
     loader = DPOLoader(config.data.paths, config.data.loader_config(0, 1), pad_to_multiple_of=8)
     trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
-    batches, step_seconds, started = [], [], time.perf_counter()
-    for batch in loader:
-        batches.append(batch)
-        trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
-            trainer.step()
-            step_seconds.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            if len(step_seconds) > steps:
-                break
+    step_seconds, batches = harness.timed_steps(trainer, loader, steps)
     check = harness.median_seconds(lambda: [contract_problems(b) for b in batches], repeat=20)
     per_step = check / (len(step_seconds))
     return {
