@@ -21,8 +21,9 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     metavar="TRL.yaml",
     help="Translate a TRL config (flat DPOConfig / TrainingArguments / ModelConfig fields, as `trl dpo --config` "
     "reads) into this toolkit's config, print it (YAML) on stdout and exit; notes on stderr. --set applies to "
-    "the translation, --nproc-per-node N sets the processes the global batch is counted for. Save it and train "
-    "it: dpo-train --from-trl trl.yaml > train.yaml && dpo-train train.yaml. Table: docs/train-config.md.",
+    "the translation, --nproc-per-node N (times --nnodes) sets the processes the global batch is counted for. "
+    "Save it and train it: dpo-train --from-trl trl.yaml > train.yaml && dpo-train train.yaml. Table: "
+    "docs/train-config.md.",
 )
 @click.option(
     "--set",
@@ -40,6 +41,41 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     help="Processes on this machine; N > 1 relaunches under torchrun (running under torchrun works too).",
 )
 @click.option(
+    "--nnodes",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Machines in the run, each launching --nproc-per-node processes (torchrun's --nnodes); N > 1 needs "
+    "--rdzv-endpoint, and train.output_dir on a filesystem every node sees.",
+)
+@click.option(
+    "--node-rank",
+    type=int,
+    default=0,
+    show_default=True,
+    metavar="R",
+    help="This machine's place in 0..N-1 (torchrun's --node-rank; the c10d rendezvous may order nodes itself).",
+)
+@click.option(
+    "--rdzv-endpoint",
+    metavar="HOST:PORT",
+    default=None,
+    help="Where the nodes meet (torchrun's --rdzv-endpoint): a host every node reaches, e.g. the first node.",
+)
+@click.option(
+    "--rdzv-backend",
+    default="c10d",
+    show_default=True,
+    help="torchrun's rendezvous backend: c10d, or static (node ranks as given).",
+)
+@click.option(
+    "--rdzv-id",
+    default="dpo-train",
+    show_default=True,
+    help="The run's rendezvous id, the same on every node (e.g. $SLURM_JOB_ID).",
+)
+@click.option(
     "--precompute-reference",
     is_flag=True,
     help="Score every pair of data.path with the reference (the initial policy) once and write the "
@@ -49,7 +85,20 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 @click.option("--overwrite", is_flag=True, help="With --precompute-reference: replace the sidecar at reference.path.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
 @click.version_option(package_name="dpo-toolkit")
-def main(config, from_trl, overrides, nproc_per_node, precompute_reference, overwrite, quiet) -> None:
+def main(
+    config,
+    from_trl,
+    overrides,
+    nproc_per_node,
+    nnodes,
+    node_rank,
+    rdzv_endpoint,
+    rdzv_backend,
+    rdzv_id,
+    precompute_reference,
+    overwrite,
+    quiet,
+) -> None:
     """Train with DPO from a YAML CONFIG (keys: docs/train-config.md), or translate a TRL config
     (--from-trl: TRL's names, their keys here, and what is refused, in docs/train-config.md "From TRL").
 
@@ -84,13 +133,15 @@ def main(config, from_trl, overrides, nproc_per_node, precompute_reference, over
     docs/train-config.md.
     """
     if from_trl or not config:
-        sys.exit(_translate(config, from_trl, list(overrides), nproc_per_node, precompute_reference or overwrite))
-    if nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
+        processes = nproc_per_node * nnodes  # the global batch counts every process of every node
+        sys.exit(_translate(config, from_trl, list(overrides), processes, precompute_reference or overwrite))
+    nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)
+    if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
             "-m",
             "dpo_cli.launch",  # torchrun, minus its traceback on a failed rank
-            "--standalone",
+            *nodes,
             f"--nproc-per-node={nproc_per_node}",
             "-m",
             "dpo_cli.train",
@@ -117,6 +168,33 @@ def main(config, from_trl, overrides, nproc_per_node, precompute_reference, over
         click.echo("error: --overwrite only applies to --precompute-reference; drop it", err=True)
         sys.exit(2)
     sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite))
+
+
+def _nodes(nnodes: int, node_rank: int, endpoint: str | None, backend: str, rdzv_id: str) -> list[str]:
+    """torchrun's arguments for where this launcher's processes sit: `--standalone` on one machine, else the
+    rendezvous every node joins. Bad values are refused here, by name, before torchrun starts."""
+    if nnodes < 1:
+        _refuse(f"--nnodes is {nnodes}; allowed: 1 or more machines")
+    if nnodes == 1:
+        if endpoint or node_rank:
+            _refuse("--rdzv-endpoint and --node-rank are for --nnodes 2 or more; drop them on one machine")
+        return ["--standalone"]
+    if not endpoint:
+        _refuse(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes meet (e.g. the first node)")
+    if not 0 <= node_rank < nnodes:
+        _refuse(f"--node-rank is {node_rank}; allowed: 0 to {nnodes - 1} with --nnodes {nnodes}")
+    return [
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+    ]
+
+
+def _refuse(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
 
 
 def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, overwrite: bool = False) -> int:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -112,11 +113,22 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
     assert (single / "config.resolved.yaml").is_file()
 
 
+@pytest.fixture(scope="module")
+def two_ddp(sample_dataset, smollm2_dir, tmp_path_factory):
+    """The `single` run on 2 processes of one launcher (DDP)."""
+    tmp = tmp_path_factory.mktemp("two")
+    out = tmp / "two-ddp"
+    run(write_config(tmp, sample_dataset, smollm2_dir, out, "ddp"), "--nproc-per-node", "2")
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir, tmp_path, strategy):
-    out = tmp_path / f"two-{strategy}"
-    run(write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy), "--nproc-per-node", "2")
+def test_two_processes_train_the_same_as_one(single, two_ddp, sample_dataset, smollm2_dir, tmp_path, strategy):
+    out = two_ddp
+    if strategy == "fsdp":
+        out = tmp_path / "two-fsdp"
+        run(write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy), "--nproc-per-node", "2")
     assert {r["world_size"] for r in metrics(out)} == {2} and {r["world_size"] for r in metrics(single)} == {1}
     for a, b in zip(metrics(single), metrics(out)):
         assert a["pairs"] == b["pairs"] and a["input_tokens"] == b["input_tokens"]
@@ -126,6 +138,70 @@ def test_two_processes_train_the_same_as_one(single, sample_dataset, smollm2_dir
     evals = [[json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()] for run in (single, out)]
     assert [e["step"] for e in evals[1]] == [0, 3] and evals[1][1]["pairs"] == 342  # scored across both ranks
     assert evals[1][1]["margin"] == pytest.approx(evals[0][1]["margin"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_what_one_node_with_two_processes_trains(
+    two_ddp, sample_dataset, smollm2_dir, tmp_path
+):
+    """Two launchers, `--nnodes 2 --nproc-per-node 1`, meeting at a c10d rendezvous on 127.0.0.1 (as two
+    machines would at the first one's address): the same world of 2, the same metrics and the same weights,
+    bit for bit, as one launcher's `--nproc-per-node 2`."""
+    from tests.harness import free_port
+
+    out = tmp_path / "two-nodes"
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp")
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dpo_cli.train",
+                str(config),
+                "--quiet",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "two-nodes",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    finished = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in finished]
+    assert {r["world_size"] for r in metrics(out)} == {2}
+    strip = ("time", "pairs/s", "tokens/s")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in metrics(out)] == [
+        {k: v for k, v in r.items() if k not in strip} for r in metrics(two_ddp)
+    ]
+    one, two = load_file(two_ddp / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2"], "--node-rank is 2; allowed: 0 to 1"),
+        (["--nnodes", "0"], "--nnodes is 0; allowed: 1 or more"),
+        (["--node-rank", "1"], "--rdzv-endpoint and --node-rank are for --nnodes 2 or more"),
+    ],
+)
+def test_a_bad_node_layout_is_refused_before_torchrun_starts(args, message, tmp_path, run_cli):
+    from dpo_cli.train import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {path: x}\n")
+    result = run_cli(main, str(path), *args)
+    assert result.exit_code == 2 and f"error: {message}" in result.stderr
 
 
 def test_a_config_error_exits_2_naming_the_key(tmp_path):
