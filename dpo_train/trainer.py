@@ -184,13 +184,18 @@ class Trainer:
 
     def _sort_scores(self, batch: dict) -> SortScores | None:
         if batch["num_pairs"] == 0:  # the same collectives as the step's own forward, no pair
-            inputs = row_inputs(batch, self.mesh, self.model)[0]
-            self.reference.join(inputs, self.world)
-            self.model(**inputs)
+            self._join(batch)
             return None
         ref_chosen, ref_rejected = self.reference.logps(batch)
         policy = pair_logps(self.model, batch, self.mesh, ld_alpha=self.config.loss.ld_alpha)
         return SortScores(batch["pair_index"], *policy.scored, ref_chosen, ref_rejected)
+
+    def _join(self, batch: dict):
+        """A micro-batch without pairs: the reference's and the policy's forwards over its padding row, so that
+        this rank joins every collective the others' forwards issue; the policy's output."""
+        inputs = row_inputs(batch, self.mesh, self.model)[0]
+        self.reference.join(inputs, self.world)
+        return self.model(**inputs)
 
     def _on_device(self, batch: dict) -> dict:
         return {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -201,9 +206,7 @@ class Trainer:
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                inputs = row_inputs(batch, self.mesh, self.model)[0]
-                self.reference.join(inputs, self.world)
-                self.model(**inputs).logits.sum().mul(0).backward()
+                self._join(batch).logits.sum().mul(0).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch)
