@@ -65,7 +65,13 @@ def main() -> None:
     help="Fail (and commit nothing) when more than this fraction of rows is rejected.",
 )
 @click.option(
-    "--pairs-per-shard", type=int, default=100_000, show_default=True, metavar="N", help="Rows per Arrow shard."
+    "--pairs-per-shard",
+    type=int,
+    default=100_000,
+    show_default=True,
+    metavar="N",
+    help="Rows read per Arrow shard: a shard holds the pairs of N consecutive rows (at most N pairs). --part "
+    "splits the build at these spans.",
 )
 @click.option(
     "--max-row-bytes",
@@ -91,6 +97,15 @@ def main() -> None:
     "tokenizer attestation (dpo-train applies it to the run's tokenizer). The build is refused (exit 1, nothing "
     "committed) if it is not prefix-stable on some row.",
 )
+@click.option(
+    "--part",
+    default=None,
+    metavar="K/N",
+    help="Build only part K of N (0-based): every N-th span of --pairs-per-shard rows from the K-th, into --out "
+    "as a part (part.json written last); join parts 0..N-1 with dpo-data merge. A part already built with the "
+    "same plan is skipped. Default: read from SLURM_ARRAY_TASK_ID/_COUNT in a Slurm job array; none builds "
+    "the whole dataset.",
+)
 def build(
     inputs,
     tokenizer_dir,
@@ -106,6 +121,7 @@ def build(
     max_row_bytes,
     columns,
     chat_template,
+    part,
 ) -> None:
     """Tokenize INPUT files (.jsonl, .jsonl.zst, .json, .parquet, .arrow), Hugging Face datasets save_to_disk
     directories, or Hub datasets (hf://datasets/OWNER/NAME[@REVISION]/GLOB, through huggingface_hub's cache;
@@ -115,12 +131,16 @@ def build(
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives, the reject
     fraction exceeds --max-reject-fraction or a --chat-template is not prefix-stable on a row (nothing
     is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out); 2 on a
-    usage, input-file or template-file error.
+    usage, input-file or template-file error. With --part, the refusals on counts wait for dpo-data merge.
     """
     from dpo_data import BuildOptions
     from dpo_data import build as run_build
+    from dpo_data.prepare.parts import resolve_part
 
     with user_errors():
+        chosen_part = resolve_part(part)
+        if chosen_part is not None:
+            click.echo(f"part {chosen_part.label} ({chosen_part.origin})", err=True)
         options = BuildOptions(
             max_length=max_length,
             overlength=overlength,
@@ -134,6 +154,7 @@ def build(
             num_proc=num_proc,
             overwrite=overwrite,
             progress=True,
+            part=chosen_part,
         )
         result = run_build(list(inputs), tokenizer_dir, out, options)
     click.echo(_summary(result))
@@ -159,7 +180,38 @@ def _summary(result) -> str:
             f"wrote {result.out} ({len(result.manifest['shards'])} shards, "
             f"fingerprint {result.manifest['fingerprint']})"
         )
+    if result.part:
+        k, n = result.part["part"]["index"], result.part["part"]["count"]
+        done = "was already built with this plan; nothing to do" if result.skipped else "written"
+        lines.append(
+            f"part {k}/{n} at {result.out} {done} ({len(result.part['shards'])} shards of {result.part['rows_total']} "
+            f"rows in all); when parts 0..{n - 1} are built: dpo-data merge PART_DIR... --out DIR"
+        )
     return "\n".join(lines)
+
+
+@main.command()
+@click.argument("part_dirs", nargs=-1, required=True, metavar="PART_DIR...")
+@click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it is a dataset (only once the merge succeeds).")
+def merge(part_dirs, out, overwrite) -> None:
+    """Join the parts of one dpo-data build --part K/N (all N, any order) into the dataset at --out that the
+    single build of the same inputs writes: the same manifest, fingerprint, pair order and totals.
+
+    Checked first: every part 0..N-1 present once, finished (part.json), of one plan (inputs, tokenizer,
+    options, code) and built by this version. The shards are hard-linked, not copied (--out must be on the
+    parts' filesystem), and hashed against their part.json; the rejects are merged in input order. Like a
+    build: one lock per --out, a staging directory, an atomic swap. Exit 0 on success; 1 when the counts
+    refuse the dataset as a build would (no pair survived, --max-reject-fraction); 2 on a missing,
+    duplicate, unfinished or mismatched part.
+    """
+    from dpo_data.prepare.merge import merge as run_merge
+
+    with user_errors():
+        result = run_merge(list(part_dirs), out, overwrite=overwrite, progress=True)
+    click.echo(_summary(result))
+    if result.error:
+        fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
 
 
 @main.command()

@@ -137,12 +137,25 @@ def test_shards_hold_pairs_in_input_order_with_sources_and_ids(built):
     out, _ = built
     m = read_manifest(out)
     tables = [open_shard(out / s["path"]) for s in m["shards"]]
-    assert [t.num_rows for t in tables] == [16, 16, 7]
+    # A shard per span of 16 rows read: rows 38-56 are bad.jsonl's rejects, row 57 its good row.
+    assert [t.num_rows for t in tables] == [16, 16, 6, 1]
+    assert [s["path"] for s in m["shards"]] == [f"shards/shard-{span:05d}.arrow" for span in range(4)]
     rows = [r for t in tables for r in t.to_pylist()]
-    assert [r["pair_index"] for r in rows] == list(range(39))
-    names = {s["id"]: s["name"] for s in m["sources"]}
-    assert [names[r["source_id"]] for r in rows[:10]] == ["chat"] * 10
-    assert {names[r["source_id"]] for r in rows[20:28]} == {"geo"}  # the row's own source wins
+    assert [r["row_index"] for r in rows] == [*range(38), 38 + len(BAD_ROWS)]
+    names = [
+        name
+        for shard, t in zip(m["shards"], tables)
+        for name in (shard["sources"][i] for i in t["source_id"].to_pylist())
+    ]
+    assert names[:10] == ["chat"] * 10
+    assert set(names[20:28]) == {"geo"}  # the row's own source wins
+    assert [s["sources"] for s in m["shards"]] == [
+        ["chat", "implicit"],
+        ["implicit", "geo", "multi"],
+        ["multi"],
+        ["bad"],
+    ]
+    assert [t["source_id"].to_pylist()[0] for t in tables] == [0, 0, 0, 0]  # ids of the shard's own
     assert [r["row_id"] for r in rows[28:38]] == [f"p{i}" for i in range(10)]
     assert {s["name"]: s["pairs"] for s in m["sources"]} == {
         "chat": 10,
@@ -165,8 +178,9 @@ def test_the_manifest_records_producer_inputs_tokenizer_and_lengths(built, mixed
     assert m["lengths"]["segment"]["max"] <= 256
 
 
-SAMPLE_FINGERPRINT = "sha256:9dce46b834393c9cb328fffe6166e343c38e54d9011cba91e54b07e384cfab96"
-"""The bundled sample's dataset fingerprint with SmolLM2's tokenizer, as every build since issue 10 made it."""
+SAMPLE_FINGERPRINT = "sha256:b442086c005ef87b990ef2ddda663c447ab7b6ca22e845849ad1fac31c3f6cfa"
+"""The bundled sample's dataset fingerprint with SmolLM2's tokenizer, as every build of manifest format 3 (shards
+by span of rows, source ids per shard: issue 26) makes it."""
 
 
 def test_existing_inputs_still_build_the_same_dataset(sample_dataset):

@@ -81,20 +81,27 @@ def test_an_unknown_format_version_is_named(copy, run_cli):
     m["format_version"] = 99
     path.write_text(json.dumps(m))
     r = run_cli(dpo_data, "verify", copy)
-    assert r.exit_code == 1 and "has format_version 99; this version of dpo-toolkit reads 2" in r.output
+    assert r.exit_code == 1 and "has format_version 99; this version of dpo-toolkit reads 3" in r.output
 
 
-def test_a_version_1_dataset_is_told_to_rebuild(copy, run_cli):
-    """Version 1 spelled file digests as bare hex; it is refused by its version, with the fix, wherever it is read."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_dataset_of_an_earlier_version_is_told_to_rebuild(copy, run_cli, version):
+    """Version 1 spelled file digests as bare hex; version 2 numbered sources across the whole dataset (its shards
+    have no `sources`). Each is refused by its version, with the fix, wherever it is read."""
     path = copy / "manifest.json"
     m = json.loads(path.read_text())
-    m["format_version"] = 1
-    for entry in (*m["shards"], *m["inputs"], m["rejects"]):
-        entry["sha256"] = entry["sha256"].removeprefix("sha256:")
+    m["format_version"] = version
+    for shard in m["shards"]:
+        del shard["sources"]
+    if version == 1:
+        for entry in (*m["shards"], *m["inputs"], m["rejects"]):
+            entry["sha256"] = entry["sha256"].removeprefix("sha256:")
     path.write_text(json.dumps(m))
     for command in ("verify", "inspect"):
         r = run_cli(dpo_data, command, copy)
-        assert r.exit_code in (1, 2) and "has format_version 1; this version of dpo-toolkit reads 2" in r.output
+        assert (
+            r.exit_code in (1, 2) and f"has format_version {version}; this version of dpo-toolkit reads 3" in r.output
+        )
         assert "Fix: rebuild the dataset" in r.output and "Traceback" not in r.output
 
 

@@ -12,8 +12,10 @@ from dpo_state.digest import DIGEST_PREFIX, bytes_digest, sha256_json
 from dpo_state.errors import DocumentError
 from dpo_state.files import read_document, write_json_atomic
 
-MANIFEST_FORMAT_VERSION = 2
-"""2: file digests spelled `sha256:<hex>` (1 wrote bare hex); a version-1 dataset must be rebuilt."""
+MANIFEST_FORMAT_VERSION = 3
+"""3: a shard holds the pairs of one span of input rows, with source ids of its own (`shards[].sources`), so a
+`--part` build's shards are the single build's; 2 spelled file digests `sha256:<hex>` (1 wrote bare hex). A
+dataset of an earlier version must be rebuilt."""
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 MANIFEST_SCHEMA = "dataset-manifest"
@@ -23,8 +25,8 @@ PERCENTILES = (50, 90, 99)
 def dataset_fingerprint(
     tokenizer_fingerprint: str, sources: list[dict], shards: list[dict], columns: dict | None = None
 ) -> str:
-    """Content identity of a dataset: tokenizer, source names, every shard's hash and rows, and the column
-    mapping (`--columns`) when one was given.
+    """Content identity of a dataset: tokenizer, source names, every shard's hash, rows and source names, and the
+    column mapping (`--columns`) when one was given.
 
     Paths of inputs and the other build options are left out: two builds that wrote the same pairs with the
     same tokenizer are the same dataset, wherever their inputs lay. The mapping is part of what the inputs
@@ -34,7 +36,7 @@ def dataset_fingerprint(
         "format_version": MANIFEST_FORMAT_VERSION,
         "tokenizer": tokenizer_fingerprint,
         "sources": [s["name"] for s in sources],
-        "shards": [[s["path"], s["rows"], s["sha256"]] for s in shards],
+        "shards": [[s["path"], s["rows"], s["sha256"], s["sources"]] for s in shards],
     }
     if columns:
         content["columns"] = columns
@@ -93,6 +95,9 @@ def manifest_problems(m: dict) -> list[str]:
         problems.append("the sources' pairs do not add up to totals.pairs")
     if sorted(s["id"] for s in m["sources"]) != list(range(len(m["sources"]))):
         problems.append("source ids are not 0..N-1")
+    appearing = list(dict.fromkeys(name for shard in m["shards"] for name in shard["sources"]))
+    if appearing != [s["name"] for s in sorted(m["sources"], key=lambda s: s["id"])]:
+        problems.append("the shards' sources, in order of first appearance, are not the sources by id")
     for entry in m["inputs"]:
         if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
             problems.append(f"input {entry['path']}: pairs + rejected != rows_read")

@@ -1,4 +1,8 @@
-"""Arrow IPC shards of tokenized pairs: the on-disk schema, columnar pair blocks, a deterministic writer, a reader."""
+"""Arrow IPC shards of tokenized pairs: the on-disk schema, columnar pair blocks, a deterministic writer, a reader.
+
+A shard holds the pairs of one span of consecutive input rows (rows `span * rows_per_shard` on, in the global
+row order over every input), with source ids local to the shard: its bytes depend on its span's rows alone, so a
+shard written by one task of a `--part` build is the shard a single build writes (docs/data-build.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ SHARD_DIR = "shards"
 
 SHARD_SCHEMA = pa.schema(
     [
-        pa.field("pair_index", pa.int64(), nullable=False),
+        pa.field("row_index", pa.int64(), nullable=False),
         pa.field("source_id", pa.int32(), nullable=False),
         pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("chosen_ids", pa.list_(pa.int32()), nullable=False),
@@ -40,7 +44,8 @@ class PairBlock:
     never as Python lists of ints.
     """
 
-    source_id: np.ndarray  # int32 [n]
+    source_id: np.ndarray  # int32 [n]: the shard's own ids (`ShardWriter` assigns them)
+    row_index: np.ndarray  # int64 [n]: the row's position in the global row order over every input
     input_index: np.ndarray  # int32 [n]
     input_row: np.ndarray  # int64 [n]
     lengths: np.ndarray  # int32 [n, 3]: prompt, chosen, rejected
@@ -73,10 +78,9 @@ class PairBlock:
             head[f.name], tail[f.name] = value[:at], value[at:]
         return PairBlock(**head), PairBlock(**tail)
 
-    def record_batch(self, first_pair_index: int) -> pa.RecordBatch:
-        n = len(self)
+    def record_batch(self) -> pa.RecordBatch:
         columns = [
-            pa.array(np.arange(first_pair_index, first_pair_index + n, dtype=np.int64)),
+            pa.array(self.row_index),
             pa.array(self.source_id),
             *(_list_array(self.lengths[:, j], getattr(self, part)) for j, part in enumerate(PARTS)),
             *(pa.array(np.ascontiguousarray(self.lengths[:, j])) for j in range(3)),
@@ -102,56 +106,71 @@ class ShardInfo:
     bytes: int
     sha256: str
     first_pair_index: int
+    sources: list[str]
+    """Source names by the shard's own `source_id`: 0 is the first source appearing in the shard."""
+    span: int
+
+
+def shard_name(span: int) -> str:
+    return f"{SHARD_DIR}/shard-{span:05d}.arrow"
 
 
 class ShardWriter:
-    """Writes pairs in arrival order into shards of at most `pairs_per_shard` rows (uncompressed IPC files).
+    """Writes pairs in arrival order into one shard per span (uncompressed IPC files); a span no pair
+    survived writes none.
 
     Record batches hold `RECORD_BATCH_ROWS` rows (fewer at a shard's end), whatever the sizes of the
-    blocks handed in, so the bytes depend only on the pairs.
+    blocks handed in, so the bytes depend only on the span's pairs.
     """
 
-    def __init__(self, out_dir: Path, pairs_per_shard: int):
+    def __init__(self, out_dir: Path):
         self.out_dir = out_dir
-        self.pairs_per_shard = pairs_per_shard
         self.shards: list[ShardInfo] = []
         self.pairs = 0
         self._pending: list[PairBlock] = []
         self._pending_rows = 0
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
+        self._span = -1
         self._shard_rows = 0
+        self._sources: dict[str, int] = {}
         (out_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
-    def add(self, block: PairBlock) -> None:
-        if len(block):
-            self._pending.append(block)
-            self._pending_rows += len(block)
-        while self._pending_rows >= self._batch_target():
-            self._write(self._batch_target())
+    def add(self, block: PairBlock, sources: list[str], span: int) -> None:
+        """Append `block`, the pairs of rows of `span` (spans arrive in increasing order), and name each pair's
+        source; the block's source ids are set here, local to the shard."""
+        if span != self._span:
+            self._flush()
+            self._close_shard()
+            self._span = span
+        if not len(block):
+            return
+        block.source_id = np.array([self._sources.setdefault(s, len(self._sources)) for s in sources], np.int32)
+        self._pending.append(block)
+        self._pending_rows += len(block)
+        while self._pending_rows >= RECORD_BATCH_ROWS:
+            self._write(RECORD_BATCH_ROWS)
 
     def close(self) -> list[ShardInfo]:
         """Flush and close; return every shard written."""
-        while self._pending_rows:
-            self._write(min(self._pending_rows, self._batch_target()))
+        self._flush()
         self._close_shard()
         return self.shards
 
-    def _batch_target(self) -> int:
-        return min(RECORD_BATCH_ROWS, self.pairs_per_shard - self._shard_rows)
+    def _flush(self) -> None:
+        while self._pending_rows:
+            self._write(min(self._pending_rows, RECORD_BATCH_ROWS))
 
     def _write(self, rows: int) -> None:
         head, tail = PairBlock.concat(self._pending).split(rows)
         self._pending, self._pending_rows = ([tail] if len(tail) else []), self._pending_rows - rows
         if self._writer is None:
             self._open_shard()
-        self._writer.write_batch(head.record_batch(self.pairs))
+        self._writer.write_batch(head.record_batch())
         self.pairs += rows
         self._shard_rows += rows
-        if self._shard_rows == self.pairs_per_shard:
-            self._close_shard()
 
     def _open_shard(self) -> None:
-        self._path = self.out_dir / SHARD_DIR / f"shard-{len(self.shards):05d}.arrow"
+        self._path = self.out_dir / shard_name(self._span)
         self._sink = pa.OSFile(str(self._path), "wb")
         # No compression: readers memory-map shards zero-copy (compressed IPC decodes per batch per worker).
         self._writer = pa.ipc.new_file(self._sink, SHARD_SCHEMA)
@@ -165,10 +184,9 @@ class ShardWriter:
         with open(self._path, "rb") as f:
             os.fsync(f.fileno())
         rel = self._path.relative_to(self.out_dir).as_posix()
-        self.shards.append(
-            ShardInfo(rel, self._shard_rows, self._path.stat().st_size, file_digest(self._path), self._first)
-        )
-        self._writer, self._shard_rows = None, 0
+        size, digest = self._path.stat().st_size, file_digest(self._path)
+        self.shards.append(ShardInfo(rel, self._shard_rows, size, digest, self._first, list(self._sources), self._span))
+        self._writer, self._shard_rows, self._sources = None, 0, {}
 
 
 def open_shard(path: str | Path) -> pa.Table:

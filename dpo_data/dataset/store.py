@@ -95,10 +95,8 @@ class PairStore:
         self._located: list[tuple[str, str]] = []  # (dataset, shard) of every record batch, in order
         lengths, sources, parts, batch_of, row_of = [], [], [[], [], []], [], []
         for d, m in zip(self.dirs, self._manifests):
-            remap = np.array(
-                [self.sources.index(s["name"]) for s in sorted(m["sources"], key=lambda s: s["id"])], dtype=np.int32
-            )
             for shard in m["shards"]:
+                remap = np.array([self.sources.index(name) for name in shard["sources"]], dtype=np.int32)
                 path = Path(d) / shard["path"]
                 try:
                     for batch in _batches(path, shard["rows"]):

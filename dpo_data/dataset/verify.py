@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,9 @@ def verify_dataset(
     Checked: the manifest's schema, version and self-consistency (fingerprint, tokenizer digest, counts);
     every shard's bytes, sha256, Arrow footer, schema and rows; the rejects file's bytes, sha256 and
     records; what the manifest states about the data, recomputed from the shards (token totals, length
-    statistics and histogram, largest token id, per-source pairs, pair indices). With `tokenizer_dir`,
-    the tokenizer attestation; with `strict`, files the manifest does not name; with `inputs`, the raw
-    input files against their recorded bytes and sha256.
+    statistics and histogram, largest token id, per-source pairs, each shard's rows within its span). With
+    `tokenizer_dir`, the tokenizer attestation; with `strict`, files the manifest does not name; with `inputs`,
+    the raw input files against their recorded bytes and sha256.
     """
     root = Path(data_dir)
     try:
@@ -100,6 +101,7 @@ def verify_dataset(
     failures += _check_rejects_count(root, m)
     if tables and all(t is not None for t in tables):
         failures += _check_content(m, pa.concat_tables(tables))
+        failures += _check_spans(m, tables)
     if strict:
         failures += [
             f"{name}: in the dataset directory but not named by the manifest (--strict)"
@@ -223,18 +225,37 @@ def _check_content(m: dict, table: pa.Table) -> list[str]:
     ]
     if m["length_histogram"] != length_histogram(segments):
         failures.append("length_histogram: differs from the histogram of the shards' segment lengths")
-    if not np.array_equal(table.column("pair_index").to_numpy(), np.arange(table.num_rows)):
-        failures.append("shards: pair_index is not 0, 1, 2, ... in shard order")
-    source_ids = table.column("source_id").to_numpy()
-    counts = np.bincount(source_ids[source_ids >= 0], minlength=len(m["sources"]))
-    if bool((source_ids < 0).any()) or len(counts) > len(m["sources"]):
-        failures.append(f"shards: source ids outside 0..{len(m['sources']) - 1}")
-    else:
-        failures += [
-            f"sources: {s['name']} has {s['pairs']} pairs in the manifest, {int(counts[s['id']])} in the shards"
-            for s in m["sources"]
-            if counts[s["id"]] != s["pairs"]
-        ]
+    return failures
+
+
+def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
+    """Each shard holds rows of its own span, in increasing row order, and source ids of its own sources;
+    the pairs per source add up to the manifest's."""
+    import numpy as np
+
+    failures, counts = [], Counter()
+    span_rows = m["producer"]["options"]["pairs_per_shard"]
+    ids = {s["name"]: s["id"] for s in m["sources"]}
+    for shard, table in zip(m["shards"], tables):
+        rows = table.column("row_index").to_numpy()
+        span = int(shard["path"].rsplit("-", 1)[1].split(".")[0])
+        if rows.size and (
+            np.any(np.diff(rows) <= 0) or rows[0] < span * span_rows or rows[-1] >= (span + 1) * span_rows
+        ):
+            failures.append(
+                f"{shard['path']}: row_index is not increasing within rows {span * span_rows}.. of its span"
+            )
+        local = table.column("source_id").to_numpy()
+        if bool((local < 0).any()) or bool((local >= len(shard["sources"])).any()):
+            failures.append(f"{shard['path']}: source ids outside 0..{len(shard['sources']) - 1} (its sources)")
+            continue
+        counts.update({shard["sources"][k]: int(n) for k, n in enumerate(np.bincount(local)) if n})
+    failures += [
+        f"sources: {name} has {s_pairs} pairs in the manifest, {counts[name]} in the shards"
+        for name, s_pairs in ((s["name"], s["pairs"]) for s in m["sources"])
+        if counts[name] != s_pairs
+    ]
+    failures += [f"shards: source {name!r} is not among the manifest's sources" for name in counts if name not in ids]
     return failures
 
 

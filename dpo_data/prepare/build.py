@@ -1,4 +1,5 @@
-"""`dpo-data build`: raw preference rows -> tokenized pairs in Arrow shards, rejects, and a manifest written last."""
+"""`dpo-data build`: raw preference rows -> tokenized pairs in Arrow shards, rejects, and a manifest written last
+(or, with `--part K/N`, one task's share of them and its part.json, for `dpo-data merge`)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,18 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
-from itertools import islice
+from dataclasses import asdict, dataclass
+from itertools import groupby, islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-from dpo_data import __version__
-from dpo_data.dataset.manifest import (
-    MANIFEST_FORMAT_VERSION,
-    REJECTS_NAME,
-    dataset_fingerprint,
-    length_histogram,
-    length_stats,
-    write_manifest,
-)
+from dpo_data.dataset.manifest import REJECTS_NAME
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
-from dpo_data.prepare.columns import check_columns, ignored_columns, rename_columns
+from dpo_data.prepare.columns import check_columns, rename_columns
 from dpo_data.prepare.hub import hub_files, is_hub_input
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import (
@@ -38,14 +31,18 @@ from dpo_data.prepare.output import (
     remove_stale_staging,
     swap_into_place,
 )
+from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refuse_other_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
+from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
 from dpo_data.prepare.template import read_chat_template
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_data.progress import Stage
 from dpo_state.attestation import tokenizer_attestation
 from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
-CHUNK_ROWS = 256  # rows per unit of work sent to a worker
+__all__ = ["BuildOptions", "BuildResult", "build"]
+
+CHUNK_ROWS = 256  # rows per unit of work sent to a worker, within one span
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
 
 
@@ -57,7 +54,10 @@ class BuildOptions:
     "prompt=question,chosen=response_j,rejected=response_k"; it is kept as a checked dict in field order.
 
     `chat_template` is the path of a Jinja file that replaces the tokenizer's chat template (`--chat-template`);
-    the manifest records its name, sha256 and text, and the build is refused when it is not prefix-stable."""
+    the manifest records its name, sha256 and text, and the build is refused when it is not prefix-stable.
+
+    `pairs_per_shard` rows read make a span, and each span's pairs one shard (so at most that many pairs a
+    shard). `part` builds only every `part.count`-th span from the `part.index`-th, into a part directory."""
 
     max_length: int | None = None
     overlength: str = "reject"
@@ -71,6 +71,7 @@ class BuildOptions:
     num_proc: int = 1
     overwrite: bool = False
     progress: bool = False
+    part: Part | None = None
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
@@ -93,34 +94,13 @@ class BuildOptions:
     def recorded(self, chat_template: dict | None = None) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest; --num-proc never changes a byte), with
         the override template as `read_chat_template` read it."""
-        skip = {"num_proc", "overwrite", "progress", "chat_template"}
+        skip = {"num_proc", "overwrite", "progress", "chat_template", "part"}
         if self.columns is None:
             skip.add("columns")  # left out, not null: a build without a mapping records what it always did
         options = {k: v for k, v in asdict(self).items() if k not in skip}
         if chat_template is not None:  # likewise only when given
             options["chat_template"] = chat_template
         return options
-
-
-@dataclass
-class BuildResult:
-    """What a finished (or refused) build reports: the manifest when committed, and counts."""
-
-    out: Path
-    manifest: dict | None
-    rows_read: int
-    pairs: int
-    rejects_by_reason: dict[str, int]
-    seconds: float
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ignored_columns: dict[str, int] = field(default_factory=dict)
-    """Columns no field reads, with the rows (of every input) having them."""
-
-    @property
-    def rejected(self) -> int:
-        return sum(self.rejects_by_reason.values())
 
 
 # -- worker side --------------------------------------------------------------------------------
@@ -136,9 +116,10 @@ def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile])
 
 @dataclass
 class ChunkResult:
-    """A worker's output for one chunk: its pairs as a block (source ids not yet assigned), the source
-    name and truncated-prompt count of each pair, and its rejects, all in input order."""
+    """A worker's output for one chunk (rows of one span): its pairs as a block (source ids not yet assigned),
+    the source name and truncated-prompt count of each pair, and its rejects, all in input order."""
 
+    span: int
     block: PairBlock
     sources: list[str]
     truncated: list[int]
@@ -154,11 +135,12 @@ def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputF
     _init_worker(tokenizer, options, inputs)
 
 
-def _process_chunk(chunk: list[tuple[int, int, Any]]) -> ChunkResult:
-    """Parse, validate and encode a chunk of rows."""
+def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkResult:
+    """Parse, validate and encode a chunk of rows: (span, [(input index, row number, global row, item)])."""
     inputs, options, encoder = _worker["inputs"], _worker["options"], _worker["encoder"]
     rejects, pairs, where, columns = [], [], [], {}
-    for input_index, number, item in chunk:
+    span, rows = chunk
+    for input_index, number, row_index, item in rows:
         inp = inputs[input_index]
         row = None
         try:
@@ -166,31 +148,33 @@ def _process_chunk(chunk: list[tuple[int, int, Any]]) -> ChunkResult:
             if isinstance(row, dict):
                 columns.setdefault(input_index, Counter()).update(row.keys())
             pairs.append(normalize_row(rename_columns(row, options.columns) if options.columns else row))
-            where.append((input_index, number, item))
+            where.append((input_index, number, row_index, item))
         except RowReject as reject:
             rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
     kept, sources, truncated, ids = [], [], [], {part: [] for part in PARTS}
-    for (input_index, number, item), pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
+    for (input_index, number, row_index, item), pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
         source = pair.source or inputs[input_index].source
         if isinstance(encoded, RowReject):
             rejects.append(_reject(input_index, inputs[input_index], number, source, encoded, item))
             continue
-        kept.append((input_index, number, pair.id, len(encoded.prompt), len(encoded.chosen), len(encoded.rejected)))
+        lengths = (len(encoded.prompt), len(encoded.chosen), len(encoded.rejected))
+        kept.append((input_index, number, row_index, pair.id, *lengths))
         sources.append(source)
         truncated.append(encoded.truncated_prompt_tokens)
         for part in PARTS:
             ids[part].extend(getattr(encoded, part))
     rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
-    return ChunkResult(_block(kept, ids), sources, truncated, rejects, columns)
+    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns)
 
 
 def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
     return PairBlock(
         source_id=np.zeros(len(kept), dtype=np.int32),
+        row_index=np.array([k[2] for k in kept], dtype=np.int64),
         input_index=np.array([k[0] for k in kept], dtype=np.int32),
         input_row=np.array([k[1] for k in kept], dtype=np.int64),
-        lengths=np.array([k[3:] for k in kept], dtype=np.int32).reshape(-1, 3),
-        row_id=[k[2] for k in kept],
+        lengths=np.array([k[4:] for k in kept], dtype=np.int32).reshape(-1, 3),
+        row_id=[k[3] for k in kept],
         **{part: np.array(ids[part], dtype=np.int32) for part in PARTS},
     )
 
@@ -251,31 +235,18 @@ def _raw_text(item: Any) -> str:
 # -- main process -------------------------------------------------------------------------------
 
 
-def _chunks(inputs: list[InputFile], max_row_bytes: int, progress: Any) -> Iterator[list[tuple[int, int, Any]]]:
-    rows = ((i, n, item) for i, inp in enumerate(inputs) for n, item in iter_rows(inp, max_row_bytes))
-    while chunk := list(islice(rows, CHUNK_ROWS)):
-        progress.update(len(chunk))
-        yield chunk
-
-
-@dataclass
-class _Tally:
-    """Everything the manifest counts, accumulated in output order."""
-
-    inputs: list[dict]
-    columns: list[Counter]
-    """Per input: how many rows (objects) have each column."""
-    sources: dict[str, int] = field(default_factory=dict)
-    source_pairs: Counter = field(default_factory=Counter)
-    source_rejects: Counter = field(default_factory=Counter)
-    by_reason: Counter = field(default_factory=Counter)
-    lengths: list[np.ndarray] = field(default_factory=list)
-    pairs: int = 0
-    truncated_prompts: int = 0
-    truncated_prompt_tokens: int = 0
-    max_token_id: int = 0
-    first_unstable: dict | None = None
-    """The first `template_not_prefix_stable` reject, in input order (an override template is refused for it)."""
+def _chunks(inputs: list[InputFile], options: BuildOptions, tally: Tally, progress: Any) -> Iterator[tuple]:
+    """(span, rows) of at most CHUNK_ROWS rows of one span, for the spans this build owns (all, or its
+    part's); every row is read (and counted in `tally.rows_total`), a part's own rows alone are encoded."""
+    rows = ((i, n, item) for i, inp in enumerate(inputs) for n, item in iter_rows(inp, options.max_row_bytes))
+    numbered = ((g, *row) for g, row in enumerate(rows))
+    for span, in_span in groupby(numbered, key=lambda row: row[0] // options.pairs_per_shard):
+        owned = options.part is None or options.part.owns(span)
+        while batch := list(islice(in_span, CHUNK_ROWS)):
+            tally.rows_total += len(batch)
+            progress.update(len(batch))
+            if owned:
+                yield span, [(i, n, g, item) for g, i, n, item in batch]
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
@@ -286,18 +257,25 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
-        check_replaceable(out, options.overwrite)
         tokenizer = _load_tokenizer(tokenizer_dir)
         if template is not None:  # before the attestation, so the dataset attests the template it was built with
             tokenizer.chat_template = template["text"]
         attestation = tokenizer_attestation(tokenizer)
+        entries = [_input_entry(f) for f in files]
+        plan = (
+            None if options.part is None else build_plan(options.recorded(template), attestation, entries, options.part)
+        )
+        if plan is not None and (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
+            done.seconds = time.perf_counter() - started
+            return done
+        check_replaceable(out, options.overwrite)
         staging = new_staging(out)
         try:
-            result = _build_into(staging, files, tokenizer, attestation, options, template)
+            result = _build_into(staging, files, entries, tokenizer, attestation, options, template, plan)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
             raise
-        if result.manifest is not None:
+        if result.manifest is not None or result.part is not None:
             swap_into_place(staging, out, options.overwrite)
             result.out = out
             remove_stale_staging(out)  # earlier refused or killed builds' leftovers, kept until now for their rejects
@@ -305,36 +283,48 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     return result
 
 
+def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildResult | None:
+    """A relaunched task whose part is already built with this plan has nothing to do; another build's part
+    at `out` is refused by name (or, with --overwrite, rebuilt)."""
+    found = existing_part(out)
+    if found is None:
+        return None
+    if found["plan"] == plan and found["part"]["index"] == part.index:
+        counts = found["counts"]
+        rows = sum(e["rows_read"] for e in found["inputs"])
+        result = BuildResult(out, None, rows, counts["pairs"], counts["by_reason"], 0.0, part=found, skipped=True)
+        return result
+    if not overwrite:
+        refuse_other_part(out, found, part, plan)
+    return None
+
+
 def _build_into(
     staging: Path,
     files: list[InputFile],
+    entries: list[dict],
     tokenizer: Any,
     attestation: dict,
     options: BuildOptions,
     template: dict | None,
+    plan: dict | None,
 ) -> BuildResult:
-    """Everything but the commit: shards, rejects and (unless refused) the manifest, all in `staging`."""
-    tally = _Tally(inputs=[_input_entry(f) for f in files], columns=[Counter() for _ in files])
-    writer = ShardWriter(staging, options.pairs_per_shard)
+    """Everything but the commit: shards, rejects and (unless refused) the manifest, or a part's part.json,
+    all in `staging`."""
+    tally = Tally(inputs=entries, columns=[Counter() for _ in files])
+    writer = ShardWriter(staging)
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
-        for result in _run(files, tokenizer, options, bar):
+        for result in _run(files, tokenizer, options, tally, bar):
             _consume(result, tally, writer, rejects_file)
-    shards = [asdict(s) for s in writer.close()]
-    _check_mapped_columns(tally, options)
-    ignored = Counter()
-    for entry, seen in zip(tally.inputs, tally.columns):
-        entry["ignored_columns"] = ignored_columns(seen, options.columns)
-        ignored.update(entry["ignored_columns"])
-    rows_read = sum(e["rows_read"] for e in tally.inputs)
-    result = BuildResult(staging, None, rows_read, tally.pairs, dict(tally.by_reason), 0.0)
-    result.ignored_columns = dict(sorted(ignored.items()))
-    result.error = _refusal(tally, rows_read, options, template)
-    if result.error is None:
-        manifest = _manifest(tally, shards, attestation, options.recorded(template), staging)
-        write_manifest(staging, manifest)
-        result.manifest = manifest
-        result.prompt_tokens = manifest["totals"]["prompt_tokens"]
-        result.completion_tokens = manifest["totals"]["completion_tokens"]
+    shards = writer.close()
+    if plan is None:
+        return conclude(staging, tally, shards, attestation, options, template)
+    result = BuildResult(staging, None, sum(e["rows_read"] for e in entries), tally.pairs, dict(tally.by_reason), 0.0)
+    if template is not None and tally.first_unstable is not None:  # the merge would refuse: say so now
+        result.error = refusal(tally, options, template)
+        return result
+    result.part = part_document(options.part, plan, tally, shards, attestation, staging)
+    write_part(staging, result.part)
     return result
 
 
@@ -398,8 +388,8 @@ def _progress(enabled: bool) -> Stage:
     return Stage("build", enabled=enabled, unit="rows", bar=True)
 
 
-def _run(files, tokenizer, options, bar) -> Iterator[ChunkResult]:
-    chunks = _chunks(files, options.max_row_bytes, bar)
+def _run(files, tokenizer, options, tally, bar) -> Iterator[ChunkResult]:
+    chunks = _chunks(files, options, tally, bar)
     if options.num_proc == 1:
         _init_worker(tokenizer, options, files)
         yield from map(_process_chunk, chunks)
@@ -411,7 +401,7 @@ def _run(files, tokenizer, options, bar) -> Iterator[ChunkResult]:
         yield from pool.imap(_process_chunk, chunks, chunksize=1)
 
 
-def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_file) -> None:
+def _consume(result: ChunkResult, tally: Tally, writer: ShardWriter, rejects_file) -> None:
     for input_index, counts in result.columns.items():
         tally.columns[input_index].update(counts)
     for input_index, record in result.rejects:
@@ -427,10 +417,8 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
     for input_index in block.input_index.tolist():
         tally.inputs[input_index]["rows_read"] += 1
         tally.inputs[input_index]["pairs"] += 1
-    # Source ids in order of first appearance: a pure function of the input order.
-    block.source_id = np.array(
-        [tally.sources.setdefault(s, len(tally.sources)) for s in result.sources], dtype=np.int32
-    )
+    for name in result.sources:  # the manifest's ids: in order of first appearance, a pure function of the input order
+        tally.sources.setdefault(name, len(tally.sources))
     tally.source_pairs.update(result.sources)
     tally.truncated_prompts += sum(1 for t in result.truncated if t)
     tally.truncated_prompt_tokens += sum(result.truncated)
@@ -439,89 +427,4 @@ def _consume(result: ChunkResult, tally: _Tally, writer: ShardWriter, rejects_fi
         [tally.max_token_id, *(int(ids.max()) for ids in (block.prompt, block.chosen, block.rejected) if ids.size)]
     )
     tally.pairs += len(block)
-    writer.add(block)
-
-
-def _check_mapped_columns(tally: _Tally, options: BuildOptions) -> None:
-    """A mapped column that no row of an input has is a mistyped name, not a row problem: a named error."""
-    for entry, seen in zip(tally.inputs, tally.columns):
-        for field_name, column in (options.columns or {}).items():
-            if entry["rows_read"] and not seen[column]:
-                have = ", ".join(sorted(seen)[:20]) or "none (no row is an object)"
-                raise DataError(
-                    f"--columns maps {field_name}={column}, but no row of input {entry['path']} has a column "
-                    f"{column!r}; its rows have: {have}. Fix: map {field_name} from one of these columns"
-                )
-
-
-def _refusal(tally: _Tally, rows_read: int, options: BuildOptions, template: dict | None) -> str | None:
-    if template is not None and tally.first_unstable is not None:
-        return _unstable_template(tally, options, template)
-    if tally.pairs == 0:
-        return f"no pair survived: all {rows_read} rows read were rejected" if rows_read else "the inputs hold no rows"
-    fraction = (rows_read - tally.pairs) / rows_read
-    if options.max_reject_fraction is not None and fraction > options.max_reject_fraction:
-        return (
-            f"{rows_read - tally.pairs} of {rows_read} rows were rejected ({fraction:.1%}), over "
-            f"--max-reject-fraction {options.max_reject_fraction}"
-        )
-    return None
-
-
-def _unstable_template(tally: _Tally, options: BuildOptions, template: dict) -> str:
-    """A template the user chose that breaks prefix stability is a bug in the template, not in the rows."""
-    first = tally.first_unstable
-    locator = "line" if "line" in first else "row"
-    where = f"{first['file']} {locator} {first[locator]}"
-    return (
-        f"--chat-template {options.chat_template} is not prefix-stable on the data: "
-        f"{tally.by_reason['template_not_prefix_stable']} rows were rejected as template_not_prefix_stable, the "
-        f"first at {where} ({first['message']}); fix the template so that the prompt rendered with "
-        "add_generation_prompt is a prefix of the prompt rendered with its completion (docs/data-build.md)"
-    )
-
-
-def _manifest(tally: _Tally, shards: list[dict], attestation: dict, options: dict, staging: Path) -> dict:
-    lengths = np.concatenate(tally.lengths).astype(np.int64)
-    prompt, chosen, rejected = lengths[:, 0], lengths[:, 1], lengths[:, 2]
-    segments = np.concatenate([prompt + chosen, prompt + rejected])
-    sources = [{"id": sid, "name": name, "pairs": tally.source_pairs[name]} for name, sid in tally.sources.items()]
-    rejects_path = staging / REJECTS_NAME
-    return {
-        "format_version": MANIFEST_FORMAT_VERSION,
-        "kind": "dpo-dataset",
-        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, shards, options.get("columns")),
-        "producer": {"name": "dpo-toolkit", "version": __version__, "options": options},
-        "tokenizer": attestation,
-        "inputs": tally.inputs,
-        "sources": sources,
-        "shards": shards,
-        "totals": {
-            "rows_read": int(sum(e["rows_read"] for e in tally.inputs)),
-            "pairs": tally.pairs,
-            "rejected": int(sum(tally.by_reason.values())),
-            "prompt_tokens": int(prompt.sum()),
-            "chosen_tokens": int(chosen.sum()),
-            "rejected_tokens": int(rejected.sum()),
-            "completion_tokens": int(chosen.sum() + rejected.sum()),
-            "input_tokens": int(segments.sum()),
-            "truncated_prompts": tally.truncated_prompts,
-            "truncated_prompt_tokens": tally.truncated_prompt_tokens,
-            "max_token_id": tally.max_token_id,
-        },
-        "lengths": {
-            "prompt": length_stats(prompt),
-            "chosen": length_stats(chosen),
-            "rejected": length_stats(rejected),
-            "segment": length_stats(segments),
-        },
-        "length_histogram": length_histogram(segments),
-        "rejects": {
-            "file": REJECTS_NAME,
-            "count": int(sum(tally.by_reason.values())),
-            "bytes": rejects_path.stat().st_size,
-            "sha256": file_digest(rejects_path),
-            "by_reason": dict(sorted(tally.by_reason.items())),
-            "by_source": dict(sorted(tally.source_rejects.items())),
-        },
-    }
+    writer.add(block, result.sources, result.span)

@@ -14,13 +14,21 @@ from pathlib import Path
 from dpo_data.dataset.manifest import MANIFEST_NAME, REJECTS_NAME, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
+from dpo_data.prepare.parts import PART_NAME
 from dpo_state.files import fsync_dir
 from dpo_state.lock import DirectoryLock
 
 KILL_ENV = "DPO_DATA_KILL"
 """Testing hook for crash tests: `before-swap`, `after-swap` or `after-delete` SIGKILLs the build there."""
-_BUILD_ENTRIES = {MANIFEST_NAME, REJECTS_NAME, SHARD_DIR, f".{MANIFEST_NAME}.tmp"}
-"""Everything a build ever writes at the top of its directory: `--overwrite` replaces nothing else."""
+_BUILD_ENTRIES = {
+    MANIFEST_NAME,
+    REJECTS_NAME,
+    SHARD_DIR,
+    PART_NAME,
+    *(f".{name}.tmp" for name in (MANIFEST_NAME, PART_NAME)),
+}
+"""Everything a build (whole or `--part`) ever writes at the top of its directory: `--overwrite` replaces
+nothing else."""
 _SHARD_FILE = re.compile(r"shard-\d{5,}\.arrow")
 """The files a build writes in `shards/` (`ShardWriter`'s names)."""
 
