@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA, train_here
+from tests.harness import TINY_LLAMA, state_here, train_here
 
 
 def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
@@ -39,7 +41,7 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp"):
 def run(config, *extra, code=0, env=None):
     args = [sys.executable, "-m", "dpo_cli.train", str(config), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == code, proc.stderr[-3000:]
+    assert code is None or proc.returncode == code, proc.stderr[-3000:]  # None: any (a killed attempt)
     return proc
 
 
@@ -140,50 +142,108 @@ def test_two_processes_train_the_same_as_one(single, two_ddp, sample_dataset, sm
     assert evals[1][1]["margin"] == pytest.approx(evals[0][1]["margin"], abs=1e-4)
 
 
+TIMING = ("time", "pairs/s", "tokens/s")
+SAVE_EVERY_STEP = ("--set", "train.save_every=1")  # no other effect on what is trained: the tests below show it
+KILL_AFTER_STEP_1 = {"DPO_TRAIN_KILL": "after-save:1"}  # each rank SIGKILLs itself right after committing step 1
+
+
+def two_nodes(config, *extra, env=None):
+    """`dpo-train CONFIG --quiet --nnodes 2 --nproc-per-node 1` from two launchers on this machine, meeting at a
+    c10d rendezvous on 127.0.0.1 as two machines would at the first one's address: their (exit code, stderr)."""
+    from tests.harness import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-m", "dpo_cli.train", str(config), "--quiet", *extra, "--nnodes", "2"]
+    args += ["--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
+    nodes = [
+        subprocess.Popen(
+            [*args, "--node-rank", str(r)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a launcher and its torchrun stop together (the finally below)
+        )
+        for r in (0, 1)
+    ]
+    try:
+        stderr = [node.communicate(timeout=600)[1] for node in nodes]
+        return [(node.returncode, err) for node, err in zip(nodes, stderr)]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # one launcher failed, the other waits on a rendezvous that never completes
+                os.killpg(node.pid, signal.SIGTERM)
+                node.wait()
+
+
+def assert_trained_alike(out, expected):
+    """The same metrics (timing aside) and bitwise the same final weights as the run in `expected`."""
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(out)] == [
+        {k: v for k, v in r.items() if k not in TIMING} for r in metrics(expected)
+    ]
+    one, two = load_file(expected / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def committed_step(run_cli, out):
+    return json.loads(state_here(run_cli, "inspect", out, "--json").stdout)["step"]
+
+
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_what_one_node_with_two_processes_trains(
     two_ddp, sample_dataset, smollm2_dir, tmp_path
 ):
-    """Two launchers, `--nnodes 2 --nproc-per-node 1`, meeting at a c10d rendezvous on 127.0.0.1 (as two
-    machines would at the first one's address): the same world of 2, the same metrics and the same weights,
-    bit for bit, as one launcher's `--nproc-per-node 2`."""
-    from tests.harness import free_port
-
+    """Two launchers, `--nnodes 2 --nproc-per-node 1`: the same world of 2, the same metrics and the same
+    weights, bit for bit, as one launcher's `--nproc-per-node 2`."""
     out = tmp_path / "two-nodes"
-    config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp")
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dpo_cli.train",
-                str(config),
-                "--quiet",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(r),
-                "--rdzv-endpoint",
-                endpoint,
-                "--rdzv-id",
-                "two-nodes",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    finished = [node.communicate(timeout=600) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in finished]
+    finished = two_nodes(write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp"))
+    assert [code for code, _ in finished] == [0, 0], [err[-2000:] for _, err in finished]
     assert {r["world_size"] for r in metrics(out)} == {2}
-    strip = ("time", "pairs/s", "tokens/s")
-    assert [{k: v for k, v in r.items() if k not in strip} for r in metrics(out)] == [
-        {k: v for k, v in r.items() if k not in strip} for r in metrics(two_ddp)
-    ]
-    one, two = load_file(two_ddp / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert_trained_alike(out, two_ddp)
+
+
+@pytest.mark.slow
+def test_killed_on_two_nodes_then_resumed_by_one_launcher_of_two_processes_trains_the_uninterrupted_run(
+    two_ddp, sample_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """2 nodes x 1 process killed right after committing step 1, resumed by 1 node x 2 processes: the world
+    size is unchanged (2), so the resume is exact, not elastic. The same checkpoint resumed by 1 process is
+    an elastic resume (world size 2 to 1), as docs/checkpoints.md says: the same pairs each step."""
+    out = tmp_path / "cut"
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp")
+    killed = two_nodes(config, *SAVE_EVERY_STEP, env=KILL_AFTER_STEP_1)
+    assert all(code != 0 for code, _ in killed) and committed_step(run_cli, out) == 1
+    elastic = tmp_path / "elastic"
+    shutil.copytree(out, elastic)
+    resumed = run(config, *SAVE_EVERY_STEP, "--quiet", "--nproc-per-node", "2")
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in resumed.stderr
+    assert "elastic" not in resumed.stderr
+    assert_trained_alike(out, two_ddp)
+    one = write_config(tmp_path, sample_dataset, smollm2_dir, elastic, "ddp")
+    alone = train_here(run_cli, one, *SAVE_EVERY_STEP).stderr
+    assert "elastic resume (layout.world_size: checkpoint 2, this run 1)" in alone and "at step 1" in alone
+    assert [r["world_size"] for r in metrics(elastic)] == [2, 1, 1]
+    for a, b in zip(metrics(two_ddp), metrics(elastic)):
+        assert (a["step"], a["pairs"], a["input_tokens"]) == (b["step"], b["pairs"], b["input_tokens"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_killed_on_one_launcher_of_two_processes_then_resumed_on_two_nodes_trains_the_uninterrupted_run(
+    two_ddp, sample_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """The reverse: 1 node x 2 processes killed right after committing step 1, resumed by 2 nodes x 1
+    process: an exact resume, bitwise the uninterrupted run."""
+    out = tmp_path / "cut"
+    config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp")
+    kill = {**os.environ, **KILL_AFTER_STEP_1}
+    killed = run(config, *SAVE_EVERY_STEP, "--quiet", "--nproc-per-node", "2", code=None, env=kill)
+    assert killed.returncode != 0 and committed_step(run_cli, out) == 1
+    resumed = two_nodes(config, *SAVE_EVERY_STEP)
+    assert [code for code, _ in resumed] == [0, 0], [err[-2000:] for _, err in resumed]
+    stderr = "".join(err for _, err in resumed)  # rank 0 is on either launcher: c10d orders the nodes itself
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in stderr and "elastic" not in stderr
+    assert_trained_alike(out, two_ddp)
 
 
 @pytest.mark.parametrize(
@@ -230,7 +290,6 @@ def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, overrid
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_every_rank_with_its_error_named(sample_dataset, smollm2_dir, tmp_path):
-    import os
     import time
 
     config = write_config(tmp_path, sample_dataset, smollm2_dir, tmp_path / "fail", "ddp")
