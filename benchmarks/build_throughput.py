@@ -16,6 +16,12 @@ temporary JSONL file and measures, for the same rows, at each process count:
          batch-encode prompt + completion texts with the Rust fast tokenizer (1024 rows per batch);
          no checks, no output.
          At N > 1 the rows are split across a fork Pool of N that inherits rows and tokenizer.
+  parts  `build --part K/P` for K = 0..P-1 (`--parts P`), one after the other (each as one task of a job
+         array would run it on its own machine), then `merge`: its time is the critical path on P
+         machines, the slowest part plus the merge; the sum of the parts is the work all tasks did
+         (every part reads every row). Checked: the merged fingerprint is ours's.
+
+    python benchmarks/build_throughput.py --methods ours parts --parts 4 --pairs-per-shard 500 --procs 1
 
 Every timed run starts from the JSONL file and a tokenizer directory: loading the tokenizer and
 parsing the file are inside the timing for all three (`build` cannot skip either). Each measurement
@@ -41,7 +47,7 @@ from pathlib import Path
 
 import harness
 
-METHODS = ("ours", "trl", "floor")
+METHODS = ("ours", "trl", "floor", "parts")
 WARMUP_ROWS = 64
 FLOOR_BATCH_ROWS = 1024  # rows per encode_batch_fast call of the floor
 
@@ -55,12 +61,16 @@ def _read_jsonl(path: str) -> list[dict]:
         return [orjson.loads(line) for line in f if line.strip()]
 
 
+_settings = {"parts": 4, "pairs_per_shard": 100_000}  # --parts and --pairs-per-shard, set in the child
+
+
 def run_ours(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     from dpo_data.prepare.build import BuildOptions, build
 
     out = work / f"ours-{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    result = build([data], tokenizer_dir, out, BuildOptions(num_proc=num_proc, overwrite=True))
+    options = BuildOptions(num_proc=num_proc, overwrite=True, pairs_per_shard=_settings["pairs_per_shard"])
+    result = build([data], tokenizer_dir, out, options)
     seconds = time.perf_counter() - t0
     if result.error or result.manifest is None:
         raise SystemExit(f"build failed: {result.error}")
@@ -74,6 +84,38 @@ def run_ours(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
         "prompt_tokens": totals["prompt_tokens"],
         "completion_tokens": totals["completion_tokens"],
         "build_seconds": result.seconds,
+        "fingerprint": result.manifest["fingerprint"],
+    }
+
+
+def run_parts(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
+    from dpo_data.prepare.build import BuildOptions, build
+    from dpo_data.prepare.merge import merge
+    from dpo_data.prepare.parts import Part
+
+    root, count = work / f"parts-{time.monotonic_ns()}", _settings["parts"]
+    part_seconds = []
+    for k in range(count):
+        t0 = time.perf_counter()
+        options = BuildOptions(num_proc=num_proc, pairs_per_shard=_settings["pairs_per_shard"], part=Part(k, count))
+        if build([data], tokenizer_dir, root / f"part-{k}", options).part is None:
+            raise SystemExit(f"part {k}/{count} failed")
+        part_seconds.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    result = merge([root / f"part-{k}" for k in range(count)], root / "ds")
+    merge_seconds = time.perf_counter() - t0
+    if result.error or result.manifest is None:
+        raise SystemExit(f"merge failed: {result.error}")
+    totals = result.manifest["totals"]
+    return {
+        "seconds": max(part_seconds) + merge_seconds,
+        "pairs": result.pairs,
+        "rows": result.rows_read,
+        "tokens": totals["prompt_tokens"] + totals["completion_tokens"],
+        "prompt_tokens": totals["prompt_tokens"],
+        "completion_tokens": totals["completion_tokens"],
+        "fingerprint": result.manifest["fingerprint"],
+        "phases": {"slowest_part": max(part_seconds), "all_parts": sum(part_seconds), "merge": merge_seconds},
     }
 
 
@@ -167,10 +209,10 @@ def run_floor(data: str, tokenizer_dir: str, num_proc: int, work: Path) -> dict:
     }
 
 
-RUNNERS = {"ours": run_ours, "trl": run_trl, "floor": run_floor}
+RUNNERS = {"ours": run_ours, "trl": run_trl, "floor": run_floor, "parts": run_parts}
 
 
-def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_dir: str) -> dict:
+def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_dir: str, settings: dict) -> dict:
     """Warm up (imports, template compile, page cache) on a few rows, then time the full run once."""
     import logging
 
@@ -180,6 +222,7 @@ def measure_child(method: str, num_proc: int, data: str, warmup: str, tokenizer_
 
     import dpo_data.prepare.build  # noqa: F401 - imports outside the clock, for every method alike
 
+    _settings.update(settings)
     hf_logging.set_verbosity_error()
     logging.getLogger("trl").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as tmp:
@@ -224,10 +267,11 @@ def _wait_quiet(max_wait: float, threshold: float = 0.3) -> None:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str, threads: str) -> dict:
+def _spawn(method: str, num_proc: int, data: Path, warmup: Path, tokenizer_dir: str, args) -> dict:
     # threads off: the Rust tokenizer's thread pool off, one core per process for every method
-    env = {"TOKENIZERS_PARALLELISM": "false"} if threads == "off" else {}
-    return harness.call(measure_child, method, num_proc, str(data), str(warmup), tokenizer_dir, env=env)
+    env = {"TOKENIZERS_PARALLELISM": "false"} if args.tokenizer_threads == "off" else {}
+    settings = {"parts": args.parts, "pairs_per_shard": args.pairs_per_shard}
+    return harness.call(measure_child, method, num_proc, str(data), str(warmup), tokenizer_dir, settings, env=env)
 
 
 def _summarize(runs: list[dict]) -> dict:
@@ -260,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts (default 1 2)")
     parser.add_argument("--repeat", type=int, default=3, help="measurements per method and process count; median")
     parser.add_argument("--seed", type=int, default=1234, help="data seed (default 1234)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["ours", "trl", "floor"])
+    parser.add_argument("--parts", type=int, default=4, help="parts of the 'parts' method (default 4)")
+    parser.add_argument(
+        "--pairs-per-shard", type=int, default=100_000, help="rows per span for ours and parts (default 100000)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument(
         "--tokenizer-threads",
@@ -308,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 for method in args.methods:
                     for attempt in range(args.retries + 1):
                         _wait_quiet(args.wait_quiet, args.max_other_load)
-                        r = _spawn(method, num_proc, data, warmup, args.tokenizer, args.tokenizer_threads)
+                        r = _spawn(method, num_proc, data, warmup, args.tokenizer, args)
                         if r.get("other_load", 0.0) <= args.max_other_load or attempt == args.retries:
                             break
                         print(
@@ -333,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         for other in ("trl", "floor"):
             if ours and f"{other}@{n}" in summary:
                 ratios[f"ours/{other}@{n}"] = ours["pairs_per_s"] / summary[f"{other}@{n}"]["pairs_per_s"]
+        if ours and f"parts@{n}" in summary:
+            parts = summary[f"parts@{n}"]
+            ratios[f"ours/parts_critical_path@{n}"] = ours["median_seconds"] / parts["median_seconds"]
+            ratios[f"merge/ours@{n}"] = parts["phases_median"]["merge"] / ours["median_seconds"]
+            ratios[f"all_parts/ours@{n}"] = parts["phases_median"]["all_parts"] / ours["median_seconds"]
         if f"floor@{n}" in summary and f"trl@{n}" in summary:
             ratios[f"floor/trl@{n}"] = summary[f"floor@{n}"]["pairs_per_s"] / summary[f"trl@{n}"]["pairs_per_s"]
     targets = {}
@@ -372,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target {k:18s} {'met' if v else 'MISSED'}")
     if len(set(tokens.values())) > 1:
         print(f"note: token totals differ between methods: {tokens}")
+    prints = {k: rs[0]["fingerprint"] for (m, n), rs in runs.items() if "fingerprint" in rs[0] for k in [f"{m}@{n}"]}
+    if len(set(prints.values())) > 1:
+        print(f"MISMATCH: the merged parts are not the single build: {prints}")
+        return 1
     record = {
         "pairs": args.pairs,
         "seed": args.seed,

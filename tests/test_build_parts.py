@@ -295,3 +295,59 @@ def test_the_cli_reads_the_part_from_a_slurm_array_task(inputs, smollm2_dir, tmp
     assert r.exit_code == 0, r.output
     assert "part 1/3 (SLURM_ARRAY_TASK_ID=11 of 10..12)" in r.output
     assert json.loads((out / "part.json").read_text())["part"] == {"index": 1, "count": 3}
+
+
+FAKE_SBATCH = """#!{python}
+'''sbatch for the test: runs an array's tasks one after the other with Slurm's array variables, then a --wrap
+job, as Slurm would once its dependency is met; prints a job id (--parsable).'''
+import os, subprocess, sys
+args, options = sys.argv[1:], {{}}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    options[key] = args.pop(0) if key == "wrap" else value
+log = open(os.environ["FAKE_SBATCH_LOG"], "a")
+log.write(repr(sorted(options)) + "\\n")
+if "wrap" in options:
+    sys.exit(subprocess.run(["bash", "-c", options["wrap"]]).returncode)
+first, last = map(int, options["array"].split("-"))
+for task in range(first, last + 1):
+    env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_MIN=str(first),
+               SLURM_ARRAY_TASK_MAX=str(last), SLURM_ARRAY_TASK_COUNT=str(last - first + 1), SLURM_CPUS_PER_TASK="1")
+    done = subprocess.run(["bash", *args], env=env, capture_output=True, text=True)
+    log.write(done.stdout + done.stderr)
+    if done.returncode:
+        sys.exit(done.returncode)
+print("4242")
+"""
+
+
+def test_the_slurm_array_example_builds_parts_and_merges_them(inputs, single, smollm2_dir, tmp_path):
+    """examples/slurm/build_array.sbatch, submitted as on a login node, under an sbatch that runs the array's tasks
+    here (there is no Slurm on these machines): the merged dataset is the single build's, and submitting again
+    skips every finished part."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH.format(python=sys.executable))
+    (bin_dir / "sbatch").chmod(0o755)
+    log = tmp_path / "sbatch.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env["FAKE_SBATCH_LOG"] = str(log)
+    script = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "build_array.sbatch"
+    out = tmp_path / "data" / "train"
+    command = ["bash", str(script), "3", str(out), str(smollm2_dir), *inputs, "--max-length", "256"]
+    command += ["--pairs-per-shard", str(SPAN)]
+    submitted = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr + log.read_text()
+    text = log.read_text()
+    assert "['array', 'parsable']" in text and "['dependency', 'job-name', 'parsable', 'wrap']" in text
+    assert [f"part {k}/3 (SLURM_ARRAY_TASK_ID={k} of 0..2)" in text for k in range(3)] == [True] * 3
+    _same_dataset(out, single)
+    import shutil
+
+    shutil.rmtree(out)  # as if task 1 had failed: no part 1, so no merge either
+    shutil.rmtree(f"{out}.parts/part-1")
+    log.write_text("")
+    again = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr + log.read_text()
+    assert log.read_text().count("was already built with this plan; nothing to do") == 2
+    _same_dataset(out, single)

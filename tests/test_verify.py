@@ -129,3 +129,47 @@ def test_inspect_and_verify_refuse_an_uncommitted_directory(tmp_path, run_cli):
     r = run_cli(dpo_data, "inspect", tmp_path)
     assert r.exit_code == 2 and "not a committed dataset, manifest.json is missing" in r.output
     assert run_cli(dpo_data, "verify", tmp_path).exit_code == 1
+
+
+def _refingerprint(m: dict) -> None:
+    from dpo_data.dataset.manifest import dataset_fingerprint
+
+    columns = m["producer"]["options"].get("columns")
+    m["fingerprint"] = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns)
+
+
+def test_shards_swapped_with_their_records_are_caught_by_their_spans(copy, run_cli):
+    """Shards 0 and 1 trade places, files and manifest records alike (sizes, sha256, fingerprint all made to agree):
+    only the rows they hold give it away, rows 16..31 in span 0."""
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    a, b = m["shards"][0], m["shards"][1]
+    (copy / a["path"]).rename(copy / "swap")
+    (copy / b["path"]).rename(copy / a["path"])
+    (copy / "swap").rename(copy / b["path"])
+    for key in ("rows", "bytes", "sha256"):
+        a[key], b[key] = b[key], a[key]
+    b["first_pair_index"] = a["rows"]
+    _refingerprint(m)
+    path.write_text(json.dumps(m))
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1 and "(2 problems)" in r.output
+    assert "shards/shard-00000.arrow: row_index is not increasing within its span, rows 0 to 15" in r.output
+    assert "shards/shard-00001.arrow: row_index is not increasing within its span, rows 16 to 31" in r.output
+
+
+def test_a_shard_source_list_that_misnames_its_ids_is_caught(copy, run_cli):
+    """A shard's `sources` renamed (and the manifest's sources with it, fingerprint recomputed): the pairs per source
+    no longer match what the shards' ids name."""
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    m["shards"][0]["sources"] = ["other"]
+    m["sources"].append({"id": 1, "name": "other", "pairs": 1})
+    m["sources"][0]["pairs"] -= 1
+    m["sources"][0], m["sources"][1] = m["sources"][1], m["sources"][0]
+    m["sources"][0]["id"], m["sources"][1]["id"] = 0, 1
+    _refingerprint(m)
+    path.write_text(json.dumps(m))
+    r = run_cli(dpo_data, "verify", copy)
+    assert r.exit_code == 1
+    assert "sources: other has 1 pairs in the manifest, 16 in the shards" in r.output

@@ -239,12 +239,9 @@ def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
     for shard, table in zip(m["shards"], tables):
         rows = table.column("row_index").to_numpy()
         span = int(shard["path"].rsplit("-", 1)[1].split(".")[0])
-        if rows.size and (
-            np.any(np.diff(rows) <= 0) or rows[0] < span * span_rows or rows[-1] >= (span + 1) * span_rows
-        ):
-            failures.append(
-                f"{shard['path']}: row_index is not increasing within rows {span * span_rows}.. of its span"
-            )
+        lo, hi = span * span_rows, (span + 1) * span_rows - 1
+        if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < lo or rows[-1] > hi):
+            failures.append(f"{shard['path']}: row_index is not increasing within its span, rows {lo} to {hi}")
         local = table.column("source_id").to_numpy()
         if bool((local < 0).any()) or bool((local >= len(shard["sources"])).any()):
             failures.append(f"{shard['path']}: source ids outside 0..{len(shard['sources']) - 1} (its sources)")

@@ -12,6 +12,7 @@ import errno
 import heapq
 import os
 import shutil
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -65,7 +66,7 @@ def _check_parts(dirs: list[Path]) -> list[tuple[Path, dict]]:
     """The parts in index order, after every check that needs no shard read."""
     if not dirs:
         raise DataError("no PART_DIR given; pass the directories of parts 0..N-1 of one dpo-data build --part K/N")
-    found = [(d, read_part(d)) for d in dirs]
+    found = [(d, read_part(d)) for d in _without_leftovers(dirs)]
     first_dir, first = found[0]
     for d, doc in found[1:]:
         if doc["plan"] != first["plan"]:
@@ -101,6 +102,22 @@ def _check_parts(dirs: list[Path]) -> list[tuple[Path, dict]]:
             f"all and built {rows}; a part.json was edited or damaged: rebuild the parts"
         )
     return ordered
+
+
+def _without_leftovers(dirs: list[Path]) -> list[Path]:
+    """The given paths less a given part's lock file (`P.lock`) and a killed attempt's staging directory
+    (`P.incomplete-*`), which a glob such as `parts/part-*` picks up beside the parts; each is named."""
+    given = {d.name for d in dirs}
+    kept = []
+    for d in dirs:
+        stem, dot, rest = d.name.partition(".")
+        if dot and stem in given and (rest == "lock" or rest.startswith("incomplete-")):
+            print(
+                f"merge: skipping {d} (the lock or a leftover of part directory {d.with_name(stem)})", file=sys.stderr
+            )
+        else:
+            kept.append(d)
+    return kept
 
 
 def _merge_into(staging: Path, parts: list[tuple[Path, dict]], progress: bool) -> BuildResult:
