@@ -106,6 +106,13 @@ def test_a_part_builds_every_nth_span_of_the_global_row_order(three_parts):
         assert not (part / "manifest.json").exists()  # a part is not a dataset
 
 
+def test_a_part_is_not_a_dataset_until_merged(three_parts, run_cli):
+    with pytest.raises(DataError, match=r"a part of a dpo-data build --part K/N, not a dataset; join all its parts"):
+        PairStore([three_parts[0]])
+    r = run_cli(dpo_data, "inspect", three_parts[0])
+    assert r.exit_code == 2 and "with dpo-data merge PART_DIR... --out DIR, and use DIR" in r.output
+
+
 def test_the_cli_builds_parts_and_merges_them(inputs, single, smollm2_dir, tmp_path, run_cli):
     common = ["--tokenizer", smollm2_dir, "--max-length", "256", "--pairs-per-shard", SPAN]
     for k in range(2):

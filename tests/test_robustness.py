@@ -57,10 +57,11 @@ def worker(tokenizer):
 @given(st.lists(st.one_of(st.binary(max_size=60), rows.map(lambda r: json.dumps(r).encode())), min_size=1, max_size=8))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_line_becomes_exactly_one_pair_or_one_reject(worker, lines):
-    result = _process_chunk([(0, n, line) for n, line in enumerate(lines, start=1)])
+    result = _process_chunk((0, [(0, n, n - 1, line) for n, line in enumerate(lines, start=1)]))
     rejected = [record["line"] for _, record in result.rejects]
     kept = result.block.input_row.tolist()
     assert sorted(rejected + kept) == list(range(1, len(lines) + 1))  # each line exactly once
     assert rejected == sorted(rejected) and kept == sorted(kept)
+    assert result.block.row_index.tolist() == [n - 1 for n in kept]  # each pair carries its row's global index
     assert all(record["reason"] for _, record in result.rejects)
     assert (result.block.lengths > 0).all()  # every kept pair has a prompt and two completions

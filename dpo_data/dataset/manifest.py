@@ -18,6 +18,8 @@ MANIFEST_FORMAT_VERSION = 3
 dataset of an earlier version must be rebuilt."""
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
+PART_NAME = "part.json"
+"""What a `--part` build commits instead of a manifest (`dpo_data.prepare.parts`): not a dataset until merged."""
 MANIFEST_SCHEMA = "dataset-manifest"
 PERCENTILES = (50, 90, 99)
 
@@ -143,6 +145,11 @@ def read_manifest(data_dir: str | Path, consistent: bool = True) -> dict:
     self-contradicting one is a named `DataError`."""
     path = Path(data_dir) / MANIFEST_NAME
     if not path.is_file():
+        if (Path(data_dir) / PART_NAME).is_file():
+            raise DataError(
+                f"{data_dir}: a part of a dpo-data build --part K/N, not a dataset; join all its parts into one "
+                "with dpo-data merge PART_DIR... --out DIR, and use DIR"
+            )
         hint = " (a failed build leaves only rejects.jsonl)" if (Path(data_dir) / REJECTS_NAME).exists() else ""
         raise DataError(f"{data_dir}: not a committed dataset, {MANIFEST_NAME} is missing{hint}; run dpo-data build")
     try:

@@ -285,7 +285,9 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
 
 def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildResult | None:
     """A relaunched task whose part is already built with this plan has nothing to do; another build's part
-    at `out` is refused by name (or, with --overwrite, rebuilt)."""
+    at `out` is refused by name. With --overwrite, `out` is rebuilt whatever it holds."""
+    if overwrite:  # rebuilds whatever `out` holds, a finished part of this plan too
+        return None
     found = existing_part(out)
     if found is None:
         return None
@@ -294,9 +296,7 @@ def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildR
         rows = sum(e["rows_read"] for e in found["inputs"])
         result = BuildResult(out, None, rows, counts["pairs"], counts["by_reason"], 0.0, part=found, skipped=True)
         return result
-    if not overwrite:
-        refuse_other_part(out, found, part, plan)
-    return None
+    refuse_other_part(out, found, part, plan)
 
 
 def _build_into(

@@ -11,10 +11,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from dpo_data.dataset.manifest import MANIFEST_NAME, REJECTS_NAME, read_manifest
+from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
-from dpo_data.prepare.parts import PART_NAME
 from dpo_state.files import fsync_dir
 from dpo_state.lock import DirectoryLock
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_data import __version__
+from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME
 from dpo_data.dataset.shards import ShardInfo
 from dpo_data.errors import DataError
-from dpo_state.digest import DIGEST_PREFIX, sha256_json
+from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 from dpo_state.errors import DocumentError
 from dpo_state.files import read_document, write_json_atomic
 
-PART_NAME = "part.json"
 PART_FORMAT_VERSION = 1
 PART_SCHEMA = "dataset-part"
 SLURM_VARIABLES = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX")
@@ -117,9 +117,6 @@ def plan_differences(a: dict, b: dict) -> list[str]:
 
 def part_document(part: Part, plan: dict, tally, shards: list[ShardInfo], attestation: dict, staging: Path) -> dict:
     """part.json: the plan, this part's counts and its shards, everything the merge needs to add it up."""
-    from dpo_data.dataset.manifest import REJECTS_NAME
-    from dpo_state.digest import file_digest
-
     rejects = staging / REJECTS_NAME
     inputs = [{**entry, "columns": dict(sorted(seen.items()))} for entry, seen in zip(tally.inputs, tally.columns)]
     return {
@@ -162,7 +159,7 @@ def read_part(part_dir: str | Path) -> dict:
     """A finished part's part.json, validated; a missing or malformed one is a named `DataError`."""
     path = Path(part_dir) / PART_NAME
     if not path.is_file():
-        what = "a dataset, not a part" if (Path(part_dir) / "manifest.json").is_file() else "not a finished part"
+        what = "a dataset, not a part" if (Path(part_dir) / MANIFEST_NAME).is_file() else "not a finished part"
         raise DataError(
             f"{part_dir}: {what} (no {PART_NAME}; a part build that is still running, was killed or was refused "
             "leaves none); build it with dpo-data build ... --part K/N --out " + str(part_dir)
