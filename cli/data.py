@@ -163,6 +163,8 @@ def build(
 
 
 def _summary(result) -> str:
+    if result.skipped:
+        return _part_line(result)
     rate = result.rows_read / result.seconds if result.seconds else 0.0
     lines = [
         f"read {result.rows_read} rows: kept {result.pairs} pairs, rejected {result.rejected} "
@@ -181,13 +183,18 @@ def _summary(result) -> str:
             f"fingerprint {result.manifest['fingerprint']})"
         )
     if result.part:
-        k, n = result.part["part"]["index"], result.part["part"]["count"]
-        done = "was already built with this plan; nothing to do" if result.skipped else "written"
-        lines.append(
-            f"part {k}/{n} at {result.out} {done} ({len(result.part['shards'])} shards of {result.part['rows_total']} "
-            f"rows in all); when parts 0..{n - 1} are built: dpo-data merge PART_DIR... --out DIR"
-        )
+        lines.append(_part_line(result))
     return "\n".join(lines)
+
+
+def _part_line(result) -> str:
+    k, n = result.part["part"]["index"], result.part["part"]["count"]
+    done = "was already built with this plan; nothing to do" if result.skipped else "written"
+    return (
+        f"part {k}/{n} at {result.out} {done} ({len(result.part['shards'])} shards, {result.part['counts']['pairs']} "
+        f"pairs; {result.part['rows_total']} rows in all); when parts 0..{n - 1} are built: dpo-data merge "
+        "PART_DIR... --out DIR"
+    )
 
 
 @main.command()
