@@ -252,6 +252,16 @@ def test_the_merge_refuses_an_existing_out_and_replaces_it_with_overwrite(three_
     _same_dataset(out, single)
 
 
+def test_one_merge_or_build_at_a_time_per_out(three_parts, tmp_path):
+    from dpo_data.prepare.output import OutputLock
+
+    out = tmp_path / "ds"
+    with OutputLock(out):  # as a build or another merge of `out` holds it
+        with pytest.raises(DataError, match=rf"--out {out} is being built by another process \(pid {os.getpid()}"):
+            merge(three_parts, out)
+    assert not out.exists()
+
+
 def test_the_merge_links_only_within_one_filesystem(three_parts, tmp_path):
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
