@@ -140,6 +140,21 @@ def test_sigkill_then_resume_is_bitwise_identical_under_lora(
     assert all(torch.equal(one[key], two[key]) for key in one)
 
 
+@pytest.mark.slow
+def test_sigkill_then_resume_restores_the_rng_that_lora_dropout_draws(small_dataset, smollm2_dir, tmp_path, run_cli):  # noqa: F811
+    """LoRA dropout is the one random draw in a step (model dropout is off, the loader has its own seed): with
+    dropout 0.5, a resume that did not restore the RNG states would draw other masks from step k + 1 on."""
+    lora = {**LORA, "dropout": 0.5}
+    full_path, full = lora_config(tmp_path, small_dataset, smollm2_dir, "full", lora, train__max_steps=5)
+    train(full_path)
+    path, out = lora_config(tmp_path, small_dataset, smollm2_dir, "cut", lora, train__max_steps=5)
+    assert train(path, env={"DPO_TRAIN_KILL": "after-save:2"}, check=None).returncode != 0
+    assert "resumed from" in train(path).stderr
+    assert metrics(out) == metrics(full)
+    one, two = adapter(full), adapter(out)
+    assert all(torch.equal(one[key], two[key]) for key in one)
+
+
 def test_resume_with_other_lora_settings_is_refused(single, small_dataset, smollm2_dir, tmp_path, run_cli):  # noqa: F811
     """Refusals before training, in this process (train_here): they need no process of their own."""
     path, _ = lora_config(tmp_path, small_dataset, smollm2_dir, "other", lora={**LORA, "r": 8})

@@ -147,12 +147,23 @@ class DPOLoader:
         self._next = {"epoch": self.stream.start.epoch, "step": self.stream.start.step, "microbatch": 0}
 
     def _make_loader(self, stream: MicrobatchStream):
+        import torch
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        # A generator of its own: without one, each `iter()` draws its workers' base seed from torch's global
+        # generator, so a resumed run (whose first `iter()` comes after the checkpoint's RNG states were
+        # restored) would draw LoRA dropout masks one number off the uninterrupted run's. The stream itself
+        # draws nothing random (its order has its own seed), so the workers' seeds change no batch.
+        generator = torch.Generator().manual_seed(self.config.seed)
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(
-                stream, batch_size=None, num_workers=self.config.num_workers, persistent_workers=False, in_order=True
+                stream,
+                batch_size=None,
+                num_workers=self.config.num_workers,
+                persistent_workers=False,
+                in_order=True,
+                generator=generator,
             )
 
     def __iter__(self) -> Iterator[dict]:
