@@ -368,3 +368,28 @@ def test_the_slurm_array_example_builds_parts_and_merges_them(inputs, single, sm
     assert again.returncode == 0, again.stderr + log.read_text()
     assert log.read_text().count("was already built with this plan; nothing to do") == 2
     _same_dataset(out, single)
+
+
+def test_a_part_skips_converting_others_arrow_batches_and_still_builds_the_single_builds_pairs(
+    smollm2_dir, tmp_path, monkeypatch
+):
+    """Parquet batches of 4 rows over spans of 8, one jsonl row before them (so a batch may end with a single
+    row of the next span): a part turns only batches touching its spans into rows, and 3 parts still merge into
+    the single build."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dpo_data.prepare import inputs as inputs_module
+    from dpo_data.prepare.inputs import iter_rows, open_input
+
+    monkeypatch.setattr(inputs_module, "ARROW_BATCH_ROWS", 4)
+    lead = str(write_jsonl(tmp_path / "lead.jsonl", [chat("Lead?", "Yes.", "No.")]))
+    rows = [chat(f"Row {i}?", f"Yes {i}.", f"No {i}.") for i in range(37)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    given = [lead, str(tmp_path / "rows.parquet")]
+    seen = [item for _, item in iter_rows(open_input(given[1]), 1 << 20, skip=lambda first, count: first > 4)]
+    assert seen[:4] == rows[:4] and seen[4:] == [None] * 33  # batches after the first are never converted
+    single = tmp_path / "single"
+    assert build(given, str(smollm2_dir), single, _options()).manifest is not None
+    merge(_parts(given, smollm2_dir, tmp_path / "parts", 3), tmp_path / "merged")
+    _same_dataset(tmp_path / "merged", single)

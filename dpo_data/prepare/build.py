@@ -238,15 +238,27 @@ def _raw_text(item: Any) -> str:
 def _chunks(inputs: list[InputFile], options: BuildOptions, tally: Tally, progress: Any) -> Iterator[tuple]:
     """(span, rows) of at most CHUNK_ROWS rows of one span, for the spans this build owns (all, or its
     part's); every row is read (and counted in `tally.rows_total`), a part's own rows alone are encoded."""
-    rows = ((i, n, item) for i, inp in enumerate(inputs) for n, item in iter_rows(inp, options.max_row_bytes))
-    numbered = ((g, *row) for g, row in enumerate(rows))
-    for span, in_span in groupby(numbered, key=lambda row: row[0] // options.pairs_per_shard):
+    for span, in_span in groupby(_numbered(inputs, options), key=lambda row: row[0] // options.pairs_per_shard):
         owned = options.part is None or options.part.owns(span)
         while batch := list(islice(in_span, CHUNK_ROWS)):
             tally.rows_total += len(batch)
             progress.update(len(batch))
             if owned:
                 yield span, [(i, n, g, item) for g, i, n, item in batch]
+
+
+def _numbered(inputs: list[InputFile], options: BuildOptions) -> Iterator[tuple[int, int, int, Any]]:
+    """(global row, input index, row number, item) of every row; a part skips turning others' rows into objects."""
+    span_rows, part, row = options.pairs_per_shard, options.part, 0
+    for i, inp in enumerate(inputs):
+
+        def skip(start: int, count: int, base: int = row) -> bool:  # rows start.. (1-based) of this input
+            first, last = base + start - 1, base + start + count - 2
+            return not any(part.owns(span) for span in range(first // span_rows, last // span_rows + 1))
+
+        for n, item in iter_rows(inp, options.max_row_bytes, None if part is None else skip):
+            yield row, i, n, item
+            row += 1
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:

@@ -4,7 +4,7 @@ numbered raw rows; a broken file is a named error."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,10 @@ MAX_JSON_INPUT_BYTES = 1 << 30
 _FEED_BYTES = 256  # compressed bytes per zstd decompress call: bounds its output (see _ZstdFrames)
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
+ARROW_BATCH_ROWS = 1024
+"""Rows per batch read from a .parquet input (an Arrow file's batches are as written)."""
+Skip = Callable[[int, int], bool]
+"""skip(first, count): whether rows first..first+count-1 (1-based) are all rows this build does not own."""
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,13 @@ def _saved_files(directory: Path) -> tuple[str, ...]:
     return tuple(files)
 
 
-def iter_rows(inp: InputFile, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
+def iter_rows(inp: InputFile, max_row_bytes: int, skip: Skip | None = None) -> Iterator[tuple[int, Any]]:
     """Yield (number, item) for every row of `inp`, in file order, numbers 1-based.
 
     For line formats the item is the line's bytes (parsed later, in a worker) or, for a line over
-    `max_row_bytes`, an `OversizedLine`; for .json and .parquet it is the parsed row.
+    `max_row_bytes`, an `OversizedLine`; for .json and .parquet it is the parsed row. With `skip`, the rows of an
+    Arrow or Parquet batch that `skip` says are all another part's come as None, never turned into Python
+    objects (a `--part` build reads every row, and converting them is most of what that costs).
     """
     try:
         if inp.format == "jsonl":
@@ -133,9 +139,9 @@ def iter_rows(inp: InputFile, max_row_bytes: int) -> Iterator[tuple[int, Any]]:
         elif inp.format == "json":
             yield from _json_array(inp.path)
         elif inp.format == "parquet":
-            yield from _parquet(inp.path)
+            yield from _parquet(inp.path, skip)
         else:
-            yield from _arrow_rows(inp.files)
+            yield from _arrow_rows(inp.files, skip)
     except InputFileError:
         raise
     except (OSError, zstandard.ZstdError) as e:
@@ -255,29 +261,32 @@ def _json_array(path: str) -> Iterator[tuple[int, Any]]:
     yield from enumerate(rows, start=1)
 
 
-def _parquet(path: str) -> Iterator[tuple[int, Any]]:
+def _parquet(path: str, skip: Skip | None) -> Iterator[tuple[int, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         reader = pq.ParquetFile(path)
-        number = 0
-        for batch in reader.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
+        yield from _batch_rows(reader.iter_batches(batch_size=ARROW_BATCH_ROWS), skip)
     except (pa.ArrowException, UnicodeDecodeError) as e:
         raise InputFileError(path, f"corrupt or unreadable parquet ({e})") from None
 
 
-def _arrow_rows(files: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
+def _arrow_rows(files: tuple[str, ...], skip: Skip | None) -> Iterator[tuple[int, Any]]:
     """Rows of Arrow files, numbered across them: the stream format `datasets` writes, or the IPC file format."""
+    yield from _batch_rows((batch for path in files for batch in _arrow_batches(path)), skip)
+
+
+def _batch_rows(batches: Iterator[Any], skip: Skip | None) -> Iterator[tuple[int, Any]]:
     number = 0
-    for path in files:
-        for batch in _arrow_batches(path):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
+    for batch in batches:
+        if skip is not None and skip(number + 1, batch.num_rows):
+            rows = [None] * batch.num_rows
+        else:
+            rows = batch.to_pylist()
+        for row in rows:
+            number += 1
+            yield number, row
 
 
 def _arrow_batches(path: str) -> Iterator[Any]:
