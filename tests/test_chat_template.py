@@ -138,6 +138,17 @@ def test_an_override_that_is_not_prefix_stable_refuses_the_build_and_commits_not
     assert m["totals"]["pairs"] == 10 and m["rejects"]["by_reason"] == {"template_not_prefix_stable": 2}
 
 
+def test_a_part_holding_a_row_the_override_breaks_is_refused_at_once(files, smollm2_dir, tmp_path, run_cli):
+    """With --part, the whole build would be refused anyway: the part that holds lines 4 and 8 (spans 1 and 3 of
+    spans of 2 rows) refuses itself, naming the first, and commits nothing; the other part commits."""
+    tmp, rows = files
+    args = ["--chat-template", tmp / "thinks.jinja", "--pairs-per-shard", "2"]
+    refused = _build(run_cli, rows, smollm2_dir, tmp_path / "p1", *args, "--part", "1/2", code=1)
+    assert "is not prefix-stable on the data: 2 rows were rejected" in refused.stderr
+    assert f"the first at {rows} line 4" in refused.stderr and not (tmp_path / "p1").exists()
+    _build(run_cli, rows, smollm2_dir, tmp_path / "p0", *args, "--part", "0/2")  # even spans: lines 1-2, 5-6, 9-10
+
+
 @pytest.mark.parametrize(
     "content, says",
     [

@@ -31,7 +31,7 @@ from dpo_data.prepare.output import (
     remove_stale_staging,
     swap_into_place,
 )
-from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refuse_other_part, write_part
+from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
 from dpo_data.prepare.template import read_chat_template
@@ -269,18 +269,20 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
+        if options.part is None:  # at once; a part first needs its plan, to see whether it is already built
+            check_replaceable(out, options.overwrite)
         tokenizer = _load_tokenizer(tokenizer_dir)
         if template is not None:  # before the attestation, so the dataset attests the template it was built with
             tokenizer.chat_template = template["text"]
         attestation = tokenizer_attestation(tokenizer)
         entries = [_input_entry(f) for f in files]
-        plan = (
-            None if options.part is None else build_plan(options.recorded(template), attestation, entries, options.part)
-        )
-        if plan is not None and (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
-            done.seconds = time.perf_counter() - started
-            return done
-        check_replaceable(out, options.overwrite)
+        plan = None
+        if options.part is not None:
+            plan = build_plan(options.recorded(template), attestation, entries, options.part)
+            if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
+                done.seconds = time.perf_counter() - started
+                return done
+            check_replaceable(out, options.overwrite)
         staging = new_staging(out)
         try:
             result = _build_into(staging, files, entries, tokenizer, attestation, options, template, plan)
@@ -304,11 +306,9 @@ def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildR
     if found is None:
         return None
     if found["plan"] == plan and found["part"]["index"] == part.index:
-        counts = found["counts"]
-        rows = sum(e["rows_read"] for e in found["inputs"])
-        result = BuildResult(out, None, rows, counts["pairs"], counts["by_reason"], 0.0, part=found, skipped=True)
-        return result
-    refuse_other_part(out, found, part, plan)
+        counts, rows = found["counts"], sum(e["rows_read"] for e in found["inputs"])
+        return BuildResult(out, None, rows, counts["pairs"], counts["by_reason"], 0.0, part=found, skipped=True)
+    raise refused_part(out, found, part, plan)
 
 
 def _build_into(

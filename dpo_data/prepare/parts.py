@@ -181,13 +181,14 @@ def existing_part(out: Path) -> dict | None:
     return read_part(out) if (out / PART_NAME).is_file() else None
 
 
-def refuse_other_part(out: Path, found: dict, part: Part, plan: dict) -> None:
-    """`out` holds a finished part of another build (stale: other options, inputs or code) or another part."""
+def refused_part(out: Path, found: dict, part: Part, plan: dict) -> DataError:
+    """The error for an `out` that holds a finished part of another build (stale: other options, inputs or code)
+    or another part of this one."""
     theirs = f"{found['part']['index']}/{found['part']['count']}"
     if found["plan"] != plan:
         why = f"part {theirs} of another build (it differs in: {', '.join(plan_differences(found['plan'], plan))})"
     else:
         why = f"part {theirs} of this build, not part {part.label}"
-    raise DataError(
+    return DataError(
         f"--out {out} holds {why}; pass --overwrite to build part {part.label} there, or choose another --out"
     )
