@@ -216,6 +216,15 @@ def test_a_part_from_other_code_or_edited_is_refused(three_parts, tmp_path):
     (edited[2] / "part.json").write_text(json.dumps(doc))
     with pytest.raises(DataError, match=r"plan_sha256 does not match its plan; the file was edited or damaged"):
         merge(edited, tmp_path / "ds")
+    for name, edit, message in [
+        ("rows", lambda doc: doc["shards"][0].update(rows=99), r"holds 8 pairs, its part.json says 99; the part.json"),
+        ("span", lambda doc: doc["shards"][0].update(span=0), r"lists span 0, which is not part 1/3's; the file"),
+    ]:
+        copies = _copies(three_parts, tmp_path / name)
+        _edit_part(copies[1], edit)
+        with pytest.raises(DataError, match=message):
+            merge(copies, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
 
 
 def test_a_damaged_part_shard_is_named_and_nothing_is_committed(three_parts, tmp_path):

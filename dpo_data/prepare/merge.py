@@ -154,11 +154,16 @@ def _tally(parts: list[tuple[Path, dict]]) -> Tally:
 def _link_shards(staging: Path, parts: list[tuple[Path, dict]], tally: Tally, progress: bool) -> list[ShardInfo]:
     """Hard-link every part's shards into `staging` in span order, then hash the links against their part.json;
     adds their pairs, lengths and sources (in order of first appearance) to `tally`."""
-    listed = sorted(((shard, d) for d, doc in parts for shard in doc["shards"]), key=lambda item: item[0]["span"])
+    listed = sorted(((s, d, doc["part"]) for d, doc in parts for s in doc["shards"]), key=lambda x: x[0]["span"])
     (staging / SHARD_DIR).mkdir()
     shards = []
     with Stage("merge: hashing the linked shards", total=len(listed), enabled=progress, unit="shards") as stage:
-        for shard, part_dir in listed:
+        for shard, part_dir, part in listed:
+            if shard["span"] % part["count"] != part["index"]:
+                raise DataError(
+                    f"{part_dir}/part.json lists span {shard['span']}, which is not part {part['index']}/"
+                    f"{part['count']}'s; the file was edited or damaged: rebuild that part"
+                )
             target = staging / shard["path"]
             _link(part_dir / shard["path"], target)
             problems = file_problems(
@@ -166,7 +171,13 @@ def _link_shards(staging: Path, parts: list[tuple[Path, dict]], tally: Tally, pr
             )
             if problems:
                 raise DataError(f"{problems[0]}; rebuild that part (dpo-data build ... --part K/N --overwrite)")
-            tally.lengths.append(_lengths(target))
+            lengths = _lengths(target)
+            if len(lengths) != shard["rows"]:
+                raise DataError(
+                    f"{part_dir}/{shard['path']} holds {len(lengths)} pairs, its part.json says {shard['rows']}; "
+                    "the part.json was edited or damaged: rebuild that part"
+                )
+            tally.lengths.append(lengths)
             for name in shard["sources"]:
                 tally.sources.setdefault(name, len(tally.sources))
             shards.append(
