@@ -216,7 +216,8 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
             if rank == 0:
                 click.echo(f"reference sidecar written: {path}")
             collectives.shutdown()
-            return 0
+            sys.stdout.flush()
+            return _exit(0)
         from dpo_train.trainer import train
 
         out = train(resolved, progress=not quiet)
@@ -233,7 +234,8 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
         return _exit(1)
     if rank == 0:
         click.echo(f"done: {out}/metrics.jsonl, final policy in {out}/final")
-    return 0
+    sys.stdout.flush()
+    return _exit(0)  # everything is written and closed; an interpreter exit can still abort in gloo's teardown
 
 
 def _translate(config: str | None, from_trl: str | None, overrides: list[str], world: int, other: bool) -> int:
@@ -279,7 +281,10 @@ def _resume_hint(config: str, overrides: list[str]) -> str:
 
 
 def _exit(code: int) -> int:
-    """With peers, leave at once: a clean interpreter exit could wait on a collective that never ends."""
+    """With peers, leave at once. After a failure, a clean interpreter exit could wait on a collective that never
+    ends; after a success (every log, checkpoint and export closed, the process group destroyed), it can still
+    abort in C++ teardown: SIGABRT, "terminate called without an active exception" (gloo threads at interpreter
+    finalization, as in pytorch/pytorch#179291), seen on a rank of a finished 2-process FSDP run."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stderr.flush()
         os._exit(code)
