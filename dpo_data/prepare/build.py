@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -23,14 +22,7 @@ from dpo_data.errors import DataError
 from dpo_data.prepare.columns import check_columns, rename_columns
 from dpo_data.prepare.hub import hub_files, is_hub_input
 from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
-from dpo_data.prepare.output import (
-    OutputLock,
-    check_inputs_outside,
-    check_replaceable,
-    new_staging,
-    remove_stale_staging,
-    swap_into_place,
-)
+from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, commit_staged
 from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
@@ -269,8 +261,8 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
-        if options.part is None:  # at once; a part first needs its plan, to see whether it is already built
-            check_replaceable(out, options.overwrite)
+        if options.part is None:  # at once (again before the build); a part first needs its plan, to see
+            check_replaceable(out, options.overwrite)  # whether it is already built
         tokenizer = _load_tokenizer(tokenizer_dir)
         if template is not None:  # before the attestation, so the dataset attests the template it was built with
             tokenizer.chat_template = template["text"]
@@ -282,17 +274,11 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
             if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
                 done.seconds = time.perf_counter() - started
                 return done
-            check_replaceable(out, options.overwrite)
-        staging = new_staging(out)
-        try:
-            result = _build_into(staging, files, entries, tokenizer, attestation, options, template, plan)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
-            raise
-        if result.manifest is not None or result.part is not None:
-            swap_into_place(staging, out, options.overwrite)
-            result.out = out
-            remove_stale_staging(out)  # earlier refused or killed builds' leftovers, kept until now for their rejects
+        result = commit_staged(
+            out,
+            options.overwrite,
+            lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan),
+        )
     result.seconds = time.perf_counter() - started
     return result
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import heapq
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -26,14 +25,7 @@ from dpo_data import __version__
 from dpo_data.dataset.manifest import REJECTS_NAME
 from dpo_data.dataset.shards import SHARD_DIR, ShardInfo
 from dpo_data.errors import DataError
-from dpo_data.prepare.output import (
-    OutputLock,
-    check_inputs_outside,
-    check_replaceable,
-    new_staging,
-    remove_stale_staging,
-    swap_into_place,
-)
+from dpo_data.prepare.output import OutputLock, check_inputs_outside, commit_staged
 from dpo_data.prepare.parts import plan_differences, read_part
 from dpo_data.prepare.tally import BuildResult, Tally, conclude
 from dpo_data.progress import Stage
@@ -47,17 +39,7 @@ def merge(part_dirs: list[str | Path], out: str | Path, overwrite: bool = False,
     parts = _check_parts([Path(d) for d in part_dirs])
     check_inputs_outside(out, [str(d) for d, _ in parts])
     with OutputLock(out):
-        check_replaceable(out, overwrite)
-        staging = new_staging(out)
-        try:
-            result = _merge_into(staging, parts, progress)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if result.manifest is not None:
-            swap_into_place(staging, out, overwrite)
-            result.out = out
-            remove_stale_staging(out)
+        result = commit_staged(out, overwrite, lambda staging: _merge_into(staging, parts, progress))
     result.seconds = time.perf_counter() - started
     return result
 

@@ -5,17 +5,23 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
 from dpo_state.files import fsync_dir
 from dpo_state.lock import DirectoryLock
+
+if TYPE_CHECKING:
+    from dpo_data.prepare.tally import BuildResult
 
 KILL_ENV = "DPO_DATA_KILL"
 """Testing hook for crash tests: `before-swap`, `after-swap` or `after-delete` SIGKILLs the build there."""
@@ -53,6 +59,24 @@ def new_staging(out: Path) -> Path:
     except OSError as e:
         raise DataError(f"--out {out}: cannot create {staging} ({e.strerror}); choose a writable location") from None
     return staging
+
+
+def commit_staged(out: Path, overwrite: bool, produce: Callable[[Path], BuildResult]) -> BuildResult:
+    """The one way a build or a merge writes `out` (holding `OutputLock(out)`): check that `out` may be replaced,
+    `produce` into a new staging directory (deleted if it raises), and when the result is committed swap it into
+    place and remove earlier builds' leftovers; a refused result's staging stays, for its rejects."""
+    check_replaceable(out, overwrite)
+    staging = new_staging(out)
+    try:
+        result = produce(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
+        raise
+    if result.committed:
+        swap_into_place(staging, out, overwrite)
+        result.out = out
+        remove_stale_staging(out)  # earlier refused or killed builds' leftovers, kept until now for their rejects
+    return result
 
 
 def check_replaceable(out: Path, overwrite: bool) -> None:

@@ -52,6 +52,11 @@ class BuildResult:
     def rejected(self) -> int:
         return sum(self.rejects_by_reason.values())
 
+    @property
+    def committed(self) -> bool:
+        """A dataset (manifest) or a part (part.json) was written: not refused."""
+        return self.manifest is not None or self.part is not None
+
 
 @dataclass
 class Tally:
