@@ -155,6 +155,10 @@ class DPOLoader:
         # restored) would draw LoRA dropout masks one number off the uninterrupted run's. The stream itself
         # draws nothing random (its order has its own seed), so the workers' seeds change no batch.
         generator = torch.Generator().manual_seed(self.config.seed)
+        # Workers come from a fork server, not a fork of the rank: a rank runs gloo's threads, and a fork taken
+        # while one of them holds a lock of the interpreter deadlocks the child in CPython's after-fork
+        # clean-up (seen: a worker stuck in _PyThreadState_DeleteExcept). The stream pickles as its paths.
+        context = "forkserver" if self.config.num_workers else None
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(
@@ -164,6 +168,7 @@ class DPOLoader:
                 persistent_workers=False,
                 in_order=True,
                 generator=generator,
+                multiprocessing_context=context,
             )
 
     def __iter__(self) -> Iterator[dict]:
