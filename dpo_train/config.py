@@ -149,6 +149,11 @@ class TrainSection:
     model's eager attention; refuse the run (exit 2) if any pair differs by more than 1e-5 relative
     (docs/train-config.md, "Supported architectures"). A few ms on a tiny model, about three forwards of
     48 tokens on a large one, on CPU before the model moves to its device."""
+    parity_guard: bool = True
+    """During step 1, while the policy is still the reference (a live reference, LoRA adapters at zero), every
+    micro-batch's per-pair log-probs from the policy's training forward must equal the reference's, which
+    scores the same pairs packed in another order; a difference stops the run (exit 2) before the optimizer
+    steps (docs/train-config.md, "Step 1's parity guard"). It costs nothing: both are computed anyway."""
     on_nonfinite: str = "stop"
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave

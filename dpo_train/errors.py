@@ -45,3 +45,9 @@ class ModelError(ToolkitError):
 class HubError(ToolkitError):
     """An export that cannot be pushed to the Hugging Face Hub: it does not verify, no token, or the upload
     failed (the network, the token's rights, the repo id); the message names which and the fix."""
+
+
+class ParityError(ToolkitError):
+    """Step 1's policy and reference disagree on a pair while the policy is still the reference: the model
+    scores pairs differently in training (dropout left on, a train/eval difference, packing it does not
+    survive), so the run would train on wrong numbers; refused before the optimizer steps (exit 2)."""

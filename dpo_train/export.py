@@ -14,6 +14,7 @@ from dpo_state.export_record import write_export_record
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
 from dpo_train.checkpointing import kill_point
 from dpo_train.config import ModelConfig, TrainConfig
+from dpo_train.model import dropout_as_loaded
 from dpo_train.model_card import CARD_FILE, RunFacts, base_model, card_text
 from dpo_train.parallel import collectives
 
@@ -73,11 +74,12 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
         shutil.rmtree(leftover)
     staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
     dtype = export_dtype(config)
-    model.save_pretrained(staging, state_dict=_cast(state, dtype))
     peft = hasattr(model, "peft_config")
-    if not peft:  # a whole model: config.json names the dtype its weights are in
-        model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
-        model.config.save_pretrained(staging)
+    with dropout_as_loaded(model):  # the config as loaded, not with training's dropout off
+        model.save_pretrained(staging, state_dict=_cast(state, dtype))
+        if not peft:  # a whole model: config.json names the dtype its weights are in
+            model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
+            model.config.save_pretrained(staging)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     _describe(staging, config, facts, peft)

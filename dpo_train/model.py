@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,14 +92,10 @@ def embedding_rows(model: Any) -> int:
 
 
 def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> None:
-    """Train mode with dropout off (as TRL does for DPO: the policy and the reference must score a pair
-    the same way), and optionally activation checkpointing of each decoder layer."""
+    """Train mode with dropout off (`disable_dropout`), and optionally activation checkpointing of each
+    decoder layer."""
     model.train()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+    disable_dropout(model)
     if activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(
@@ -106,3 +106,67 @@ def prepare_for_training(model: Any, activation_checkpointing: bool = False) -> 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+DROPOUT_NAME = re.compile(r"drop|jitter", re.IGNORECASE)
+"""A config key or module attribute naming a training-time random perturbation: `*dropout*`, `*pdrop`,
+`layerdrop`, `drop_path_rate`, `router_jitter_noise`. Its number, where one in (0, 1], is a probability
+or a noise scale that only a training forward applies."""
+
+_AS_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(config, key, value)]
+
+
+def disable_dropout(model: Any) -> list[str]:
+    """Switch off every dropout the model applies in training mode, so that the policy's training forward
+    scores a pair as the reference (eval mode) does, and step 1's log-ratios are 0 (TRL's `disable_dropout`
+    does the modules only, and Seed-OSS's `F.dropout(p=config.residual_dropout)` stays on there).
+
+    Found generically, not by a list of names: `nn.Dropout` modules (every `_DropoutNd`), every module
+    attribute and every config key (sub-configs too) whose name matches `DROPOUT_NAME` and holds a number
+    in (0, 1] (models copy such keys into attributes at init, a few read the config in forward). What a
+    model hard-codes in a call is beyond reach: step 1's parity guard (dpo_train/reference/guard.py) stops
+    such a run. The config keys come back for export (`dropout_as_loaded`). Returns what was zeroed."""
+    zeroed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
+            module.p = 0.0
+            zeroed.append(f"{name or type(model).__name__} (p)")
+        for key, value in list(vars(module).items()):
+            if _probability(key, value):
+                setattr(module, key, 0.0)
+                zeroed.append(f"{name}.{key}" if name else key)
+    saved = []
+    for config in _configs(getattr(model, "config", None)):
+        for key, value in list(vars(config).items()):
+            if _probability(key, value):
+                saved.append((config, key, value))
+                setattr(config, key, 0.0)
+                zeroed.append(f"config.{key}")
+    _AS_LOADED.setdefault(model, []).extend(saved)
+    return zeroed
+
+
+@contextmanager
+def dropout_as_loaded(model: Any) -> Iterator[None]:
+    """The config's dropout keys as the model was loaded with them, while it is saved (an exported model
+    keeps its own dropout for whoever trains it next)."""
+    saved = _AS_LOADED.get(model, [])
+    for config, key, value in saved:
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for config, key, _ in saved:
+            setattr(config, key, 0.0)
+
+
+def _probability(key: str, value: Any) -> bool:
+    return bool(DROPOUT_NAME.search(key)) and type(value) in (int, float) and 0 < value <= 1
+
+
+def _configs(config: Any) -> list[Any]:
+    """A config and the configs nested in it (a multimodal model's text and vision configs)."""
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    nested = [c for value in vars(config).values() for c in _configs(value) if hasattr(value, "to_dict")]
+    return [config, *nested]

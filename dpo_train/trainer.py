@@ -84,6 +84,7 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         # the initial policy: the reference's weights, as --precompute-reference builds them
         policy, self.weights = initial_policy(config, place, self.mesh, config.train.activation_checkpointing)
+        arch = type(policy).__name__
         self.router_aux_coef = router_aux_coef(
             config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
         )
@@ -100,6 +101,12 @@ class Trainer:
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
+        self.facts = {  # what step 1's parity guard names
+            "arch": arch,
+            "attention": policy.config._attn_implementation,
+            "layout": config.data.layout,
+            "rank": rank,
+        }
 
     def _check_token_ids(self, batch: dict) -> None:
         """A token id the model cannot embed (a damaged shard read with data.verify: size) is a named
@@ -186,7 +193,7 @@ class Trainer:
         if batch["num_pairs"] == 0:  # the same collectives as the step's own forward, no pair
             self._join(batch)
             return None
-        ref_chosen, ref_rejected = self.reference.logps(batch)
+        ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
         policy = pair_logps(self.model, batch, self.mesh, ld_alpha=self.config.loss.ld_alpha)
         return SortScores(batch["pair_index"], *policy.scored, ref_chosen, ref_rejected)
 
@@ -209,12 +216,12 @@ class Trainer:
                 self._join(batch).logits.sum().mul(0).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
-            ref_chosen, ref_rejected = self.reference.logps(batch)
+            ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
             loss = self.config.loss
             policy = pair_logps(
                 self.model, batch, self.mesh, bool(self.router_aux_coef), loss.ld_alpha, loss.use_weighting
             )
-            self.reference.check_initial(policy, batch, self.state.step)
+            self.reference.check_initial(policy, (ref_chosen, ref_rejected), batch, self.state.step, self.facts)
             terms = pair_losses(
                 loss,
                 *policy.scored,

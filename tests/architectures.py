@@ -43,8 +43,14 @@ ZOO = {
     "olmo2": {},
     "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(attention_multiplier=0.3, logits_scaling=2.0),
-    "llama4_text": dict(
-        attention_chunk_size=WINDOW, no_rope_layers=[1, 0], num_local_experts=2, intermediate_size_mlp=128
+    "llama4_text": dict(  # floor_scale 8192 in the real model: segments far past it in a row
+        attention_chunk_size=WINDOW,
+        no_rope_layers=[1, 0],
+        num_local_experts=2,
+        intermediate_size_mlp=128,
+        attn_temperature_tuning=True,
+        floor_scale=WINDOW,
+        attn_scale=1.0,  # 0.1 in the real model: a stronger scale, so a wrong one shows in a random model
     ),
     "deepseek_v3": dict(
         head_dim=8,
@@ -61,6 +67,7 @@ ZOO = {
         topk_group=1,
         moe_intermediate_size=32,
     ),
+    "seed_oss": {},  # its residual_dropout is applied by F.dropout (tests/test_parity_guard.py)
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "qwen3_next": dict(
         num_experts=4,

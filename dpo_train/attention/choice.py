@@ -9,11 +9,14 @@ from dpo_train.attention import segments, sequence_parallel
 from dpo_train.attention.features import model_attention, model_config
 from dpo_train.errors import ConfigError
 
-_ALL = frozenset({"sliding window", "chunked attention", "attention logit softcapping", "attention sinks"})
+_ALL = frozenset(
+    {"sliding window", "chunked attention", "attention logit softcapping", "attention sinks", "temperature tuning"}
+)
 EXPRESSES = {
     segments.ATTENTION: _ALL,
     sequence_parallel.ATTENTION: _ALL,
-    "eager": _ALL,  # the model's own attention code, with our per-kind masks
+    # the model's own attention code, with our per-kind masks; Llama 4 scales NoPE queries by row index
+    "eager": _ALL - {"temperature tuning"},
     "sdpa": frozenset({"sliding window", "chunked attention"}),  # masks only: no softcap, no sinks
     "flash_attention_2": frozenset({"sliding window", "attention logit softcapping"}),  # no chunks, no sinks
 }
@@ -105,10 +108,21 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
         config._attn_implementation = segments.ATTENTION
         return segments.ATTENTION
     feature, layer = next(iter(missing.items()))
-    raise ConfigError(  # segments and eager express every feature (EXPRESSES)
+    able = [
+        name for name in ("segments", "eager", "sdpa") if set(missing) <= EXPRESSES[_IMPLEMENTATION.get(name, name)]
+    ]
+    raise ConfigError(
         f"model.attention {requested} cannot express {feature} (layer {layer} of {arch}); it would be "
-        "silently dropped. Use model.attention auto, segments or eager"
+        f"silently dropped. Use model.attention {_either(['auto', *able])}"
     )
+
+
+_IMPLEMENTATION = {"segments": segments.ATTENTION}  # model.attention value -> implementation name
+
+
+def _either(names: list[str]) -> str:
+    """['auto', 'segments', 'eager'] -> 'auto, segments or eager'."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _first_line(error: Exception) -> str:

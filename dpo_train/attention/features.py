@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dpo_train.attention import temperature
 from dpo_train.errors import ModelError
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
@@ -102,11 +103,13 @@ class ModelAttention:
     softcap: int | None  # first soft-capped layer
     sinks: int | None  # first layer with sink logits
     mixers: tuple[tuple[int, str], ...]  # (layer, kind) of every non-attention sequence mixer
+    temperature: int | None = None  # first layer scaling its queries by position (Llama 4's NoPE layers)
 
     def needs(self) -> dict[str, int]:
         """feature -> first layer, for the features present."""
         found = {"sliding window": self.window, "chunked attention": self.chunk}
         found |= {"attention logit softcapping": self.softcap, "attention sinks": self.sinks}
+        found |= {"temperature tuning": self.temperature}
         return {name: layer for name, layer in found.items() if layer is not None}
 
 
@@ -118,7 +121,8 @@ def model_attention(model: Any) -> ModelAttention:
     softcap = 0 if getattr(config, "attn_logit_softcapping", None) else None
     sinks = next((_layer_of(name) for name, _ in model.named_parameters() if name.endswith("self_attn.sinks")), None)
     mixers = tuple((i, kind) for i, kind in enumerate(kinds) if kind not in ATTENTION_KINDS)
-    return ModelAttention(first(SLIDING), first(CHUNKED), softcap, sinks, mixers)
+    tuned = (getattr(m, "layer_idx", 0) for m in model.modules() if temperature.tuned(m))
+    return ModelAttention(first(SLIDING), first(CHUNKED), softcap, sinks, mixers, next(tuned, None))
 
 
 def model_config(model: Any) -> Any:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
-from dpo_train.attention import segments
+from dpo_train.attention import segments, temperature
 from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
 from dpo_train.errors import ConfigError
 
@@ -18,18 +18,29 @@ TOLERANCE = 1e-5
 
 def probe_pairs(model: Any) -> list[PairIds]:
     """Three pairs, one of them one token long each side, whose segments are longer than the smallest
-    window or chunk of the model (capped at 48 tokens), so windows cut inside segments and across a
-    shared prompt. Token ids are drawn from the model's vocabulary with a fixed seed."""
-    config = text_config(model)
-    spans = [kind_attention(config, kind) for kind in set(layer_kinds(config))]
-    sizes = [s for layer in spans for s in (layer.window, layer.chunk) if s]
-    span = min([*sizes, 16])
+    length threshold of the model (`thresholds`; capped at 48 tokens), so windows cut inside segments and
+    across a shared prompt, and later segments sit past a row-position threshold. Token ids are drawn
+    from the model's vocabulary with a fixed seed. Thresholds past the cap (Llama 4's real floor_scale,
+    8192) are the step-1 parity guard's, on the run's own rows (dpo_train/reference/guard.py)."""
+    span = min([*thresholds(model), 16])
     long = min(span + 4, 48)
     vocab = model.get_input_embeddings().num_embeddings
     rng = np.random.default_rng(0)
     ids = lambda k: rng.integers(0, vocab, size=k).astype(np.int32)
     shapes = [(long // 2 + 1, long, 3), (1, 1, 1), (3, long // 2, long)]
     return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]
+
+
+def thresholds(model: Any) -> list[int]:
+    """Every length at which the model's attention changes: windows, chunks, Llama 4's `floor_scale` (its
+    NoPE layers' temperature), and rope scaling's original length (dynamic and long rope switch there)."""
+    config = text_config(model)
+    spans = [kind_attention(config, kind) for kind in set(layer_kinds(config))]
+    sizes = [s for layer in spans for s in (layer.window, layer.chunk) if s]
+    sizes += [int(m.floor_scale) for m in model.modules() if temperature.tuned(m)][:1]
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    return [*sizes, *([int(original)] if original else [])]
 
 
 def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from dpo_train.attention.features import LayerAttention, call_attention
 from dpo_train.attention.kernel import attend, expand_kv, positions_visible
+from dpo_train.attention.temperature import by_position, tuned
 from dpo_train.errors import ModelError
 
 ATTENTION = "dpo_segments"
@@ -43,6 +44,15 @@ class RowSegments:
                 keys = torch.cat([prompt, own])
             self._masks[cache_key] = positions_visible(own, keys, layer)
         return self._masks[cache_key]
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[T] each token's position in its own sequence (row padding counts from 0)."""
+        if "positions" not in self._masks:
+            parts = [
+                first + torch.arange(stop - start) for (start, stop), first in zip(self.bounds, self.first_position)
+            ]
+            self._masks["positions"] = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
+        return self._masks["positions"]
 
 
 def _restricted(first: int, length: int, layer: LayerAttention) -> bool:
@@ -91,6 +101,8 @@ def segment_attention(
             "through dpo_train.logps.pair_logps, or load it with model.attention sdpa"
         )
     layer, sinks = call_attention(module, "segments", kwargs)
+    if tuned(module):
+        query = by_position(module, query, row_segments.positions(query.device))
     key, value = expand_kv(query, key, value)
     outputs = []
     for index, ((start, stop), context) in enumerate(zip(row_segments.bounds, row_segments.context)):

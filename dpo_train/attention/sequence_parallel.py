@@ -28,6 +28,7 @@ from dpo_data.errors import DataError
 from dpo_train.attention.features import LayerAttention, call_attention
 from dpo_train.attention.kernel import attend, expand_kv
 from dpo_train.attention.masks import segment_mask
+from dpo_train.attention.temperature import by_position, tuned
 from dpo_train.errors import ConfigError, ModelError
 from dpo_train.parallel import collectives
 
@@ -129,6 +130,13 @@ class SequenceShard:
     extra: int
     _masks: dict = field(default_factory=dict)
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """[stop - start] this rank's tokens' positions in their own sequences (row padding from 0)."""
+        positions = self.batch["position_ids"][0]
+        padding = torch.arange(self.extra, dtype=positions.dtype, device=positions.device)
+        return torch.cat([positions, padding])[self.start : self.stop]
+
     def mask(self, layer: LayerAttention, dtype: torch.dtype) -> torch.Tensor:
         """The layer's mask as 0 / -inf in `dtype`, made once per row and layer kind and shared by every
         layer of that kind: given a boolean mask, sdpa makes (and keeps for backward) such a copy in every layer."""
@@ -209,6 +217,8 @@ def sequence_parallel_attention(
             "call it through dpo_train.logps.pair_logps with the run's SequenceMesh"
         )
     layer, sinks = call_attention(module, "sequence parallel", kwargs)
+    if tuned(module):  # before the exchange: the query is this rank's positions, scaled by their local index
+        query = by_position(module, query, sequence_shard.positions)
     mesh = sequence_shard.mesh
     if mesh.ulysses > 1:
         query, key, value = (_heads_to_sequence(x, mesh) for x in (query, key, value))

@@ -11,6 +11,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_train.config import TrainConfig
 from dpo_train.logps import pair_logps
 from dpo_train.parallel.device import Placement
+from dpo_train.reference.guard import check_parity, reordered
 from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into
 from dpo_train.reference.sidecar import ReferenceTable, load_sidecar
 
@@ -40,6 +41,8 @@ class Reference:
     """TR-DPO: reference.ref_model_sync_steps when reference.sync_ref_model is on; 0: the reference never moves."""
     mixup_alpha: float = 0.0
     """TR-DPO: reference.ref_model_mixup_alpha, the policy's share in each move."""
+    guard: bool = False
+    """train.parity_guard: step 1's live reference scores each micro-batch reordered, and must equal the policy."""
 
     @property
     def moves(self) -> bool:
@@ -51,15 +54,23 @@ class Reference:
         """The precomputed table's sha256 (part of the run identity), or None."""
         return self.table.sha256 if self.table is not None else None
 
-    def logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def guards(self, step: int) -> bool:
+        """Whether step `step` (counted from 0) is guarded: the first, with a live reference (a frozen copy,
+        or LoRA's adapters, still at zero, switched off), which the policy then equals."""
+        return self.guard and self.mode == "live" and step == 0
+
+    def logps(self, batch: dict, step: int = -1) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(chosen, rejected) summed log-probs of the batch's pairs (LD-DPO's with `ld_alpha`); (None, None) for a
-        reference-free loss."""
+        reference-free loss. On a guarded step the batch's segments are scored in another order (`reordered`):
+        the same numbers for a model that packs exactly, and an independent check of the policy's."""
         if self.mode == "precomputed":
             return self.table.lookup(batch["pair_index"], self.place.device)
         if self.mode == "none":
             return None, None
         with torch.no_grad():
-            ref = pair_logps(self.initial, batch, self.mesh, ld_alpha=self.ld_alpha)
+            ref = pair_logps(
+                self.initial, reordered(batch) if self.guards(step) else batch, self.mesh, ld_alpha=self.ld_alpha
+            )
         return ref.scored
 
     def join(self, inputs: dict, world: int) -> None:
@@ -74,10 +85,13 @@ class Reference:
         if self.moves and step % self.sync_steps == 0:
             mix_into(self.initial, policy, self.mixup_alpha)
 
-    def check_initial(self, policy: Any, batch: dict, step: int) -> None:
-        """Before the first optimizer step the policy is the reference: a sidecar's values must be its own."""
+    def check_initial(self, policy: Any, reference: tuple, batch: dict, step: int, facts: dict) -> None:
+        """Before the first optimizer step the policy is the reference: a sidecar's values must be its own, and
+        a live reference's (`reference`, from `logps`) must equal the training forward's (`check_parity`)."""
         if self.table is not None and step == 0:
             self.table.check_initial(policy, batch["pair_index"], self.place.precision)
+        if self.guards(step):
+            check_parity(policy.scored, reference, batch, {**facts, "precision": self.place.precision})
 
 
 def build_reference(
@@ -94,4 +108,5 @@ def build_reference(
         table = load_sidecar(config.reference.path, store, weights, place.precision, config.data.layout)
     sync = config.reference
     steps, alpha = (sync.ref_model_sync_steps, sync.ref_model_mixup_alpha) if sync.sync_ref_model else (0, 0.0)
-    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha, steps, alpha)
+    guard = config.train.parity_guard
+    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha, steps, alpha, guard)

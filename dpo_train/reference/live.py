@@ -97,11 +97,14 @@ class AdaptersDisabled:
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
     def __call__(self, *args, **kwargs):
+        training = self.model.training  # the reference scores in eval mode, as the frozen copy does
         try:
             for layer in self.layers:
                 layer._disable_adapters = True
+            self.model.train(False)
             return self.model(*args, **kwargs)
         finally:
+            self.model.train(training)
             for layer in self.layers:
                 layer._disable_adapters = False
 

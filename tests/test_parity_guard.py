@@ -1,0 +1,146 @@
+"""Step 1's parity guard: the policy's training forward equals the reference on the run's own micro-batches, or
+the run stops before the optimizer steps; the mutants (dropout left on, a row-position layer) are caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpo_data.loading.contract import contract_problems
+from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_train.config import ModelConfig
+from dpo_train.errors import ParityError
+from dpo_train.logps import pair_logps
+from dpo_train.reference.guard import check_parity, reordered
+from tests.architectures import model_spec, pairs, relative_error
+from tests.harness import train_here, write_yaml
+
+LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
+
+
+def _model(model_type: str, attention: str = "auto", layout: str = "separate", **overrides):
+    from dpo_train.attention.choice import load_model
+    from dpo_train.parallel.device import placement
+
+    spec = ModelConfig(init={"config": {**model_spec(model_type), **overrides}, "seed": 0})
+    return load_model(spec, attention, placement("cpu", "fp32"), None, layout).eval()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_reordered_micro_batch_keeps_the_contract_and_moves_every_segment(layout):
+    batch = LAYOUTS[layout](pairs(), 16)
+    again = reordered(batch)
+    assert contract_problems({**again, "step_pairs": 3}) == []
+    assert not torch.equal(again["input_ids"], batch["input_ids"])
+    assert sorted(again["input_ids"][0].tolist()) == sorted(batch["input_ids"][0].tolist())
+    starts = (
+        lambda b: {  # (pair slot, role) -> where its segment starts in the row
+            (int(p), int(r)): int(c) for p, r, c in zip(b["segment_pair"], b["segment_role"], b["cu_seqlens"][:-1])
+        }
+    )
+    moved = [key for key, start in starts(again).items() if key[0] >= 0 and start != starts(batch)[key]]
+    assert len(moved) >= 3 * 2 - 1  # every completion but at most one sits elsewhere
+    assert reordered(reordered(batch))["input_ids"].shape == batch["input_ids"].shape
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_oss", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_exact_model_scores_a_reordered_batch_as_the_batch(model_type, layout):
+    model, batch = _model(model_type, layout=layout), LAYOUTS[layout](pairs(), 16)
+    with torch.no_grad():
+        want, got = pair_logps(model, batch), pair_logps(model, reordered(batch))
+    truth = torch.stack([want.chosen, want.rejected], 1).double()
+    assert relative_error(got, truth) < 1e-6
+    assert torch.equal(got.chosen_tokens, want.chosen_tokens)
+
+
+def test_check_parity_names_the_pair_both_values_and_the_causes():
+    batch = pack_microbatch(pairs())
+    facts = {"arch": "SeedOssForCausalLM", "attention": "segments", "layout": "separate", "rank": 1}
+    policy = (torch.tensor([-10.0, -2.0, -30.0]), torch.tensor([-11.0, -3.0, -31.0]))
+    check_parity(policy, (policy[0] + 1e-6, policy[1] - 1e-6), batch, {**facts, "precision": "fp32"})
+    with pytest.raises(ParityError) as caught:
+        check_parity(policy, (policy[0], policy[1] + torch.tensor([0, 0, 0.5])), batch, {**facts, "precision": "fp32"})
+    message = str(caught.value)
+    assert "rank 1: SeedOssForCausalLM" in message and "pair 2's rejected completion -31.000000" in message
+    assert "-30.500000 as the reference" in message and "dropout still on" in message
+    with pytest.raises(ParityError, match="pair 0's chosen"):  # a NaN is never equal
+        check_parity((policy[0] * float("nan"), policy[1]), policy, batch, {**facts, "precision": "fp32"})
+    check_parity(policy, (policy[0] * 1.01, policy[1]), batch, {**facts, "precision": "bf16"})
+
+
+def _config(tmp_path, dataset, tokenizer_dir, model_type, model=None, **train):
+    spec = {**model_spec(model_type), "vocab_size": 49152, **(model or {})}
+    config = {
+        "model": {"init": {"config": spec, "seed": 0}, "tokenizer": str(tokenizer_dir)},
+        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "resume": "never", **train},
+        "distributed": {"strategy": "ddp"},
+    }
+    return write_yaml(tmp_path / "config.yaml", config)
+
+
+SEED_OSS = {"residual_dropout": 0.1, "attention_dropout": 0.1}
+
+
+def test_seed_oss_trains_with_its_residual_dropout_off(tmp_path, small_dataset, smollm2_dir, run_cli):
+    """Seed-OSS applies `config.residual_dropout` with F.dropout: off now, so step 1's loss is log 2."""
+    import json
+
+    train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "seed_oss", SEED_OSS))
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["loss"] == pytest.approx(0.693147, abs=1e-6)
+    exported = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert exported["residual_dropout"] == 0.1  # the export keeps the model's own dropout
+
+
+def test_the_guard_stops_a_run_whose_dropout_stays_on(tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch):
+    """The mutant: dropout left on (the old module-only switch) is exit 2 at step 1, nothing stepped or saved."""
+    import dpo_train.model as model_module
+
+    monkeypatch.setattr(model_module, "disable_dropout", lambda model: [])
+    path = _config(tmp_path, small_dataset, smollm2_dir, "seed_oss", SEED_OSS, save_every=1)
+    result = train_here(run_cli, path, code=2)
+    assert "step 1, micro-batch 0 on rank 0: SeedOssForCausalLM" in result.output
+    assert "Nothing was stepped" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run" / "final").exists() and not list((tmp_path / "run").glob("checkpoints/step-*"))
+    # at the user's own risk, train.parity_guard: false lets it train
+    train_here(run_cli, path, "--set", "train.parity_guard=false", "--set", "train.save_every=0")
+
+
+def test_the_guard_runs_under_lora_and_the_shared_prompt_layout(
+    tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
+):
+    """LoRA's reference is the policy with its adapters off, scored in eval mode: a dropout left on differs."""
+    import dpo_train.model as model_module
+
+    lora = {"r": 4, "alpha": 8, "dropout": 0.5, "target_modules": ["q_proj", "v_proj"]}
+    path = _config(tmp_path, small_dataset, smollm2_dir, "seed_oss", SEED_OSS)
+    train_here(run_cli, path, "--set", f"model.lora={lora}", "--set", "data.layout=shared_prompt")
+    monkeypatch.setattr(model_module, "disable_dropout", lambda model: [])
+    result = train_here(run_cli, path, "--set", f"model.lora={lora}", "--set", "data.layout=shared_prompt", code=2)
+    assert "data.layout shared_prompt" in result.output and "PeftModel" not in result.output
+
+
+def test_llama4_temperature_tuning_packs_exactly_and_the_guard_catches_it_undone(
+    tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
+):
+    """Llama 4's NoPE layers scale queries by position against floor_scale (8 here): with the scale taken
+    from each token's position, step 1 is log 2. The mutant (transformers' row-index scale, as before)
+    passes a probe switched off and is then stopped by the guard alone, at step 1."""
+    import json
+
+    import dpo_train.attention.segments as segments
+
+    path = _config(tmp_path, small_dataset, smollm2_dir, "llama4_text", save_every=1)
+    train_here(run_cli, path)
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["loss"] == pytest.approx(0.693147, abs=1e-6)
+    monkeypatch.setattr(segments, "by_position", lambda module, query, positions: query)
+    result = train_here(
+        run_cli, path, "--set", "train.probe_packing=false", "--set", "train.output_dir=" + str(tmp_path / "b"), code=2
+    )
+    assert "step 1, micro-batch 0 on rank 0: Llama4ForCausalLM (attention dpo_segments" in result.output
+    assert not (tmp_path / "b" / "final").exists()
+    result = train_here(run_cli, path, "--set", "train.output_dir=" + str(tmp_path / "c"), code=2)
+    assert "start-up probe" in result.output  # the probe, on, catches it first (segments past floor_scale)
