@@ -85,7 +85,12 @@ scalings, experts, MLA, convolutions, linear attention."""
 # model_type -> the reason every path refuses it (packing would leak state across segments)
 REFUSED = {"lfm2": "'conv' layer", "qwen3_next": "'linear_attention' layer"}
 # (model_type, path) -> the reason that path alone refuses it
-PATH_REFUSED = {("gemma2", "sdpa"): "transformers refuses it", ("gpt_oss", "sdpa"): "transformers refuses it"}
+PATH_REFUSED = {
+    ("gemma2", "sdpa"): "transformers refuses it",
+    ("gpt_oss", "sdpa"): "transformers refuses it",
+    ("llama4_text", "sdpa"): "cannot express temperature tuning",  # transformers scales by row index
+    ("llama4_text", "eager"): "cannot express temperature tuning",
+}
 
 
 def model_spec(model_type: str) -> dict:

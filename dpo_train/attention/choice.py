@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from dpo_state.errors import ToolkitError
 from dpo_train.attention import segments, sequence_parallel
 from dpo_train.attention.features import model_attention, model_config
 from dpo_train.errors import ConfigError
@@ -69,9 +70,16 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     attention = attention_for(requested, place, mesh, layout)
     try:
         model = load_policy(spec, attention)
-    except ValueError as e:
+    except ToolkitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model class that cannot take this path: named, not a traceback
         if "attention implementation" not in str(e):
-            raise
+            raise ConfigError(
+                f"model.attention {requested}: transformers cannot build this model with attention {attention} "
+                f"({type(e).__name__}: {_first_line(e)}): its class does not go through transformers' attention "
+                "registry, so no packing path can keep its segments apart (docs/train-config.md, supported "
+                "architectures)"
+            ) from None
         if requested == "auto" and attention == "flash_attention_2":
             segments.register()
             model = load_policy(spec, segments.ATTENTION)

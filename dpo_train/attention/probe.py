@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
+from dpo_state.errors import ToolkitError
 from dpo_train.attention import segments, temperature
 from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
 from dpo_train.errors import ConfigError
@@ -69,38 +70,85 @@ def probe(model: Any, layout: str) -> float:
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
-    the attention path itself is the zoo test's (tests/test_architectures.py)."""
-    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.logps import pair_logps
-
+    the attention path itself is the zoo test's (tests/test_architectures.py). A refusal names only
+    the paths this probe found exact for the model; a model whose own code fails on the row is a
+    ConfigError too, never a traceback."""
     config = model_config(model)
     saved, training = config._attn_implementation, model.training
-    if saved not in ("eager", "sdpa", segments.ATTENTION):
-        segments.register()
-        config._attn_implementation = segments.ATTENTION
+    tried = saved if saved in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
+    segments.register()
     pairs = probe_pairs(model)
-    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     model.eval()
     try:
-        with torch.no_grad():
-            batch = pack(pairs, pad_to_multiple_of=8)
-            device = next(model.parameters()).device
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            out = pair_logps(model, batch)
-            truth = eager_unpacked(model, pairs)
+        truth = _named(model, "run unpacked through eager", lambda: eager_unpacked(model, pairs))
+        run = lambda: _packed_error(model, tried, layout, pairs, truth)
+        got, error = _named(model, f"run a packed row under attention {saved}", run, layout, truth)
+        worst = float(error.max())
+        if worst <= TOLERANCE:
+            return worst
+        advice = _advice(model, tried, layout, pairs, truth)
     finally:
         config._attn_implementation = saved
         model.train(training)
-    got = torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
-    error = (got - truth).abs() / truth.abs().clamp(min=1e-6)
-    worst = float(error.max())
-    if not worst <= TOLERANCE:
-        pair, side = divmod(int(error.argmax()), 2)
+    pair, side = divmod(int(error.argmax()), 2)
+    raise ConfigError(
+        f"{type(model).__name__} under attention {saved} with data.layout {layout}: the start-up probe's "
+        f"packed row gives pair {pair}'s {('chosen', 'rejected')[side]} log-prob {float(got[pair, side]):.6f}, run "
+        f"unpacked through eager {float(truth[pair, side]):.6f} (relative error {worst:.1e} > {TOLERANCE:.0e}): "
+        f"packing would train on wrong numbers; {advice}. Supported architectures: docs/train-config.md; "
+        "train.probe_packing: false skips this check at your own risk"
+    )
+
+
+def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: torch.Tensor | None = None):
+    """`call()`, with a failure of the model's own code (transformers raising inside a model that cannot
+    run this way) turned into a ConfigError naming the model, what failed and what runs instead."""
+    saved = model_config(model)._attn_implementation
+    try:
+        return call()
+    except ToolkitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any model transformers builds: a named error, never a traceback
+        said = " ".join(str(e).split())[:200]
+        tried = model_config(model)._attn_implementation
+        advice = _advice(model, tried, layout, probe_pairs(model), truth) if truth is not None else ""
         raise ConfigError(
-            f"{type(model).__name__} under attention {saved} with data.layout {layout}: the start-up probe's "
-            f"packed row gives pair {pair}'s {('chosen', 'rejected')[side]} log-prob {float(got[pair, side]):.6f}, run "
-            f"unpacked through eager {float(truth[pair, side]):.6f} (relative error {worst:.1e} > {TOLERANCE:.0e}): "
-            "packing would train on wrong numbers. Use model.attention eager, or a supported architecture "
-            "(docs/train-config.md); train.probe_packing: false skips this check at your own risk"
-        )
-    return worst
+            f"{type(model).__name__} cannot {what} ({type(e).__name__}: {said}); "
+            f"{advice or 'it does not run as transformers models do'}. Supported architectures: docs/train-config.md"
+        ) from None
+    finally:
+        model_config(model)._attn_implementation = saved
+
+
+def _advice(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> str:
+    """What to run instead: the paths exact on this probe, or that none is."""
+    exact = [name for name, path in _PATHS.items() if path != tried and _exact(model, path, layout, pairs, truth)]
+    if exact:
+        return f"use model.attention {' or '.join(exact)} (exact on this probe)"
+    return "no packed path is exact for it"
+
+
+_PATHS = {"segments": segments.ATTENTION, "eager": "eager", "sdpa": "sdpa"}  # model.attention -> implementation
+
+
+def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):
+    """The packed row's [pairs, 2] log-probs under `path` and their relative errors against `truth`."""
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.logps import pair_logps
+
+    model_config(model)._attn_implementation = path
+    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(pairs, pad_to_multiple_of=8).items()}
+    with torch.no_grad():
+        out = pair_logps(model, batch)
+    got = torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
+    return got, (got - truth).abs() / truth.abs().clamp(min=1e-6)
+
+
+def _exact(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> bool:
+    """Whether the packed row is exact under `path` (a path that fails to run is not)."""
+    try:
+        return float(_packed_error(model, path, layout, pairs, truth)[1].max()) <= TOLERANCE
+    except Exception:  # noqa: BLE001 - any failure of another path only means it is not suggested
+        return False

@@ -33,7 +33,7 @@ def weights_fingerprint(model: Any) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         h.update(orjson.dumps([name, str(t.dtype), list(t.shape)]))
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return DIGEST_PREFIX + h.hexdigest()
 
 
