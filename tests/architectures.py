@@ -67,7 +67,72 @@ ZOO = {
         topk_group=1,
         moe_intermediate_size=32,
     ),
-    "seed_oss": {},  # its residual_dropout is applied by F.dropout (tests/test_parity_guard.py)
+    "seed_oss": dict(attention_bias=True),  # residual_dropout 0.1 by default, by F.dropout (test_parity_guard)
+    "apertus": dict(hidden_act="xielu"),  # 0-dim buffers (the activation's beta and eps)
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        use_qk_norm=True,
+    ),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, clip_qkv=1.0),
+    "dots1": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    ),
+    "ernie4_5_moe": dict(
+        moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=32, moe_layer_start_index=1
+    ),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, use_qk_norm=True),
+    "gemma3n_text": dict(  # KV sharing across layers, AltUp, LAuReL, per-layer inputs, activation sparsity
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=97,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    ),
+    "exaone_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        num_shared_experts=1,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+    ),
+    "ministral3": dict(  # Llama 4's query scaling from position_ids, past an original length of 8
+        sliding_window=WINDOW,
+        rope_parameters={
+            "type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": WINDOW,
+            "max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    ),
+    # config mutations: a window between the segments' and the row's length, a softcap key on a model whose
+    # attention ignores it (so sdpa must not be refused for it), head_dim other than hidden / heads
+    "mistral_w20": dict(model_type="mistral", sliding_window=20),
+    "llama_softcap": dict(model_type="llama", attn_logit_softcapping=5.0),
+    "llama_hd32": dict(model_type="llama", head_dim=32),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "qwen3_next": dict(
         num_experts=4,
@@ -93,9 +158,9 @@ PATH_REFUSED = {
 }
 
 
-def model_spec(model_type: str) -> dict:
-    """`model.init.config` for dpo_train.config.ModelConfig."""
-    return {"model_type": model_type, **BASE, **ZOO[model_type]}
+def model_spec(name: str) -> dict:
+    """`model.init.config` for dpo_train.config.ModelConfig (a mutation's entry names its model_type)."""
+    return {"model_type": name, **BASE, **ZOO[name]}
 
 
 def pairs() -> list[PairIds]:

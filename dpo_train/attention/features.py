@@ -118,7 +118,10 @@ def model_attention(model: Any) -> ModelAttention:
     config = text_config(model)
     kinds = layer_kinds(config)
     first = lambda wanted: next((i for i, kind in enumerate(kinds) if kind == wanted), None)
-    softcap = 0 if getattr(config, "attn_logit_softcapping", None) else None
+    # the attention modules that hand a softcap to the attention call keep it (Gemma2's family); the config
+    # key alone is not enough: a Llama given `attn_logit_softcapping` ignores it, and sdpa runs it exactly
+    capped = (getattr(m, "layer_idx", 0) for m in model.modules() if getattr(m, "attn_logit_softcapping", None))
+    softcap = next(capped, None)
     sinks = next((_layer_of(name) for name, _ in model.named_parameters() if name.endswith("self_attn.sinks")), None)
     mixers = tuple((i, kind) for i, kind in enumerate(kinds) if kind not in ATTENTION_KINDS)
     tuned = (getattr(m, "layer_idx", 0) for m in model.modules() if temperature.tuned(m))
