@@ -59,8 +59,15 @@ def test_the_coefficient_is_the_models_unless_set_and_refused_where_it_cannot_be
     assert router_aux_coef(0.0, mixtral, attention, False) == 0.0
     assert router_aux_coef(0.05, mixtral, attention, False) == 0.05
     assert router_aux_coef(None, llama, attention, False) == 0.0
-    with pytest.raises(ConfigError, match="loss.router_aux_coef is 0.1, but LlamaForCausalLM is not a mixture"):
+    with pytest.raises(ConfigError, match="loss.router_aux_coef is 0.1, but LlamaForCausalLM computes no router"):
         router_aux_coef(0.1, llama, attention, False)
+    # Llama 4 and GLM-4-MoE have the config key but no load-balancing loss: nothing is added or logged
+    for name in ("llama4_text", "glm4_moe"):
+        model = _model(name)
+        assert hasattr(model.config, "output_router_logits")
+        assert router_aux_coef(None, model, model.config._attn_implementation, False) == 0.0
+        with pytest.raises(ConfigError, match="computes no router load-balancing loss"):
+            router_aux_coef(0.01, model, model.config._attn_implementation, False)
     with pytest.raises(ConfigError, match="under distributed.sequence_parallel each rank sees a part"):
         router_aux_coef(None, mixtral, attention, True)
     with pytest.raises(ConfigError, match="model.attention eager: transformers reads the attention mask"):
