@@ -129,7 +129,10 @@ def main(
     Before step 1 the model's attention is checked against the path model.attention picks (windows,
     chunks, softcaps, sinks; convolution and linear-attention layers are refused), and a packed row of
     synthetic pairs must score as its sequences do unpacked through eager (train.probe_packing); a
-    mixture-of-experts model adds its router loss (loss.router_aux_coef). Supported architectures:
+    mixture-of-experts model that returns a router loss adds it (loss.router_aux_coef). Dropout is off,
+    all of it (modules, attributes, config keys). During step 1 the policy's training forward must
+    score every pair of the run's own micro-batches as the reference does on the same row reordered
+    (train.parity_guard): a difference is exit 2 before the optimizer steps. Supported architectures:
     docs/train-config.md.
     """
     if from_trl or not config:
