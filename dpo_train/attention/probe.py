@@ -34,9 +34,13 @@ def probe_pairs(model: Any) -> list[PairIds]:
 
 def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     """[pairs, 2] completion log-prob sums, each (prompt + completion) run alone through the model's own
-    eager attention with no mask: what packing must reproduce."""
+    eager attention with no mask: what packing must reproduce. Where transformers' eager attention is
+    known not to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi) its sdpa."""
+    from dpo_train.attention.unpacked import eager_wrong
+
     config = model_config(model)
-    saved, config._attn_implementation = config._attn_implementation, "eager"
+    truth = "sdpa" if eager_wrong(text_config(model)) else "eager"
+    saved, config._attn_implementation = config._attn_implementation, truth
     device = next(model.parameters()).device
     try:
         sums = torch.zeros(len(pairs), 2, dtype=torch.float64)
@@ -58,12 +62,15 @@ def probe(model: Any, layout: str) -> float:
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
-    the attention path itself is the zoo test's (tests/test_architectures.py)."""
+    the attention path itself is the zoo test's (tests/test_architectures.py). A model on the unpacked
+    path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.attention.unpacked import runs_unpacked
     from dpo_train.logps import pair_logps
 
     config = model_config(model)
     saved, training = config._attn_implementation, model.training
+    path = f"unpacked ({saved})" if runs_unpacked(model) else saved
     if saved not in ("eager", "sdpa", segments.ATTENTION):
         segments.register()
         config._attn_implementation = segments.ATTENTION
@@ -86,7 +93,7 @@ def probe(model: Any, layout: str) -> float:
     if not worst <= TOLERANCE:
         pair, side = divmod(int(error.argmax()), 2)
         raise ConfigError(
-            f"{type(model).__name__} under attention {saved} with data.layout {layout}: the start-up probe's "
+            f"{type(model).__name__} under attention {path} with data.layout {layout}: the start-up probe's "
             f"packed row gives pair {pair}'s {('chosen', 'rejected')[side]} log-prob {float(got[pair, side]):.6f}, run "
             f"unpacked through eager {float(truth[pair, side]):.6f} (relative error {worst:.1e} > {TOLERANCE:.0e}): "
             "packing would train on wrong numbers. Use model.attention eager, or a supported architecture "
