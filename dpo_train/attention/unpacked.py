@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config, text_config
+from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config
 
 ATTENTION = "unpacked"
 """`model.attention: unpacked` (and auto's choice for a model packing cannot serve)."""
@@ -60,9 +60,9 @@ def marked(model: Any) -> bool:
 
 
 def runs_unpacked(model: Any) -> bool:
-    """Whether `pair_logps` unpacks this model's rows: marked, or no packed path can serve it (decided from
-    the config too, so a wrapper that hides the mark cannot make it pack)."""
-    return marked(model) or reason(text_config(model)) is not None
+    """Whether `pair_logps` unpacks this model's rows: `load_model` marked it so. A model loaded otherwise
+    packs, and the packed paths' checks (`fit_model`, the start-up probe) refuse it where packing leaks."""
+    return marked(model)
 
 
 def mark(model: Any) -> None:
