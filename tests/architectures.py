@@ -192,14 +192,14 @@ def cell(value, unpacked: bool = False) -> str:
 
 
 def render_table(rows: dict) -> str:
-    """rows: model_type -> {"class", "features", "unpacked" (the columns that ran unpacked), column: [value
+    """rows: model_type -> {"class", "features", "ran_unpacked" (the columns that ran unpacked), column: [value
     per layout]}; a Markdown table."""
     head = "| architecture | attention features | " + " | ".join(f"`{c}`" for c in COLUMNS) + " | flash_attention_2 |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for model_type, row in sorted(rows.items()):
         cells = []
         for column in COLUMNS:
-            outcomes = {cell(v, column in row["unpacked"]) for v in row[column]}
+            outcomes = {cell(v, column in row["ran_unpacked"]) for v in row[column]}
             cells.append(" / ".join(sorted(outcomes)))
         name = f"{row['class']} (`{model_type}`)"
         lines.append(f"| {name} | {row['features']} | " + " | ".join(cells) + f" | {row['flash']} |")

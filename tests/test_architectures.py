@@ -190,7 +190,7 @@ def table_rows(sequence_parallel: dict) -> dict:
         results = results_of(model_type)
         row = {"class": type(model).__name__, "features": features_of(model)}
         row["flash"] = flash_cell(model, model_type in REFUSED, model_type in UNPACKED)
-        row["unpacked"] = {"unpacked", "auto"} if model_type in UNPACKED else {"unpacked"}
+        row["ran_unpacked"] = {"unpacked", "auto"} if model_type in UNPACKED else {"unpacked"}
         for column in COLUMNS:
             source = sequence_parallel if column in ("ulysses 2", "context 2") else results
             prefix = f"{model_type} {column} " if source is sequence_parallel else f"{column} "
