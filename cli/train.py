@@ -127,7 +127,8 @@ def main(
     (world = dp x C x U); pairs stay whole and are counted once (docs/objective.md).
 
     Before step 1 the model's attention is checked against the path model.attention picks (windows,
-    chunks, softcaps, sinks; convolution and linear-attention layers are refused), and a packed row of
+    chunks, softcaps, sinks; a model with convolution, linear-attention or Mamba layers, or ALiBi,
+    runs unpacked: each sequence alone in a padded batch, said once on stderr), and a packed row of
     synthetic pairs must score as its sequences do unpacked through eager (train.probe_packing); a
     mixture-of-experts model that returns a router loss adds it (loss.router_aux_coef). Dropout is off,
     all of it (modules, attributes, config keys). During step 1 the policy's training forward must

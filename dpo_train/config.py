@@ -33,8 +33,11 @@ class ModelConfig:
     model needs no chunked attention or sinks, else segments) | segments (attention once per packed
     segment, no row-by-row mask; every window, chunk, softcap and sink applied) | sdpa (transformers'
     sdpa over the row with a mask per layer kind; no softcap, no sinks) | eager (the model's own
-    attention with the same masks) | flash_attention_2. A path that cannot express the model's
-    attention is refused by name (docs/train-config.md, "Supported architectures")."""
+    attention with the same masks) | flash_attention_2 | unpacked (no packing: each sequence alone in a
+    right-padded batch through the model's own sdpa or eager attention; exact for every model, it costs the
+    padding; auto picks it, saying so, for a model with convolution, linear-attention or Mamba layers, or
+    ALiBi). A path that cannot express the model's attention is refused by name (docs/train-config.md,
+    "Supported architectures")."""
     lora: dict | None = None
     """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
     (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the

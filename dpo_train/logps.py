@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
+from dpo_train.attention import unpacked
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.parallel import collectives
 
@@ -97,29 +98,42 @@ def pair_logps(
     ld_alpha: float | None = None,
     weighting: bool = False,
 ) -> PairLogps:
-    """Forward one packed row and sum completion log-probs per pair.
+    """Forward one packed row and sum completion log-probs per pair. A model packing cannot serve
+    (`dpo_train.attention.unpacked`) runs the row as a padded batch of its sequences instead; the sums
+    are the same.
 
     The vocabulary projection runs only at the positions that predict a target (`logits_to_keep` with a
     boolean mask): prompt positions never need logits, and on a 135M model the projection is a fifth of
     the forward. With a sequence-parallel `mesh` (dpo_train.sequence_parallel) this rank forwards its
     positions only and scores the targets they predict; the per-pair sums are completed over its group,
     so every rank of the group returns the whole sums. `router_aux`: also return the model's router
-    load-balancing loss (a mixture-of-experts model's `aux_loss`). `ld_alpha`: also the LD-DPO sums
+    load-balancing loss (a mixture-of-experts model's `aux_loss`; on the unpacked path over the padded
+    batch's real tokens, a shared prompt counted once per completion). `ld_alpha`: also the LD-DPO sums
     (`ld_token_weights`); `weighting`: also the WPO pair weights (`wpo_weights`).
     """
-    inputs, shard = row_inputs(batch, mesh, model)
     device = batch["input_ids"].device
     every = targets(batch)
-    start, stop = (shard.start, shard.stop) if shard is not None else (0, batch["input_ids"].shape[1])
-    mine = (every.position >= start) & (every.position < stop)
-    position, label, segment = every.position[mine] - start, every.label[mine], every.segment[mine]
-    keep = torch.zeros(stop - start, dtype=torch.bool, device=device)
-    keep[position] = True
+    view = unpacked.unpack(batch) if unpacked.runs_unpacked(model) else None
+    if view is not None:  # one sequence per row: a packed position becomes its place in the padded batch
+        inputs, shard = dict(view.inputs), None
+        mine = torch.ones_like(every.position, dtype=torch.bool)
+        label, segment = every.label, every.segment
+        position, keep = view.keep(every.position)
+        keep_shape = view.shape
+    else:
+        inputs, shard = row_inputs(batch, mesh, model)
+        start, stop = (shard.start, shard.stop) if shard is not None else (0, batch["input_ids"].shape[1])
+        mine = (every.position >= start) & (every.position < stop)
+        position, label, segment = every.position[mine] - start, every.label[mine], every.segment[mine]
+        keep = torch.zeros(stop - start, dtype=torch.bool, device=device)
+        keep[position] = True
+        keep_shape = (1, stop - start)
     if router_aux:
         inputs["output_router_logits"] = True
-    output = model(**inputs, logits_to_keep=keep[None])
+    output = model(**inputs, logits_to_keep=keep.view(keep_shape))
     logits = output.logits
-    logits = logits[0] if logits.dim() == 3 else logits  # [T, V] if the model ignored the mask, else [M, V]
+    # [N, L, V] if the model ignored the mask (flattened: the row-major order of `keep`), else [M, V]
+    logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 3 else logits
     rows = torch.cumsum(keep, 0)[position] - 1 if logits.shape[0] != keep.shape[0] else position
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 to float32; float64 stays
     log_z = torch.logsumexp(logits, dim=-1)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dpo_train.attention.features import model_config, text_config
+from dpo_train.attention.unpacked import runs_unpacked
 from dpo_train.errors import ConfigError
 
 
@@ -37,7 +38,7 @@ def router_aux_coef(requested: float | None, model: Any, attention: str, sequenc
             "loss.router_aux_coef: the router load-balancing loss is a statistic of the whole row, and under "
             "distributed.sequence_parallel each rank sees a part of it; set loss.router_aux_coef: 0"
         )
-    if coef and attention in ("sdpa", "eager"):
+    if coef and attention in ("sdpa", "eager") and not runs_unpacked(model):  # unpacked: a padding mask
         raise ConfigError(
             f"loss.router_aux_coef with model.attention {attention}: transformers reads the attention mask "
             "as a [batch, tokens] padding mask for the load-balancing loss, and a packed row's mask is "

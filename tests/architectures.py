@@ -22,6 +22,7 @@ BASE = dict(
     eos_token_id=2,
 )
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)
 ZOO = {
     "llama": {},
     "mistral": dict(sliding_window=WINDOW),
@@ -135,6 +136,7 @@ ZOO = {
     "llama_hd32": dict(model_type="llama", head_dim=32),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -143,12 +145,60 @@ ZOO = {
         linear_key_head_dim=16,
         linear_value_head_dim=16,
     ),
+    # Mamba-style hybrids: one Mamba layer, one attention layer (the torch paths: no CUDA kernels on CPU)
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
+    "bamba": dict(attn_layer_indices=[1], **MAMBA2),
+    "falcon_h1": dict(mamba_d_ssm=128, **MAMBA2),  # every layer runs attention and Mamba side by side
+    "zamba2": dict(
+        num_hidden_layers=4,
+        layer_types=["mamba", "hybrid", "mamba", "hybrid"],  # hybrid: Mamba plus the shared attention block
+        hybrid_layer_ids=[1, 3],
+        mamba_d_state=8,
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        chunk_size=16,
+        use_mamba_kernels=False,
+    ),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1, **MAMBA2),
+    "nemotron_h": dict(
+        hybrid_override_pattern="M*", mamba_num_heads=8, mamba_head_dim=16, n_groups=1, ssm_state_size=8, chunk_size=16
+    ),
+    # ALiBi: the bias comes from the attention mask's running count, not from position_ids
+    "falcon": dict(alibi=True, new_decoder_architecture=False, multi_query=False),
+    "bloom": {},
+    "mpt": dict(attn_config=dict(alibi=True)),
 }
 """model_type -> what makes it itself: windows, chunks, softcaps, sinks (GPT-OSS has them by design),
 scalings, experts, MLA, convolutions, linear attention."""
 
-# model_type -> the reason every path refuses it (packing would leak state across segments)
-REFUSED = {"lfm2": "'conv' layer", "qwen3_next": "'linear_attention' layer"}
+UNPACKED = {
+    "lfm2": "'conv' layer",
+    "qwen3_next": "'linear_attention' layer",
+    "jamba": "'linear_attention' layer",  # transformers calls Jamba's Mamba layers so
+    "bamba": "'linear_attention' layer",
+    "falcon_h1": "'hybrid' layer",
+    "zamba2": "'linear_attention' layer",
+    "granitemoehybrid": "'linear_attention' layer",
+    "nemotron_h": "'linear_attention' layer",
+    "falcon": "ALiBi",
+    "bloom": "ALiBi",
+    "mpt": "ALiBi",
+}
+"""model_type -> why packing cannot serve it: auto runs it unpacked, the packed paths refuse it naming this,
+and so does sequence parallelism."""
+REFUSED: dict[str, str] = {}
+"""model_type -> the reason every path refuses it (none left: the unpacked path serves every model)."""
+UNSET = {"falcon": ("head_dim", "num_key_value_heads")}
+"""BASE keys a config class refuses (FalconConfig's head_dim is derived; its kv heads are num_kv_heads)."""
 # (model_type, path) -> the reason that path alone refuses it
 PATH_REFUSED = {
     ("gemma2", "sdpa"): "transformers refuses it",
@@ -160,7 +210,8 @@ PATH_REFUSED = {
 
 def model_spec(name: str) -> dict:
     """`model.init.config` for dpo_train.config.ModelConfig (a mutation's entry names its model_type)."""
-    return {"model_type": name, **BASE, **ZOO[name]}
+    spec = {"model_type": name, **BASE, **ZOO[name]}
+    return {k: v for k, v in spec.items() if k not in UNSET.get(name, ())}
 
 
 def pairs() -> list[PairIds]:
@@ -178,13 +229,14 @@ def relative_error(out, truth: torch.Tensor) -> float:
     return float(((got - truth).abs() / truth.abs().clamp(min=1e-6)).max())
 
 
-COLUMNS = ("auto", "segments", "sdpa", "eager", "ulysses 2", "context 2")
+COLUMNS = ("auto", "segments", "sdpa", "eager", "unpacked", "ulysses 2", "context 2")
 START, END = "<!-- architectures:start -->", "<!-- architectures:end -->"
 
 
 def features_of(model) -> str:
     """The attention features a model's layers need, in words, for the table."""
     from dpo_train.attention.features import model_attention, text_config
+    from dpo_train.attention.unpacked import alibi
 
     config = text_config(model)
     found = list(model_attention(model).needs())
@@ -192,43 +244,53 @@ def features_of(model) -> str:
     layer = next((m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "is_causal")), None)
     if layer is not None and abs(float(layer.scaling) - head_dim**-0.5) > 1e-9:
         found.append("scaling")
+    if alibi(config):
+        found.append("ALiBi")
     if hasattr(config, "output_router_logits"):
         found.append("experts")
     found += [f"'{kind}' layers" for kind in dict.fromkeys(k for _, k in model_attention(model).mixers)]
     return ", ".join(found) or "full causal"
 
 
-def cell(value) -> str:
-    """A path's outcome over both layouts: exact (within the test's tolerance), or why it was refused."""
+def cell(value, unpacked: bool = False) -> str:
+    """A path's outcome over both layouts: exact (within the test's tolerance; "(unpacked)" where the path
+    ran the model unpacked), or why it was refused."""
     if isinstance(value, str):
         if "transformers refuses it" in value:
             return "refused: transformers has no sdpa for it"
+        if "trains unpacked" in value:
+            return "refused: unpacked only"
         if "a sequence mixer" in value:
             return "refused: state crosses segments"
+        if "ALiBi" in value:
+            return "refused: ALiBi bias spans the row"
         return "refused: " + value.split(";")[0]
-    return "exact"
+    return "exact (unpacked)" if unpacked else "exact"
 
 
 def render_table(rows: dict) -> str:
-    """rows: model_type -> {"class", "features", column: [value per layout]}; a Markdown table."""
+    """rows: model_type -> {"class", "features", "ran_unpacked" (the columns that ran unpacked), column: [value
+    per layout]}; a Markdown table."""
     head = "| architecture | attention features | " + " | ".join(f"`{c}`" for c in COLUMNS) + " | flash_attention_2 |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for model_type, row in sorted(rows.items()):
         cells = []
         for column in COLUMNS:
-            outcomes = {cell(v) for v in row[column]}
+            outcomes = {cell(v, column in row["ran_unpacked"]) for v in row[column]}
             cells.append(" / ".join(sorted(outcomes)))
         name = f"{row['class']} (`{model_type}`)"
         lines.append(f"| {name} | {row['features']} | " + " | ".join(cells) + f" | {row['flash']} |")
     return "\n".join(lines)
 
 
-def flash_cell(model, refused: bool) -> str:
+def flash_cell(model, refused: bool, unpacked: bool = False) -> str:
     """flash-attention-2 by capability (it needs CUDA: not run here)."""
     from dpo_train.attention.choice import EXPRESSES
     from dpo_train.attention.features import model_attention
 
     if refused:
         return "refused: state crosses segments"
+    if unpacked:
+        return "refused (auto: unpacked): packs"
     missing = [f for f in model_attention(model).needs() if f not in EXPRESSES["flash_attention_2"]]
     return f"refused (auto: segments): no {', '.join(missing)}" if missing else "expressible"

@@ -17,6 +17,7 @@ from tests.architectures import (
     PATH_REFUSED,
     REFUSED,
     START,
+    UNPACKED,
     ZOO,
     features_of,
     flash_cell,
@@ -27,7 +28,7 @@ from tests.architectures import (
 )
 from tests.harness import join_gloo, spawn
 
-PATHS = ("auto", "segments", "sdpa", "eager")
+PATHS = ("auto", "segments", "sdpa", "eager", "unpacked")
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
@@ -67,6 +68,10 @@ def _expect(results: dict, model_type: str, refused_paths=()) -> None:
     for key, value in results.items():
         path = key.split()[0]
         reason = REFUSED.get(model_type) or (PATH_REFUSED.get((model_type, path)) if path in refused_paths else None)
+        if model_type in UNPACKED and path not in ("auto", "unpacked"):  # every packing path, sequence parallel too
+            reason = UNPACKED[model_type]
+        if path == "unpacked":  # the model's own attention, sdpa or eager: exact for every model
+            reason = None
         if reason:
             assert isinstance(value, str) and reason in value, f"{model_type} {key}: expected a refusal, got {value}"
         else:
@@ -94,12 +99,22 @@ def test_the_zoo_has_the_windows_and_features_it_claims():
 
     shortest = min(min(len(p.prompt) + len(p.chosen), len(p.prompt) + len(p.rejected)) for p in pairs()[:1])
     assert shortest > 2 * ZOO["mistral"]["sliding_window"]
-    needs = {name: model_attention(_load(name, "auto", "separate")).needs() for name in ZOO if name not in REFUSED}
+    needs = {name: model_attention(_load(name, "auto", "separate")).needs() for name in ZOO if name not in UNPACKED}
     assert "sliding window" in needs["gemma3_text"] and "sliding window" in needs["qwen2"]
     assert {"chunked attention", "temperature tuning"} <= set(needs["llama4_text"])
     assert {"attention logit softcapping", "sliding window"} <= set(needs["gemma2"])
     assert {"attention sinks", "sliding window"} <= set(needs["gpt_oss"])
     assert needs["llama"] == {}
+    from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds
+    from dpo_train.attention.unpacked import alibi
+
+    for name in UNPACKED:  # a hybrid has both kinds of layer (falcon_h1, zamba2: "hybrid" layers hold both)
+        config = _load(name, "unpacked", "separate").config
+        kinds = set(layer_kinds(config))
+        if alibi(config):
+            assert kinds == {"full_attention"}, name
+        else:
+            assert kinds - set(ATTENTION_KINDS) and (kinds & set(ATTENTION_KINDS) or "hybrid" in kinds), (name, kinds)
 
 
 def test_a_dropped_window_is_caught(monkeypatch):
@@ -171,14 +186,11 @@ def table_rows(sequence_parallel: dict) -> dict:
     """The docs table's rows from this module's results (run here when not yet run)."""
     rows = {}
     for model_type in ZOO:
-        model = _load(model_type, "auto", "separate") if model_type not in REFUSED else None
-        if model is None:
-            from dpo_train.model import load_policy
-
-            model = load_policy(ModelConfig(init={"config": model_spec(model_type), "seed": 0}), "eager")
+        model = _load(model_type, "unpacked" if model_type in UNPACKED else "auto", "separate")
         results = results_of(model_type)
         row = {"class": type(model).__name__, "features": features_of(model)}
-        row["flash"] = flash_cell(model, model_type in REFUSED)
+        row["flash"] = flash_cell(model, model_type in REFUSED, model_type in UNPACKED)
+        row["ran_unpacked"] = {"unpacked", "auto"} if model_type in UNPACKED else {"unpacked"}
         for column in COLUMNS:
             source = sequence_parallel if column in ("ulysses 2", "context 2") else results
             prefix = f"{model_type} {column} " if source is sequence_parallel else f"{column} "

@@ -30,6 +30,7 @@ def test_the_probe_passes_exact_models_and_leaves_them_as_they_were(layout):
 
 @pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next"])
 def test_the_probe_alone_catches_state_that_crosses_segments(model_type):
+    """Loaded raw on the segment attention (never marked to run unpacked): the packed row leaks."""
     with pytest.raises(ConfigError, match=r"start-up probe's packed row gives pair \d's (chosen|rejected) log-prob"):
         probe(_raw(model_type), "separate")
 
@@ -62,8 +63,8 @@ def test_dpo_train_refuses_an_attention_the_model_cannot_run_in_one_line(tmp_pat
     result = train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "gemma2", attention="sdpa"), code=2)
     assert "model.attention sdpa: transformers refuses it for this model" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
-    result = train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "lfm2"), code=2)
-    assert "layer 0 is a 'conv' layer" in result.output
+    result = train_here(run_cli, _config(tmp_path, small_dataset, smollm2_dir, "lfm2", attention="segments"), code=2)
+    assert "layer 0 is a 'conv' layer" in result.output and "use model.attention auto or unpacked" in result.output
 
 
 def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(

@@ -6,8 +6,8 @@ import importlib.util
 from typing import Any
 
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import segments, sequence_parallel
-from dpo_train.attention.features import model_attention, model_config
+from dpo_train.attention import segments, sequence_parallel, unpacked
+from dpo_train.attention.features import model_attention, model_config, text_config
 from dpo_train.errors import ConfigError
 
 _ALL = frozenset(
@@ -18,6 +18,7 @@ EXPRESSES = {
     sequence_parallel.ATTENTION: _ALL,
     # the model's own attention code, with our per-kind masks; Llama 4 scales NoPE queries by row index
     "eager": _ALL - {"temperature tuning"},
+    unpacked.ATTENTION: _ALL,  # the model's own attention code and masks, one sequence per row
     "sdpa": frozenset({"sliding window", "chunked attention"}),  # masks only: no softcap, no sinks
     "flash_attention_2": frozenset({"sliding window", "attention logit softcapping"}),  # no chunks, no sinks
 }
@@ -29,7 +30,9 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
     else the segment attention (`dpo_train.attention.segments`: attention per segment, no row-by-row
     mask). sdpa and eager are transformers' own, given the row's masks per layer kind
     (`dpo_train.attention.inputs.row_inputs`). Under sequence parallelism (an active `mesh`) the model
-    runs `dpo_train.attention.sequence_parallel`'s attention. `fit_model` then checks the model."""
+    runs `dpo_train.attention.sequence_parallel`'s attention. unpacked: transformers' sdpa over a padded
+    batch (`load_model` falls back to eager where transformers has no sdpa for the model; auto picks it
+    for a model packing cannot serve, `dpo_train.attention.unpacked`). `fit_model` then checks the model."""
     if mesh is not None and mesh.active:
         if requested not in ("auto", "sdpa"):
             raise ConfigError(
@@ -38,6 +41,8 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
             )
         sequence_parallel.register()
         return sequence_parallel.ATTENTION
+    if requested == unpacked.ATTENTION:
+        return "sdpa"
     if layout == "shared_prompt" and requested == "flash_attention_2":
         raise ConfigError(
             "model.attention flash_attention_2 cannot express data.layout shared_prompt (a completion "
@@ -64,9 +69,15 @@ def _flash_usable(place: Any, layout: str) -> bool:
 def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> Any:
     """The policy loaded with the path `attention_for` picks, checked by `fit_model`. transformers'
     own refusal of an attention (sdpa for Gemma2 or GPT-OSS) becomes a named ConfigError; under auto a
-    refused flash-attention falls back to the segment attention."""
+    refused flash-attention falls back to the segment attention. A model packing cannot serve (its
+    config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
     from dpo_train.model import load_policy
 
+    arch, why = _unpacked_reason(spec)
+    if requested == unpacked.ATTENTION or why and requested == "auto":
+        return _load_unpacked(spec, mesh, arch, why)
+    if why:  # before transformers' own refusal of sdpa (Bloom), which would name packed paths as the fix
+        raise _packing_refused(arch, why, requested, layout)
     attention = attention_for(requested, place, mesh, layout)
     try:
         model = load_policy(spec, attention)
@@ -77,8 +88,8 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
             raise ConfigError(
                 f"model.attention {requested}: transformers cannot build this model with attention {attention} "
                 f"({type(e).__name__}: {_first_line(e)}): its class does not go through transformers' attention "
-                "registry, so no packing path can keep its segments apart (docs/train-config.md, supported "
-                "architectures)"
+                "registry, so no packing path can keep its segments apart; use model.attention unpacked (each "
+                "sequence alone in a padded batch; docs/train-config.md, supported architectures)"
             ) from None
         if requested == "auto" and attention == "flash_attention_2":
             segments.register()
@@ -92,22 +103,73 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     return model
 
 
+def _unpacked_reason(spec: Any) -> tuple[str, str | None]:
+    """The class transformers builds for `spec`, and why it needs the unpacked path (None: it packs), read
+    from its config before any weights load."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from dpo_train.model import _init_config
+
+    try:
+        if spec.path:
+            config = AutoConfig.from_pretrained(spec.path)
+        elif spec.init and "config" in spec.init:
+            config = _init_config(spec.init["config"])
+        else:
+            return "the model", None
+    except (OSError, ValueError, ConfigError):  # unreadable: load_policy names the problem, fit_model checks
+        return "the model", None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type), unpacked.reason(config)
+
+
+def _packing_refused(arch: str, why: str, requested: str, layout: str) -> ConfigError:
+    return ConfigError(
+        f"{arch}: {why}, so packed pairs would leak into each other (data.layout {layout} packs several "
+        f"segments per row) and model.attention {requested} packs; use model.attention auto or unpacked "
+        "(each sequence alone in a padded batch; docs/train-config.md, supported architectures)"
+    )
+
+
+def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:
+    """The policy with transformers' own attention (sdpa, or eager where transformers has no sdpa for
+    it), marked to run unpacked. Sequence parallelism splits one row over ranks, which a padded batch of
+    whole sequences cannot follow: refused by name."""
+    from dpo_train.model import load_policy
+
+    if mesh is not None and mesh.active:
+        cause = f": {why}, so packing is off for it" if why else ""
+        raise ConfigError(
+            f"{arch} trains unpacked (model.attention unpacked{cause}), and the unpacked path cannot "
+            "split a sequence over ranks: remove distributed.sequence_parallel (data parallelism and "
+            "FSDP still apply)"
+        )
+    try:
+        model = load_policy(spec, "sdpa")
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        model = load_policy(spec, "eager")  # Bloom, MPT: transformers has no sdpa for them
+    unpacked.mark(model)
+    unpacked.note(model, why or "model.attention unpacked asked for it")
+    return model
+
+
 def fit_model(model: Any, requested: str, layout: str) -> str:
     """Check that the path the model runs expresses every feature of its attention, and that packing
-    can keep its segments apart; under auto a path that cannot is replaced by the segment attention.
-    Returns the implementation name the model then runs."""
+    can keep its segments apart (a model it cannot is refused, naming auto and unpacked, unless it runs
+    unpacked); under auto a path that cannot is replaced by the segment attention. Returns the
+    implementation name the model then runs."""
     config = model_config(model)
     attention = config._attn_implementation
+    if unpacked.marked(model):  # the model's own attention over whole sequences: nothing to express
+        return attention
     needs = model_attention(model)
     arch = type(model).__name__
-    if needs.mixers:
-        layer, kind = needs.mixers[0]
-        raise ConfigError(
-            f"{arch}: layer {layer} is a '{kind}' layer, a sequence mixer that carries state from one "
-            "token to the next without seeing segment boundaries, so packed pairs would leak into each "
-            f"other (data.layout {layout} packs several segments per row); no path can keep them apart "
-            "yet: train a model whose layers are all attention (docs/train-config.md, supported architectures)"
-        )
+    why = unpacked.reason(text_config(model))
+    if why:
+        raise _packing_refused(arch, why, requested, layout)
     missing = {name: layer for name, layer in needs.needs().items() if name not in EXPRESSES.get(attention, _ALL)}
     if not missing:
         return attention
@@ -117,7 +179,9 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
         return segments.ATTENTION
     feature, layer = next(iter(missing.items()))
     able = [
-        name for name in ("segments", "eager", "sdpa") if set(missing) <= EXPRESSES[_IMPLEMENTATION.get(name, name)]
+        name
+        for name in ("segments", "eager", "sdpa", "unpacked")
+        if set(missing) <= EXPRESSES[_IMPLEMENTATION.get(name, name)]
     ]
     raise ConfigError(
         f"model.attention {requested} cannot express {feature} (layer {layer} of {arch}); it would be "
@@ -125,7 +189,10 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
     )
 
 
-_IMPLEMENTATION = {"segments": segments.ATTENTION}  # model.attention value -> implementation name
+_IMPLEMENTATION = {
+    "segments": segments.ATTENTION,
+    "unpacked": unpacked.ATTENTION,
+}  # model.attention value -> implementation name
 
 
 def _either(names: list[str]) -> str:

@@ -9,6 +9,7 @@ from dpo_train.attention.masks import model_masks
 from dpo_train.attention.segments import ATTENTION as SEGMENT_ATTENTION
 from dpo_train.attention.segments import row_segments
 from dpo_train.attention.sequence_parallel import split_row
+from dpo_train.attention.unpacked import runs_unpacked, unpack
 
 
 def attention_of(model: Any) -> str | None:
@@ -20,6 +21,8 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
     """The model's keyword inputs for this rank's part of the row (all of it without sequence
     parallelism), and its sequence shard (None without sequence parallelism).
 
+    - unpacked (`dpo_train.attention.unpacked`, a model packing cannot serve): the row's sequences as
+      a right-padded batch with the model's own 2D attention mask, positions from 0;
     - segment attention: the row's segments go along and no mask exists;
     - flash_attention_2 (separate layout only): no mask; transformers derives the segments' cu_seqlens
       from `position_ids` restarting at 0, and passes each layer's window and softcap to the kernel;
@@ -28,6 +31,8 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
       detection: a 4D mask given once would carry no window into any layer, and some models (GPT-OSS)
       build their masks without `position_ids`, so their packed segments would see each other.
     """
+    if model is not None and runs_unpacked(model):  # never under sequence parallelism (refused at load)
+        return dict(unpack(batch).inputs), None
     if mesh is not None and mesh.active:
         part, shard = split_row(batch, mesh)
         inputs = {"input_ids": part["input_ids"], "position_ids": part["position_ids"], "use_cache": False}

@@ -46,9 +46,13 @@ def thresholds(model: Any) -> list[int]:
 
 def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     """[pairs, 2] completion log-prob sums, each (prompt + completion) run alone through the model's own
-    eager attention with no mask: what packing must reproduce."""
+    eager attention with no mask: what packing must reproduce. Where transformers' eager attention is
+    known not to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi) its sdpa."""
+    from dpo_train.attention.unpacked import eager_wrong
+
     config = model_config(model)
-    saved, config._attn_implementation = config._attn_implementation, "eager"
+    truth = "sdpa" if eager_wrong(text_config(model)) else "eager"
+    saved, config._attn_implementation = config._attn_implementation, truth
     device = next(model.parameters()).device
     try:
         sums = torch.zeros(len(pairs), 2, dtype=torch.float64)
@@ -70,12 +74,16 @@ def probe(model: Any, layout: str) -> float:
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
-    the attention path itself is the zoo test's (tests/test_architectures.py). A refusal names only
-    the paths this probe found exact for the model; a model whose own code fails on the row is a
-    ConfigError too, never a traceback."""
+    the attention path itself is the zoo test's (tests/test_architectures.py). A model on the unpacked
+    path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch. A
+    refusal names only the paths this probe found exact for the model; a model whose own code fails on
+    the row is a ConfigError too, never a traceback."""
+    from dpo_train.attention.unpacked import runs_unpacked
+
     config = model_config(model)
     saved, training = config._attn_implementation, model.training
     tried = saved if saved in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
+    saved = f"unpacked ({saved})" if runs_unpacked(model) else saved
     segments.register()
     pairs = probe_pairs(model)
     model.eval()
@@ -121,11 +129,16 @@ def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: t
 
 
 def _advice(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> str:
-    """What to run instead: the paths exact on this probe, or that none is."""
+    """What to run instead: the packed paths exact on this probe, else the unpacked path (the model's own
+    attention over each sequence alone); a model already unpacked has nothing else to try."""
+    from dpo_train.attention.unpacked import runs_unpacked
+
+    if runs_unpacked(model):
+        return "the unpacked path itself differs from the model run alone: report the model"
     exact = [name for name, path in _PATHS.items() if path != tried and _exact(model, path, layout, pairs, truth)]
     if exact:
         return f"use model.attention {' or '.join(exact)} (exact on this probe)"
-    return "no packed path is exact for it"
+    return "no packed path is exact for it: use model.attention unpacked (each sequence alone, padded)"
 
 
 _PATHS = {"segments": segments.ATTENTION, "eager": "eager", "sdpa": "sdpa"}  # model.attention -> implementation
