@@ -134,6 +134,9 @@ ZOO = {
     "mistral_w20": dict(model_type="mistral", sliding_window=20),
     "llama_softcap": dict(model_type="llama", attn_logit_softcapping=5.0),
     "llama_hd32": dict(model_type="llama", head_dim=32),
+    "minimax": dict(  # lightning (linear) attention layers beside full ones, experts with router noise
+        num_local_experts=4, num_experts_per_tok=2, block_size=8, layer_types=["full_attention", "linear_attention"]
+    ),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "qwen3_next": dict(
         layer_types=["linear_attention", "full_attention"],
@@ -183,6 +186,7 @@ scalings, experts, MLA, convolutions, linear attention."""
 UNPACKED = {
     "lfm2": "'conv' layer",
     "qwen3_next": "'linear_attention' layer",
+    "minimax": "'linear_attention' layer",
     "jamba": "'linear_attention' layer",  # transformers calls Jamba's Mamba layers so
     "bamba": "'linear_attention' layer",
     "falcon_h1": "'hybrid' layer",
@@ -247,9 +251,23 @@ def features_of(model) -> str:
     if alibi(config):
         found.append("ALiBi")
     if hasattr(config, "output_router_logits"):
-        found.append("experts")
+        found.append("experts, router loss" if router_loss_default(model) else "experts (no router loss)")
     found += [f"'{kind}' layers" for kind in dict.fromkeys(k for _, k in model_attention(model).mixers)]
     return ", ".join(found) or "full causal"
+
+
+def router_loss_default(model) -> bool:
+    """Whether the model returns a router load-balancing loss with a nonzero default coefficient: then
+    `loss.router_aux_coef` is on unless set, and the paths that cannot compute it exactly refuse it."""
+    from dpo_train.attention.features import text_config
+    from dpo_train.objective import computes_router_loss
+
+    coefficient = float(getattr(text_config(model), "router_aux_loss_coef", 0.0) or 0.0)
+    return bool(coefficient) and computes_router_loss(model)
+
+
+ROUTER_REFUSED = ("sdpa", "eager", "ulysses 2", "context 2")
+"""The columns where the default router loss is refused by name (exact with loss.router_aux_coef: 0)."""
 
 
 def cell(value, unpacked: bool = False) -> str:
@@ -277,6 +295,8 @@ def render_table(rows: dict) -> str:
         cells = []
         for column in COLUMNS:
             outcomes = {cell(v, column in row["ran_unpacked"]) for v in row[column]}
+            if row.get("router") and column in ROUTER_REFUSED:
+                outcomes = {f"{o} with loss.router_aux_coef: 0" if o.startswith("exact") else o for o in outcomes}
             cells.append(" / ".join(sorted(outcomes)))
         name = f"{row['class']} (`{model_type}`)"
         lines.append(f"| {name} | {row['features']} | " + " | ".join(cells) + f" | {row['flash']} |")

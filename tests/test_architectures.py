@@ -25,6 +25,7 @@ from tests.architectures import (
     pairs,
     relative_error,
     render_table,
+    router_loss_default,
 )
 from tests.harness import join_gloo, spawn
 
@@ -190,6 +191,7 @@ def table_rows(sequence_parallel: dict) -> dict:
         results = results_of(model_type)
         row = {"class": type(model).__name__, "features": features_of(model)}
         row["flash"] = flash_cell(model, model_type in REFUSED, model_type in UNPACKED)
+        row["router"] = model_type not in UNPACKED and router_loss_default(model)
         row["ran_unpacked"] = {"unpacked", "auto"} if model_type in UNPACKED else {"unpacked"}
         for column in COLUMNS:
             source = sequence_parallel if column in ("ulysses 2", "context 2") else results

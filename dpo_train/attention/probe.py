@@ -83,14 +83,14 @@ def probe(model: Any, layout: str) -> float:
     config = model_config(model)
     saved, training = config._attn_implementation, model.training
     tried = saved if saved in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
-    saved = f"unpacked ({saved})" if runs_unpacked(model) else saved
+    label = f"unpacked ({saved})" if runs_unpacked(model) else saved
     segments.register()
     pairs = probe_pairs(model)
     model.eval()
     try:
         truth = _named(model, "run unpacked through eager", lambda: eager_unpacked(model, pairs))
         run = lambda: _packed_error(model, tried, layout, pairs, truth)
-        got, error = _named(model, f"run a packed row under attention {saved}", run, layout, truth)
+        got, error = _named(model, f"run a packed row under attention {label}", run, layout, truth)
         worst = float(error.max())
         if worst <= TOLERANCE:
             return worst
@@ -100,7 +100,7 @@ def probe(model: Any, layout: str) -> float:
         model.train(training)
     pair, side = divmod(int(error.argmax()), 2)
     raise ConfigError(
-        f"{type(model).__name__} under attention {saved} with data.layout {layout}: the start-up probe's "
+        f"{type(model).__name__} under attention {label} with data.layout {layout}: the start-up probe's "
         f"packed row gives pair {pair}'s {('chosen', 'rejected')[side]} log-prob {float(got[pair, side]):.6f}, run "
         f"unpacked through eager {float(truth[pair, side]):.6f} (relative error {worst:.1e} > {TOLERANCE:.0e}): "
         f"packing would train on wrong numbers; {advice}. Supported architectures: docs/train-config.md; "
