@@ -173,6 +173,7 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
                 except ConfigError as e:
                     out[f"{model_type} {name} {layout}"] = str(e)
                     continue
+                model.eval()  # as the reference scores (Seed-OSS has residual dropout)
                 truth = eager_unpacked(model, pairs()) if truth is None else truth
                 with torch.no_grad():
                     got = pair_logps(model, pack(pairs()), mesh)
