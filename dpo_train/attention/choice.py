@@ -163,7 +163,7 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
     implementation name the model then runs."""
     config = model_config(model)
     attention = config._attn_implementation
-    if unpacked.marked(model):  # the model's own attention over whole sequences: nothing to express
+    if unpacked.runs_unpacked(model):  # the model's own attention over whole sequences: nothing to express
         return attention
     needs = model_attention(model)
     arch = type(model).__name__

@@ -21,9 +21,7 @@ def by_position(module: Any, query: torch.Tensor, positions: torch.Tensor) -> to
     """`query` [B, H, T, D] as a tuned layer hands it over, scaled by each token's index in the row
     (transformers 5.24 takes `arange(T)`, so a packed segment past `floor_scale` in the row is scaled as if
     it sat there), re-scaled by `positions` [T], the tokens' positions in their own sequences: what each
-    sequence gets unpacked. Other modules' queries pass unchanged."""
-    if not tuned(module):
-        return query
+    sequence gets unpacked. For a `tuned` module only: its callers check, before making `positions`."""
     rows = torch.arange(query.shape[2], device=query.device)
     ratio = _scale(module, positions.to(query.device)) / _scale(module, rows)
     return (query.float() * ratio[None, None, :, None]).to(query.dtype)

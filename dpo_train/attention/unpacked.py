@@ -52,17 +52,13 @@ def reason(config: Any) -> str | None:
     return None
 
 
-def marked(model: Any) -> bool:
-    """Whether `mark` was set, looking through DDP's `.module` and the LoRA reference's `.model` (PEFT
-    forwards attributes itself)."""
+def runs_unpacked(model: Any) -> bool:
+    """Whether `pair_logps` unpacks this model's rows: `load_model` marked it so (`mark`), looked up through
+    DDP's `.module` and the LoRA reference's `.model` (PEFT forwards attributes itself). A model loaded
+    otherwise packs, and the packed paths' checks (`fit_model`, the start-up probe) refuse it where
+    packing leaks."""
     wrapped = (model, getattr(model, "module", None), getattr(model, "model", None))
     return any(getattr(c, "dpo_unpacked", False) is True for c in wrapped)
-
-
-def runs_unpacked(model: Any) -> bool:
-    """Whether `pair_logps` unpacks this model's rows: `load_model` marked it so. A model loaded otherwise
-    packs, and the packed paths' checks (`fit_model`, the start-up probe) refuse it where packing leaks."""
-    return marked(model)
 
 
 def mark(model: Any) -> None:
@@ -117,8 +113,7 @@ def unpack(batch: dict[str, Any]) -> UnpackedRow:
     causal layers, attention or not, never see a padding token before a real one)."""
     ids = batch["input_ids"][0]
     device, length = ids.device, int(ids.shape[0])
-    lengths = batch["segment_length"].tolist()
-    starts = [sum(lengths[:s]) for s in range(len(lengths))]
+    lengths, starts = batch["segment_length"].tolist(), batch["cu_seqlens"][:-1].tolist()
     groups = sequences(batch)
     if not groups:  # a micro-batch without pairs: its padding row as one sequence, so the forward still runs
         ones = torch.ones_like(ids)[None]
