@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
-from dpo_data.dataset.manifest import MANIFEST_NAME
+from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, STAGING_SUFFIX
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_state.lock import DirectoryLock
 from dpo_train.config import TrainConfig
@@ -17,6 +18,9 @@ from dpo_train.errors import ConfigError, WriteError
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 """A run never goes into these, nor is it the filesystem root or the home directory itself."""
 RESOLVED_CONFIG = "config.resolved.yaml"
+STAGING = re.compile(".+" + STAGING_SUFFIX)
+"""A build's or merge's staging directory (`dpo_data.prepare.output.new_staging`): the next build of its --out
+deletes it."""
 
 
 def check_output_dir(config: TrainConfig) -> Path:
@@ -50,10 +54,16 @@ def _check_datasets_apart(config: TrainConfig, out: Path, field: str) -> None:
                 "would delete the dataset): move the dataset out, or choose another output_dir"
             )
     for directory in (out, *out.parents):
-        if (directory / MANIFEST_NAME).is_file() and (directory / SHARD_DIR).is_dir():
+        for marker, what in ((MANIFEST_NAME, "dataset"), (PART_NAME, "dataset part")):
+            if (directory / marker).is_file() and (directory / SHARD_DIR).is_dir():
+                raise ConfigError(
+                    f"{field} is or lies inside the {what} at {directory} (it holds {marker} and {SHARD_DIR}/); "
+                    f"rebuilding or deleting it would delete the run: choose an output_dir outside every {what}"
+                )
+        if STAGING.fullmatch(directory.name):
             raise ConfigError(
-                f"{field} lies inside the dataset at {directory} (it holds {MANIFEST_NAME} and {SHARD_DIR}/); "
-                "rebuilding it would delete the run: choose an output_dir outside every dataset"
+                f"{field} is or lies inside {directory}, named as a dpo-data build's staging directory "
+                "(OUT.incomplete-XXXXXXXXXXXX), which the next build of OUT deletes: choose another output_dir"
             )
 
 

@@ -20,6 +20,8 @@ MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 PART_NAME = "part.json"
 """What a `--part` build commits instead of a manifest (`dpo_data.prepare.parts`): not a dataset until merged."""
+STAGING_SUFFIX = r"\.incomplete-[0-9a-f]{12}"
+"""How a build or merge names its staging directory beside --out (OUT.incomplete-XXXXXXXXXXXX), as a regex."""
 MANIFEST_SCHEMA = "dataset-manifest"
 PERCENTILES = (50, 90, 99)
 

@@ -6,6 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 import pyarrow as pa
 
 from dpo_data.dataset.manifest import (
@@ -98,7 +100,7 @@ def verify_dataset(
     failures += file_problems(
         root / rejects["file"], rejects["bytes"], rejects["sha256"], rejects["file"], "the manifest"
     )
-    failures += _check_rejects_count(root, m)
+    failures += _check_rejects(root, m)
     if tables and all(t is not None for t in tables):
         failures += _check_content(m, pa.concat_tables(tables))
         failures += _check_spans(m, tables)
@@ -170,20 +172,78 @@ def _check_shard(root: Path, shard: dict) -> tuple[list[str], pa.Table | None]:
     return failures, table
 
 
-def _check_rejects_count(root: Path, m: dict) -> list[str]:
-    rejects = root / m["rejects"]["file"]
+def _check_rejects(root: Path, m: dict) -> list[str]:
+    """The rejects file's records against the manifest: their count, and the counts by reason, by source and
+    by input recounted from them."""
+    name, rejects = m["rejects"]["file"], root / m["rejects"]["file"]
     if not rejects.is_file():
         return []
+    by_reason, by_source, by_file, lines = Counter(), Counter(), Counter(), 0
     with open(rejects, "rb") as f:
-        lines = sum(1 for _ in f)
+        for lines, line in enumerate(f, 1):
+            try:
+                record = reject_record(line)
+            except DataError as e:
+                return [f"{name} line {lines}: {e}"]
+            by_reason[record["reason"]] += 1
+            by_source[record["source"]] += 1
+            by_file[record["file"]] += 1
     if lines != m["rejects"]["count"]:
-        return [f"{m['rejects']['file']}: {lines} records, manifest says {m['rejects']['count']}"]
-    return []
+        return [f"{name}: {lines} records, manifest says {m['rejects']['count']}"]
+    failures = [
+        f"rejects.{key}: manifest says {m['rejects'][key]}, {name} holds {dict(sorted(counted.items()))}"
+        for key, counted in (("by_reason", by_reason), ("by_source", by_source))
+        if m["rejects"][key] != counted
+    ]
+    failures += [
+        f"input {entry['path']}: manifest says {entry['rejected']} rejected, {name} holds {by_file[entry['path']]}"
+        for entry in m["inputs"]
+        if entry["rejected"] != by_file[entry["path"]]
+    ]
+    return failures
+
+
+def reject_record(line: bytes) -> dict:
+    """One line of a rejects file, parsed, with the fields a count reads (file, line or row, source, reason);
+    anything else is a `DataError` saying what is wrong (the caller names the file and the line)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DataError(f"not a JSON line ({e})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"a JSON {type(record).__name__}, not a reject record (an object)")
+    locator = record.get("line", record.get("row"))
+    if not isinstance(locator, int) or isinstance(locator, bool) or locator < 1:
+        raise DataError(f"its line or row is {locator!r}; a reject record names its row by a number >= 1")
+    for key in ("file", "source", "reason"):
+        if not isinstance(record.get(key), str):
+            raise DataError(f"its {key} is {record.get(key)!r}; a reject record names its {key} as a string")
+    return record
+
+
+def truncation_problems(prompts: int, tokens: int, lengths: np.ndarray, options: dict, where: str) -> list[str]:
+    """Truncated-prompt counts the shards can bound: a truncated prompt leaves its pair at exactly --max-length
+    (prompt + longest completion, `PairEncoder._finish`), so at most that many prompts were truncated, none
+    without --overlength truncate-prompt, and each lost at least one token. `lengths` is [pairs, 3]."""
+    limit = options.get("max_length") if options.get("overlength") == "truncate-prompt" else None
+    if limit is None:
+        marked, bound = 0, "0 (the build truncated nothing: --overlength reject or no --max-length)"
+    else:
+        marked = int((lengths[:, 0] + lengths[:, 1:].max(axis=1, initial=0) == limit).sum())
+        bound = f"at most {marked}, the pairs whose prompt + longest completion is exactly --max-length {limit}"
+    problems = []
+    if prompts > marked:
+        problems.append(f"{where}truncated_prompts is {prompts}; allowed: {bound}")
+    if tokens < prompts or (tokens and not prompts):
+        problems.append(
+            f"{where}truncated_prompt_tokens is {tokens} for {prompts} truncated prompts; each truncated prompt "
+            "loses at least one token, and no token is lost without one"
+        )
+    return problems
 
 
 def _check_content(m: dict, table: pa.Table) -> list[str]:
     """What the manifest states about the data, recomputed from the shards' columns."""
-    import numpy as np
     import pyarrow.compute as pc
 
     failures = []
@@ -199,6 +259,13 @@ def _check_content(m: dict, table: pa.Table) -> list[str]:
             failures.append(f"shards: negative token ids in {part}_ids")
     segments = np.concatenate([lengths["prompt"] + lengths["chosen"], lengths["prompt"] + lengths["rejected"]])
     totals = m["totals"]
+    failures += truncation_problems(
+        totals["truncated_prompts"],
+        totals["truncated_prompt_tokens"],
+        np.stack([lengths[p] for p in ("prompt", "chosen", "rejected")], axis=1),
+        m["producer"]["options"],
+        "totals.",
+    )
     recomputed = {
         "prompt_tokens": int(lengths["prompt"].sum()),
         "chosen_tokens": int(lengths["chosen"].sum()),
@@ -229,16 +296,21 @@ def _check_content(m: dict, table: pa.Table) -> list[str]:
 
 
 def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
-    """Each shard holds rows of its own span, in increasing row order, and source ids of its own sources;
-    the pairs per source add up to the manifest's."""
-    import numpy as np
-
-    failures, counts = [], Counter()
+    """The shards in ascending span order (the pair order is the span order: a swap reorders the dataset), each
+    holding rows of its own span, in increasing row order, and source ids of its own sources; the pairs per
+    source add up to the manifest's."""
+    failures, counts, previous = [], Counter(), -1
     span_rows = m["producer"]["options"]["pairs_per_shard"]
     ids = {s["name"]: s["id"] for s in m["sources"]}
     for shard, table in zip(m["shards"], tables):
         rows = table.column("row_index").to_numpy()
         span = int(shard["path"].rsplit("-", 1)[1].split(".")[0])
+        if span <= previous:
+            failures.append(
+                f"{shard['path']}: listed after span {previous}; the manifest lists shards in ascending span order, "
+                "so the pair order is the single build's: rebuild the dataset (or merge its parts again)"
+            )
+        previous = span
         lo, hi = span * span_rows, (span + 1) * span_rows - 1
         if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < lo or rows[-1] > hi):
             failures.append(f"{shard['path']}: row_index is not increasing within its span, rows {lo} to {hi}")

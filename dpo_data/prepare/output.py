@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, read_manifest
+from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, STAGING_SUFFIX, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
 from dpo_state.files import fsync_dir
@@ -151,7 +151,7 @@ def remove_build_output(directory: Path) -> None:
 def remove_stale_staging(out: Path) -> None:
     """Remove the staging directories earlier builds of `out` left (refused, or killed). Call only
     holding `out`'s lock, so no running build owns one; what a build did not write is kept."""
-    pattern = re.compile(re.escape(out.name) + r"\.incomplete-[0-9a-f]{12}")
+    pattern = re.compile(re.escape(out.name) + STAGING_SUFFIX)
     for staging in out.parent.iterdir():
         if pattern.fullmatch(staging.name) and staging.is_dir() and not staging.is_symlink():
             remove_build_output(staging)

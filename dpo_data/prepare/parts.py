@@ -8,6 +8,7 @@ order over every input, so skewed files balance). Its part.json, written last, i
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,13 @@ from dpo_state.files import read_document, write_json_atomic
 PART_FORMAT_VERSION = 1
 PART_SCHEMA = "dataset-part"
 SLURM_VARIABLES = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX")
+MAX_PARTS = 100_000
+"""The most parts a build splits into (also the part schema's bound): a part is one task of a job array, and
+Slurm's MaxArraySize (1001 by default, 4000001 at most) and every real array sit far below. Beyond it, N is a
+typo (`--part 0/1000000000000`), and the merge would name a million missing parts."""
+_NUMBER = re.compile(r"[0-9]{1,12}")
+"""A part number or Slurm array variable: ASCII digits only (`str.isdigit` accepts '²', which `int` refuses), and
+few enough that `int` never meets a huge string; `Part` bounds the value."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,11 @@ class Part:
     """Where it came from, for messages: `--part` or the Slurm array variables."""
 
     def __post_init__(self):
+        if self.count > MAX_PARTS:
+            raise DataError(
+                f"{self.origin} gives part {self.index}/{self.count}; N is at most {MAX_PARTS} (a part per task of a "
+                "job array): give the number of tasks as N, and choose --pairs-per-shard so each gets several spans"
+            )
         if self.count < 1 or not 0 <= self.index < self.count:
             raise DataError(
                 f"{self.origin} gives part {self.index}/{self.count}; a part is K/N with N >= 1 and K in 0..N-1 "
@@ -48,17 +61,31 @@ class Part:
     def owns(self, span: int) -> bool:
         return span % self.count == self.index
 
+    def rows(self, rows_total: int, span_rows: int) -> int:
+        """How many of `rows_total` rows (in spans of `span_rows`) this part's spans hold."""
+        spans = -(-rows_total // span_rows)
+        rows = len(range(self.index, spans, self.count)) * span_rows
+        if spans and self.owns(spans - 1):
+            rows -= spans * span_rows - rows_total  # the last span is short
+        return rows
+
 
 def parse_part(text: str) -> Part | None:
     """`--part K/N` (or `none`: a whole build, even inside a Slurm array job)."""
     if text.strip().lower() == "none":
         return None
-    k, slash, n = text.partition("/")
-    if not slash or not k.strip().isdigit() or not n.strip().isdigit():
+    k, slash, n = (piece.strip() for piece in text.partition("/"))
+    if not slash or not _NUMBER.fullmatch(k) or not _NUMBER.fullmatch(n):
         raise DataError(
-            f"--part is {text!r}; allowed: K/N with integers 0 <= K < N (e.g. --part 3/8), or none for a whole build"
+            f"--part is {_shown(text)}; allowed: K/N with integers 0 <= K < N <= {MAX_PARTS} in ASCII digits "
+            "(e.g. --part 3/8), or none for a whole build"
         )
     return Part(int(k), int(n))
+
+
+def _shown(value: str) -> str:
+    """A value for a message, cut: a 10,000-digit --part is named, not printed whole."""
+    return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
 
 
 def resolve_part(given: str | None, env: Mapping[str, str] = os.environ) -> Part | None:
@@ -70,10 +97,11 @@ def resolve_part(given: str | None, env: Mapping[str, str] = os.environ) -> Part
     values = {}
     for name in SLURM_VARIABLES:
         value = env.get(name, "")
-        if not value.isdigit():
+        if not _NUMBER.fullmatch(value):
             raise DataError(
-                f"{name} is {value!r} in a Slurm job array task; the build reads its part from "
-                f"{', '.join(SLURM_VARIABLES)}: pass --part K/N yourself, or --part none for a whole build"
+                f"{name} is {_shown(value)} in a Slurm job array task, not a number in ASCII digits; the build "
+                f"reads its part from {', '.join(SLURM_VARIABLES)}: pass --part K/N yourself, or --part none for "
+                "a whole build"
             )
         values[name] = int(value)
     first, last, count = (
@@ -171,6 +199,12 @@ def read_part(part_dir: str | Path) -> dict:
     if document["plan_sha256"] != DIGEST_PREFIX + sha256_json(document["plan"]):
         raise DataError(
             f"{path}: plan_sha256 does not match its plan; the file was edited or damaged: rebuild the part"
+        )
+    index, count = document["part"]["index"], document["part"]["count"]
+    if index >= count or count != document["plan"]["parts"]:
+        raise DataError(
+            f"{path}: part {index}/{count} of a plan of {document['plan']['parts']} parts; a part is K/N with "
+            "K < N = the plan's parts: the file was edited or damaged, rebuild the part"
         )
     return document
 
