@@ -393,10 +393,18 @@ def _smoothing_problems(loss: LossConfig) -> list[str]:
             f"loss.label_smoothing is {smoothing}, but {loss.type_text} has none; set it to 0, or use a "
             f"loss.type that takes it ({takers})"
         ]
+    outside = {name: allowed for name, allowed in ranges.items() if smoothing not in allowed}
+    if outside and smoothing >= 0.5:  # one reason for every type: what label smoothing is
+        allowed = ", ".join(f"{name} allows {interval}" for name, interval in outside.items())
+        return [
+            f"loss.label_smoothing is {smoothing}; {allowed}: it is the chance that a pair's labels are flipped, "
+            "so at 0.5 chosen and rejected weigh the same and the gradient vanishes at parity (the policy still "
+            "the reference), and above 0.5 every preference is flipped; set it below 0.5 (robust DPO's paper "
+            "suggests 0.1)"
+        ]
     return [
         f"loss.label_smoothing is {smoothing}; {name} allows {allowed}; set it inside that range"
-        for name, allowed in ranges.items()
-        if smoothing not in allowed
+        for name, allowed in outside.items()
     ]
 
 

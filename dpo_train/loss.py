@@ -348,7 +348,7 @@ def _orpo(config: LossConfig, chosen: torch.Tensor, rejected: torch.Tensor) -> t
 def _exo_pair(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
     """EXO-pref (Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment"), two
     completions: L = KL(q || p) = q_w (log q_w - log(1 - e)) + q_l (log q_l - log e), q_w = s(b D) and
-    q_l = s(-b D) the policy's preference, p = (1 - e, e) the smoothed labels (e = label_smoothing, in (0, 1))."""
+    q_l = s(-b D) the policy's preference, p = (1 - e, e) the smoothed labels (e = label_smoothing, in (0, 0.5))."""
     b, e = config.beta, config.label_smoothing
     won, lost = b * margin, -b * margin
     return torch.sigmoid(won) * (F.logsigmoid(won) - math.log1p(-e)) + torch.sigmoid(lost) * (
@@ -448,20 +448,25 @@ def _sigmoid_norm(config: LossConfig, margin: torch.Tensor) -> torch.Tensor:
     return -F.logsigmoid(config.beta * margin)
 
 
+SMOOTHING = Interval(0.0, 0.5, open_high=True)
+"""loss.label_smoothing's range for every type that reads it (exo_pair's excludes 0 too): e is the chance that a
+pair's labels are flipped, so at 0.5 chosen and rejected weigh the same and the gradient vanishes at parity (the
+policy still the reference), and above it every preference is flipped (TRL: [0, 0.5) for robust DPO and cDPO)."""
+
 LOSSES: dict[str, LossType] = {
-    "sigmoid": LossType(_sigmoid, label_smoothing=Interval(0.0, 0.5), f_divergence=True),
+    "sigmoid": LossType(_sigmoid, label_smoothing=SMOOTHING, f_divergence=True),
     "ipo": LossType(_ipo, per_token_means=True, f_divergence=True),
     "hinge": LossType(_hinge, f_divergence=True),
-    "robust": LossType(_robust, label_smoothing=Interval(0.0, 0.5, open_high=True), f_divergence=True),
+    "robust": LossType(_robust, label_smoothing=SMOOTHING, f_divergence=True),
     "simpo": LossType(
         _simpo,
         needs_reference=False,
-        label_smoothing=Interval(0.0, 0.5),
+        label_smoothing=SMOOTHING,
         per_token_means=True,
         options=("target_margin",),
     ),
     "exo_pair": LossType(
-        _exo_pair, label_smoothing=Interval(0.0, 1.0, open_high=True, open_low=True), f_divergence=True
+        _exo_pair, label_smoothing=Interval(0.0, 0.5, open_high=True, open_low=True), f_divergence=True
     ),
     "nca_pair": LossType(_nca_pair),
     "bco_pair": LossType(_bco_pair),
@@ -471,19 +476,19 @@ LOSSES: dict[str, LossType] = {
     "discopop": LossType(_discopop, f_divergence=True, options=("discopop_tau",)),
     "sft": LossType(_sft, needs_reference=False, nll_term=True),
     "sigmoid_norm": LossType(_sigmoid_norm, per_token_means=True, f_divergence=True),
-    "cpo": LossType(_cpo, needs_reference=False, label_smoothing=Interval(0.0, 0.5), options=("alpha",), with_nll=True),
+    "cpo": LossType(_cpo, needs_reference=False, label_smoothing=SMOOTHING, options=("alpha",), with_nll=True),
     "alphapo": LossType(
         _alphapo,
         needs_reference=False,
-        label_smoothing=Interval(0.0, 0.5),
+        label_smoothing=SMOOTHING,
         per_token_means=True,
         options=("target_margin", "alpha"),
     ),
     "orpo": LossType(_orpo, needs_reference=False, per_token_means=True, with_nll=True),
     "cpo_hinge": LossType(_cpo_hinge, needs_reference=False, options=("alpha",), with_nll=True),
     "cpo_ipo": LossType(_cpo_ipo, needs_reference=False, per_token_means=True, options=("alpha",), with_nll=True),
-    "aot": LossType(_aot, label_smoothing=Interval(0.0, 0.5), sorted=True),
-    "aot_unpaired": LossType(_aot_unpaired, label_smoothing=Interval(0.0, 0.5), sorted=True),
+    "aot": LossType(_aot, label_smoothing=SMOOTHING, sorted=True),
+    "aot_unpaired": LossType(_aot_unpaired, label_smoothing=SMOOTHING, sorted=True),
 }
 """The loss family, by `loss.type` name (s is the logistic function; each form's docstring has its loss)."""
 

@@ -3,15 +3,17 @@ ScriptArguments) fields to this toolkit's keys, and the translation of a flat TR
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dpo_train.config import SECTIONS, _apply_override, load_config
+from dpo_train.config import SECTIONS, _apply_override, _suggest, load_config
 from dpo_train.errors import ConfigError
-from dpo_train.loss import F_DIVERGENCES, LOSSES
+from dpo_train.loss import F_DIVERGENCES, LOSSES, Interval
 from dpo_train.strict_yaml import read_yaml_file
 
 _UNSET = object()
@@ -22,10 +24,16 @@ class Untranslatable(ConfigError):
     """One TRL field's value that has no translation here; the translator lists every one at once."""
 
 
+Reader = Callable[[str, Any], Any]
+"""(TRL field, its value in the file) -> the value as TRL's parser reads it, or Untranslatable naming the field,
+the value, what is allowed and the fix."""
+
+
 @dataclass(frozen=True)
 class Context:
-    """What a converter reads besides its own value: the whole TRL mapping (TRL's defaults filled in for every
-    mapped field), the processes the run will use, and the keys the user overrides with --set."""
+    """What a converter reads besides its own value: the whole TRL mapping as TRL's parser reads it (each field
+    through its row's reader, TRL's defaults filled in for every mapped field), the processes the run will use,
+    and the keys the user overrides with --set."""
 
     trl: dict
     world: int
@@ -37,13 +45,160 @@ class Row:
     """One TRL field. `here`: the key(s) it sets ('' when it sets none); `note`: how the value converts, or
     why it is refused; `convert(value, ctx) -> {section.key: value}` (raises Untranslatable), absent for a
     field with no counterpart; `harmless`: values that change nothing here (accepted, setting no key);
-    `default`: TRL's default, translated when the file omits the field (rows with `convert` only)."""
+    `default`: TRL's default, translated when the file omits the field (rows with `convert` only); `read`: the
+    reader of its kind of value (every row with `convert` has one), applied before any converter sees it."""
 
     here: str
     note: str
     convert: Callable[[Any, Context], dict] | None = None
     harmless: tuple = ()
     default: Any = _UNSET
+    read: Reader | None = None
+
+
+def _refuse(message: str) -> None:
+    raise Untranslatable(message)
+
+
+# -- readers: one per kind of value, each as TRL's parser reads it (a value given as text goes through the
+# field's type, as argparse does with the defaults TrlParser sets from the YAML) --------------------------------
+
+TRUE = ("yes", "true", "t", "y", "1")
+FALSE = ("no", "false", "f", "n", "0")
+"""transformers' `string_to_bool` (hf_argparser.py), TRL's reading of a boolean given as text: these, in any case."""
+
+
+def _shown(value: Any) -> str:
+    """A value as an error quotes it: its repr, cut at 60 characters (a field may hold a whole mapping)."""
+    return f"{value!r:.60}"
+
+
+def _boolean(name: str, value: Any) -> bool:
+    """A boolean: true or false, or text (an integer's digits too) that TRL's string_to_bool reads."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower() if isinstance(value, (str, int)) else None
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    _refuse(
+        f"{name} is {_shown(value)}; TRL reads a boolean here: true or false, or (its parser's string_to_bool) "
+        f"yes/no, true/false, t/f, y/n, 1/0 in any case, quoted or not; set {name}: true or {name}: false"
+    )
+
+
+def _numeric(value: Any) -> int | float | None:
+    """A YAML number, or text that int() or float() reads (TRL's parser reads a quoted '1e-5' so); None for
+    anything else: a boolean, null, a list, a mapping."""
+    if isinstance(value, str):
+        for parse in (int, float):
+            with contextlib.suppress(ValueError):
+                return parse(value)
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _span(bounds: Interval) -> str:
+    """'in [0, 1]', '> 0', '>= 0' or '' (any finite number)."""
+    if bounds.high < math.inf:
+        return f"in {bounds}"
+    if bounds.low > -math.inf:
+        return f"{'>' if bounds.open_low else '>='} {bounds.low:g}"
+    return ""
+
+
+def _number(low: float = -math.inf, high: float = math.inf, *, open_low=False, open_high=False, fix="") -> Reader:
+    """A number (TRL's float), finite and inside its bounds; `fix` says what to set instead."""
+    bounds = Interval(low, high, open_high=open_high, open_low=open_low)
+
+    def read(name: str, value: Any) -> int | float:
+        number = _numeric(value)
+        if number is None or (isinstance(number, float) and not math.isfinite(number)) or number not in bounds:
+            _refuse(
+                f"{name} is {_shown(value)}; here it must be a finite number {_span(bounds)}".rstrip()
+                + f"; {fix or f'set {name} to one'}"
+            )
+        return number
+
+    return read
+
+
+def _count(low: int) -> Reader:
+    """A whole number >= low (TRL's int; 2.0 is 2)."""
+
+    def read(name: str, value: Any) -> int:
+        number = _numeric(value)
+        if number is None or (isinstance(number, float) and not number.is_integer()) or number < low:
+            _refuse(f"{name} is {_shown(value)}; here it must be a whole number >= {low}; set {name} to one")
+        return int(number)
+
+    return read
+
+
+def _choice(choices: Iterable[str], explain: str = "") -> Reader:
+    """One name of `choices` (TRL's enums and strategies); `explain` says what they become here."""
+    choices = tuple(choices)
+
+    def read(name: str, value: Any) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        bare = " (YAML reads a bare yes/no/on/off as a boolean: quote the name)" if isinstance(value, bool) else ""
+        explained = f" ({explain})" if explain else ""
+        _refuse(f"{name} is {_shown(value)}{bare}; here: {', '.join(choices)}{explained}; set one of them")
+
+    return read
+
+
+def _text_in(value: Any) -> bool:
+    """Text that can be a name or a path: a string, not empty."""
+    return isinstance(value, str) and value != ""
+
+
+def _names(name: str, value: Any) -> str | list[str]:
+    """One name or a list of names (TRL's list[str] fields, which take a single string too), as given."""
+    if _text_in(value) or (isinstance(value, list) and all(_text_in(item) for item in value)):
+        return value
+    _refuse(f"{name} is {_shown(value)}; give a name or a list of names ({name}: [a, b]), each as text")
+
+
+def _text(name: str, value: Any) -> str:
+    """A path or a name (TRL's str)."""
+    if _text_in(value):
+        return value
+    _refuse(f"{name} is {_shown(value)}; give it as text (a path or a name), quoted where YAML reads it otherwise")
+
+
+def _mapping(name: str, value: Any) -> dict:
+    """A mapping of names to values (TRL's dict fields)."""
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return value
+    _refuse(f"{name} is {_shown(value)}; give a mapping of names to values ({name}: {{key: value}}), or drop it")
+
+
+def _numbers(name: str, value: Any) -> list:
+    """A list of numbers >= 0 (TRL's list[float]), each read as `_number` reads one."""
+    if not isinstance(value, list):
+        _refuse(f"{name} is {_shown(value)}; give a list of numbers >= 0 ({name}: [1.0, 0.5])")
+    return [_number(0)(f"{name}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _optional(read: Reader) -> Reader:
+    """The field may also be null (TRL's `X | None`)."""
+    return lambda name, value: None if value is None else read(name, value)
+
+
+def _checkpoint(name: str, value: Any) -> str | None:
+    """resume_from_checkpoint: a path; null or false resume nothing given (Trainer.train's meaning)."""
+    return None if value is None or value is False else _text(name, value)
+
+
+def _f_divergence(name: str, value: Any) -> str:
+    """TRL's f_divergence_type, also as older configs print its enum ('FDivergenceType.JS_DIVERGENCE')."""
+    if isinstance(value, str):
+        value = value.removeprefix("FDivergenceType.").lower()
+    return _choice(F_DIVERGENCES)(name, value)
+
+
+# -- converters: a field's value (as read) -> the keys it sets here ---------------------------------------------
 
 
 def _to(key: str, cast: Callable = lambda v: v) -> Callable:
@@ -51,122 +206,101 @@ def _to(key: str, cast: Callable = lambda v: v) -> Callable:
     return lambda value, ctx: {key: cast(value)}
 
 
-def _refuse(message: str) -> None:
-    raise Untranslatable(message)
+def _max_steps(ctx: Context) -> int | None:
+    steps = ctx.trl.get("max_steps", -1)
+    return steps if steps > 0 else None
 
 
-def _whole(name: str, value: Any, low: int = 0) -> int:
-    """An integral number as an int, or the field refused by name."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:
-        _refuse(f"{name} is {value!r}; here it must be a whole number >= {low}")
+def _ratio_of_steps(name: str, ratio: float, ctx: Context, key: str) -> int:
+    """TrainingArguments' ratio of the run's steps: ceil(max_steps x ratio)."""
+    steps = _max_steps(ctx)
+    if steps is None:
+        _refuse(
+            f"{name} is {ratio}, a ratio of the run's steps, but max_steps is not set, so the step count is "
+            f"known only when the run plans its epochs; give {name} as a number of steps ({key})"
+        )
+    return math.ceil(steps * ratio)
+
+
+def _steps_or_ratio(name: str, value: float, ctx: Context, key: str) -> int:
+    """TrainingArguments reads a value in (0, 1) as a ratio of the run's steps, any other as whole steps."""
+    if 0 < value < 1:
+        return _ratio_of_steps(name, value, ctx, key)
+    if value != int(value):
+        _refuse(
+            f"{name} is {value}; a value in (0, 1) is a ratio of the run's steps, any other a whole number of "
+            f"steps ({key}); set one of them"
+        )
     return int(value)
 
 
-def _max_steps(ctx: Context) -> int | None:
-    steps = ctx.trl.get("max_steps", -1)
-    return int(steps) if isinstance(steps, (int, float)) and steps > 0 else None
-
-
-def _steps_or_ratio(name: str, value: Any, ctx: Context, key: str) -> int:
-    """TrainingArguments reads a value in (0, 1) as a ratio of the run's steps (ceil(max_steps x ratio))."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
-        steps = _max_steps(ctx)
-        if steps is None:
-            _refuse(
-                f"{name} is {value}, a ratio of the run's steps, but max_steps is not set, so the step count is "
-                f"known only when the run plans its epochs; give {name} as a number of steps ({key})"
-            )
-        return math.ceil(steps * value)
-    return _whole(name, value)
-
-
 def _pairs_per_step(value: Any, ctx: Context) -> dict:
-    per_device = _whole("per_device_train_batch_size", ctx.trl.get("per_device_train_batch_size", 8), 1)
-    accumulation = _whole("gradient_accumulation_steps", ctx.trl.get("gradient_accumulation_steps", 1), 1)
-    return {"data.batching": "pairs", "data.pairs_per_step": per_device * accumulation * ctx.world}
+    pairs = ctx.trl["per_device_train_batch_size"] * ctx.trl["gradient_accumulation_steps"] * ctx.world
+    return {"data.batching": "pairs", "data.pairs_per_step": pairs}
 
 
-def _epochs(value: Any, ctx: Context) -> dict:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value != int(value):
+def _epochs(value: float, ctx: Context) -> dict:
+    if value != int(value):
         _refuse(
             f"num_train_epochs is {value}; here train.epochs counts whole epochs: give a whole number, or set "
             "max_steps (the run then goes on through the epochs that takes)"
         )
-    return {"train.epochs": _whole("num_train_epochs", value, 1)}
+    return {"train.epochs": int(value)}
 
 
-def _steps(value: Any, ctx: Context) -> dict:
-    steps = _whole("max_steps", value, -1) if value != -1 else -1
-    return {"train.max_steps": steps if steps > 0 else None}
+def _steps(value: int, ctx: Context) -> dict:
+    return {"train.max_steps": value if value > 0 else None}
 
 
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 """TRL's lr_scheduler_type -> optim.scheduler; transformers' others are refused by name."""
 
 
-def _scheduler(value: Any, ctx: Context) -> dict:
-    if value not in SCHEDULERS:
+def _warmup_steps(value: float, ctx: Context) -> dict:
+    steps = _steps_or_ratio("warmup_steps", value, ctx, "optim.warmup_steps")
+    if not steps and ctx.trl.get("warmup_ratio"):
+        return {}  # transformers 4.x: warmup_steps 0 leaves the warm-up to warmup_ratio
+    return _warm_up("warmup_steps", value, steps, ctx)
+
+
+def _warmup_ratio(value: float, ctx: Context) -> dict:
+    steps = _ratio_of_steps("warmup_ratio", value, ctx, "optim.warmup_steps") if value else 0
+    return _warm_up("warmup_ratio", value, steps, ctx)
+
+
+def _warm_up(name: str, value: float, steps: int, ctx: Context) -> dict:
+    if steps and ctx.trl["lr_scheduler_type"] == "constant":
         _refuse(
-            f"lr_scheduler_type is {value!r}; here: {', '.join(SCHEDULERS)} (optim.scheduler linear, cosine or "
-            "constant after optim.warmup_steps); set one of them"
+            f"{name} is {value}, but lr_scheduler_type is constant, which in transformers takes no warm-up "
+            "(it ignores the warm-up steps); set lr_scheduler_type: constant_with_warmup to warm up, or drop "
+            f"{name}"
         )
-    return {"optim.scheduler": SCHEDULERS[value]}
-
-
-def _warmup(name: str) -> Callable:
-    def convert(value: Any, ctx: Context) -> dict:
-        steps = _steps_or_ratio(name, value, ctx, "optim.warmup_steps")
-        if steps and ctx.trl.get("lr_scheduler_type", "linear") == "constant":
-            _refuse(
-                f"{name} is {value}, but lr_scheduler_type is constant, which in transformers takes no warm-up "
-                "(it ignores the warm-up steps); set lr_scheduler_type: constant_with_warmup to warm up, or drop "
-                f"{name}"
-            )
-        if not steps and name == "warmup_steps" and ctx.trl.get("warmup_ratio"):
-            return {}  # transformers 4.x: warmup_steps 0 leaves the warm-up to warmup_ratio
-        return {"optim.warmup_steps": steps}
-
-    return convert
+    return {"optim.warmup_steps": steps}
 
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw": "adamw", "sgd": "sgd"}
 """TRL's optim -> optim.name (transformers' fused AdamW is AdamW's math)."""
 
 
-def _optimizer(value: Any, ctx: Context) -> dict:
-    if value not in OPTIMIZERS:
-        _refuse(f"optim is {value!r}; here: {', '.join(OPTIMIZERS)} (optim.name adamw or sgd); set one of them")
-    return {"optim.name": OPTIMIZERS[value]}
-
-
 def _betas(value: Any, ctx: Context) -> dict:
-    return {"optim.betas": [ctx.trl.get("adam_beta1", 0.9), ctx.trl.get("adam_beta2", 0.999)]}
+    return {"optim.betas": [ctx.trl["adam_beta1"], ctx.trl["adam_beta2"]]}
 
 
-def _seed(value: Any, ctx: Context) -> dict:
+def _seed(value: int, ctx: Context) -> dict:
     seed = {"train.seed": value}
     return seed if ctx.trl.get("data_seed") is not None else {**seed, "data.seed": value}
 
 
-def _data_seed(value: Any, ctx: Context) -> dict:
+def _data_seed(value: int | None, ctx: Context) -> dict:
     return {} if value is None else {"data.seed": value}
 
 
-def _log_every(value: Any, ctx: Context) -> dict:
+def _log_every(value: float, ctx: Context) -> dict:
     return {"train.log_every": _steps_or_ratio("logging_steps", value, ctx, "train.log_every")}
 
 
-def _strategy(name: str, allowed: tuple, fix: str) -> Callable:
-    def convert(value: Any, ctx: Context) -> dict:
-        if value not in allowed:
-            _refuse(f"{name} is {value!r}; here: {', '.join(allowed)}; {fix}")
-        return {}
-
-    return convert
-
-
-def _save_every(value: Any, ctx: Context) -> dict:
-    if ctx.trl.get("save_strategy", "steps") == "no":
+def _save_every(value: float, ctx: Context) -> dict:
+    if ctx.trl["save_strategy"] == "no":
         return {"train.save_every": 0}
     return {"train.save_every": _steps_or_ratio("save_steps", value, ctx, "train.save_every")}
 
@@ -175,66 +309,60 @@ KEEP_ALL = 1_000_000
 """train.keep_last's largest value (schemas/train-config.schema.json): TRL's save_total_limit None keeps all."""
 
 
-def _keep_last(value: Any, ctx: Context) -> dict:
-    return {"train.keep_last": KEEP_ALL if value is None else _whole("save_total_limit", value, 1)}
+def _keep_last(value: int | None, ctx: Context) -> dict:
+    return {"train.keep_last": KEEP_ALL if value is None else value}
 
 
 def _precision(value: Any, ctx: Context) -> dict:
-    if ctx.trl.get("fp16"):
+    if ctx.trl["fp16"]:
         _refuse("fp16 is true; this toolkit has no fp16 (no loss scaling): set bf16: true (train.precision: bf16)")
-    bf16 = ctx.trl.get("bf16")
+    bf16 = ctx.trl["bf16"]
     return {"train.precision": "auto" if bf16 is None else "bf16" if bf16 else "fp32"}
 
 
-def _report_to(value: Any, ctx: Context) -> dict:
+def _report_to(value: str | list[str] | None, ctx: Context) -> dict:
     sinks = [] if value in (None, "none") else [value] if isinstance(value, str) else list(value)
     sinks = [sink for sink in sinks if sink != "none"]
     other = [sink for sink in sinks if sink != "tensorboard"]
     if other:
         _refuse(
-            f"report_to names {', '.join(map(str, other))}; here only tensorboard (train.report_to: [tensorboard]) "
+            f"report_to names {', '.join(other)}; here only tensorboard (train.report_to: [tensorboard]) "
             "besides OUTPUT/metrics.jsonl, which is always written; drop the others"
         )
     return {"train.report_to": sinks}
 
 
-def _eval_every(value: Any, ctx: Context) -> dict:
+def _eval_every(value: str, ctx: Context) -> dict:
     if value == "no":
         return {}
-    if value != "steps":
-        _refuse(f"eval_strategy is {value!r}; here: no, steps (eval.every); set one of them")
-    steps = ctx.trl.get("eval_steps") or ctx.trl.get("logging_steps", 10)
+    steps = ctx.trl["eval_steps"] or ctx.trl["logging_steps"]
     return {"eval.every": _steps_or_ratio("eval_steps", steps, ctx, "eval.every")}
 
 
-def _output_dir(value: Any, ctx: Context) -> dict:
-    return {"train.output_dir": "trainer_output" if value is None else str(value)}
+def _output_dir(value: str | None, ctx: Context) -> dict:
+    return {"train.output_dir": "trainer_output" if value is None else value}
 
 
-def _resume(value: Any, ctx: Context) -> dict:
-    if value in (None, False):
-        return {}
-    if not isinstance(value, str):
-        _refuse(f"resume_from_checkpoint is {value!r}; give the path of a checkpoint of this toolkit (train.resume)")
-    return {"train.resume": value}
+def _resume(value: str | None, ctx: Context) -> dict:
+    return {} if value is None else {"train.resume": value}
 
 
-def _reference(value: Any, ctx: Context) -> dict:
+def _reference(value: bool, ctx: Context) -> dict:
     if not value:
         return {}
     output_dir = ctx.trl.get("output_dir") or "trainer_output"
     return {"reference.mode": "precomputed", "reference.path": f"{output_dir}-reference"}
 
 
-def _loss_type(value: Any, ctx: Context) -> dict:
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, list) else [value]
+def _loss_type(value: str | list[str], ctx: Context) -> dict:
+    names = [value] if isinstance(value, str) else value
     unknown = [name for name in names if name not in LOSSES]
     if unknown:
         _refuse(
             f"loss_type names {', '.join(map(repr, unknown))}; here (TRL 1.16's names, docs/objective.md): "
             f"{', '.join(LOSSES)}; use one of them"
         )
-    smoothing = ctx.trl.get("label_smoothing", 0.0)
+    smoothing = ctx.trl["label_smoothing"]
     if "sigmoid" in names and smoothing:
         _refuse(
             f"loss_type lists sigmoid and label_smoothing is {smoothing}: TRL 1.16's sigmoid reads no "
@@ -244,30 +372,19 @@ def _loss_type(value: Any, ctx: Context) -> dict:
     return {"loss.type": names[0] if len(names) == 1 else names}
 
 
-def _f_divergence(value: Any, ctx: Context) -> dict:
-    name = str(value).removeprefix("FDivergenceType.").lower()  # TRL's enum, as older configs print it
-    if name not in F_DIVERGENCES:
-        _refuse(f"f_divergence_type is {value!r}; here: {', '.join(F_DIVERGENCES)}; set one of them")
-    return {"loss.f_divergence_type": name}
-
-
 ATTENTION = ("flash_attention_2", "sdpa", "eager")
 """attn_implementation values model.attention takes as they are."""
 
+_attention_name = _optional(_choice(ATTENTION, "model.attention; null: auto"))
 
-def _attention(value: Any, ctx: Context) -> dict:
+
+def _attention(value: str | None, ctx: Context) -> dict:
+    return {} if value is None else {"model.attention": value}
+
+
+def _init_kwargs(value: dict | None, ctx: Context) -> dict:
     if value is None:
         return {}
-    if value not in ATTENTION:
-        _refuse(f"attn_implementation is {value!r}; here (model.attention): {', '.join(ATTENTION)} or auto")
-    return {"model.attention": value}
-
-
-def _init_kwargs(value: Any, ctx: Context) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        _refuse(f"model_init_kwargs is {value!r:.60}; give a mapping (or drop it)")
     other = sorted(set(value) - {"attn_implementation", "dtype", "torch_dtype"})
     dtype = value.get("dtype", value.get("torch_dtype", "float32"))
     if other or dtype not in ("float32", None):
@@ -276,31 +393,31 @@ def _init_kwargs(value: Any, ctx: Context) -> dict:
             ", which this toolkit does not take: weights load and train in fp32 (bf16: true gives bf16 compute, "
             "train.export_dtype the exported dtype); only attn_implementation maps (model.attention)"
         )
-    return _attention(value.get("attn_implementation"), ctx)
+    return _attention(_attention_name("model_init_kwargs.attn_implementation", value.get("attn_implementation")), ctx)
 
 
-def _lora(value: Any, ctx: Context) -> dict:
+def _lora(value: bool, ctx: Context) -> dict:
     if not value:
         return {}
-    targets = ctx.trl.get("lora_target_modules")
+    targets = ctx.trl["lora_target_modules"]
     if targets is None:
         _refuse(
             "use_peft is true and lora_target_modules is not set: PEFT then picks modules per architecture "
             "([q_proj, v_proj] for Llama); name them (lora_target_modules: [q_proj, v_proj], or all-linear)"
         )
-    lora = {key: ctx.trl.get(f"lora_{key}", default) for key, default in (("r", 16), ("alpha", 32), ("dropout", 0.05))}
+    lora = {key: ctx.trl[f"lora_{key}"] for key in ("r", "alpha", "dropout")}
     return {"model.lora": {**lora, "target_modules": targets}}
 
 
-def _model_path(value: Any, ctx: Context) -> dict:
-    return {} if value is None else {"model.path": str(value)}
+def _model_path(value: str | None, ctx: Context) -> dict:
+    return {} if value is None else {"model.path": value}
 
 
-def _dataset(value: Any, ctx: Context) -> dict:
+def _dataset(value: str | None, ctx: Context) -> dict:
     if value is None or "data.path" in ctx.overridden:
         return {}
-    if (Path(str(value)) / "manifest.json").is_file():  # already a dataset built by dpo-data build
-        return {"data.path": str(value)}
+    if (Path(value) / "manifest.json").is_file():  # already a dataset built by dpo-data build
+        return {"data.path": value}
     _refuse(
         f"dataset_name is {value!r}; here data.path is a dataset built by dpo-data build (tokenized, attested): "
         f"build it (dpo-data build RAW_FILES --tokenizer MODEL_DIR --out DIR; a Hub dataset's split as "
@@ -309,7 +426,7 @@ def _dataset(value: Any, ctx: Context) -> dict:
 
 
 def _read_elsewhere(value: Any, ctx: Context) -> dict:
-    """A field another field's converter reads (its value lands there): it sets nothing itself."""
+    """A field that sets nothing itself: another field's converter reads it, or its reader's check is all of it."""
     return {}
 
 
@@ -326,13 +443,18 @@ TABLE: dict[str, Row] = {
         "only `attn_implementation` (and dtype float32) maps; weights train in fp32",
         _init_kwargs,
         default=None,
+        read=_optional(_mapping),
     ),
-    "trust_remote_code": Row("", "transformers' own model classes only", harmless=(False,)),
+    "trust_remote_code": Row("", "transformers' own model classes only", harmless=(False,), read=_boolean),
     "router_aux_loss_coef": Row(
-        "loss.router_aux_coef", "null: the model config's", _to("loss.router_aux_coef"), default=None
+        "loss.router_aux_coef",
+        "null: the model config's",
+        _to("loss.router_aux_coef"),
+        default=None,
+        read=_optional(_number(0)),
     ),
     "disable_dropout": Row(
-        "", "dropout is always off here (policy and reference score a pair alike)", harmless=(True,)
+        "", "dropout is always off here (policy and reference score a pair alike)", harmless=(True,), read=_boolean
     ),
     "dataset_num_proc": Row("", _build_time("--num-proc N"), harmless=(None,)),
     "max_length": Row(
@@ -341,81 +463,106 @@ TABLE: dict[str, Row] = {
     "truncation_mode": Row(
         "", _build_time("--overlength reject|truncate-prompt") + "; a completion is never truncated here"
     ),
-    "padding_free": Row("", "packing is always on here", harmless=(False, True)),
+    "padding_free": Row("", "packing is always on here", harmless=(False, True), read=_boolean),
     "pad_to_multiple_of": Row("", "packed rows are not padded", harmless=("auto", None)),
     "precompute_ref_log_probs": Row(
         "reference.mode, reference.path",
         "true: precomputed, sidecar OUTPUT_DIR-reference; create it with `dpo-train CONFIG --precompute-reference`",
         _reference,
         default=False,
+        read=_boolean,
     ),
     "precompute_ref_batch_size": Row(
         "", "the sidecar is scored in the run's micro-batches; " + _UNUSED, harmless=(None,)
     ),
-    "loss_type": Row("loss.type", "one name or a list, TRL's names", _loss_type, default=["sigmoid"]),
-    "loss_weights": Row("loss.weights", "", _to("loss.weights"), default=None),
-    "ld_alpha": Row("loss.ld_alpha", "", _to("loss.ld_alpha"), default=None),
-    "f_divergence_type": Row("loss.f_divergence_type", "TRL's enum values", _f_divergence, default="reverse_kl"),
+    "loss_type": Row("loss.type", "one name or a list, TRL's names", _loss_type, default=["sigmoid"], read=_names),
+    "loss_weights": Row("loss.weights", "", _to("loss.weights"), default=None, read=_optional(_numbers)),
+    "ld_alpha": Row("loss.ld_alpha", "", _to("loss.ld_alpha"), default=None, read=_optional(_number(0, 1))),
+    "f_divergence_type": Row(
+        "loss.f_divergence_type",
+        "TRL's enum values",
+        _to("loss.f_divergence_type"),
+        default="reverse_kl",
+        read=_f_divergence,
+    ),
     "f_alpha_divergence_coef": Row(
-        "loss.f_alpha_divergence_coef", "", _to("loss.f_alpha_divergence_coef"), default=0.5
+        "loss.f_alpha_divergence_coef", "", _to("loss.f_alpha_divergence_coef"), default=0.5, read=_number()
     ),
     "label_smoothing": Row(
         "loss.label_smoothing",
-        "refused > 0 with sigmoid, which TRL 1.16 does not smooth",
+        "refused > 0 with sigmoid, which TRL 1.16 does not smooth; below 0.5 (docs/objective.md)",
         _to("loss.label_smoothing"),
         default=0.0,
+        read=_number(0),
     ),
-    "beta": Row("loss.beta", "", _to("loss.beta"), default=0.1),
-    "use_weighting": Row("loss.use_weighting", "", _to("loss.use_weighting"), default=False),
-    "discopop_tau": Row("loss.discopop_tau", "", _to("loss.discopop_tau"), default=0.05),
-    "activation_offloading": Row("", "no CPU offload of activations here", harmless=(False,)),
+    "beta": Row("loss.beta", "", _to("loss.beta"), default=0.1, read=_number(0, open_low=True)),
+    "use_weighting": Row("loss.use_weighting", "", _to("loss.use_weighting"), default=False, read=_boolean),
+    "discopop_tau": Row(
+        "loss.discopop_tau", "", _to("loss.discopop_tau"), default=0.05, read=_number(0, open_low=True)
+    ),
+    "activation_offloading": Row("", "no CPU offload of activations here", harmless=(False,), read=_boolean),
     "sync_ref_model": Row(
-        "reference.sync_ref_model", "TR-DPO (docs/objective.md)", _to("reference.sync_ref_model"), default=False
+        "reference.sync_ref_model",
+        "TR-DPO (docs/objective.md)",
+        _to("reference.sync_ref_model"),
+        default=False,
+        read=_boolean,
     ),
     "ref_model_mixup_alpha": Row(
-        "reference.ref_model_mixup_alpha", "", _to("reference.ref_model_mixup_alpha"), default=0.6
+        "reference.ref_model_mixup_alpha", "", _to("reference.ref_model_mixup_alpha"), default=0.6, read=_number(0, 1)
     ),
     "ref_model_sync_steps": Row(
-        "reference.ref_model_sync_steps", "", _to("reference.ref_model_sync_steps"), default=512
+        "reference.ref_model_sync_steps", "", _to("reference.ref_model_sync_steps"), default=512, read=_count(1)
     ),
     "pad_token": Row("", "packed rows have no padding (TRL deprecates it)", harmless=(None,)),
     # TrainingArguments fields TRL users set
-    "output_dir": Row("train.output_dir", "null: trainer_output, as transformers", _output_dir, default=None),
+    "output_dir": Row(
+        "train.output_dir", "null: trainer_output, as transformers", _output_dir, default=None, read=_optional(_text)
+    ),
     "per_device_train_batch_size": Row(
         "data.pairs_per_step",
         "pairs of the whole optimizer step: per_device_train_batch_size x gradient_accumulation_steps x processes "
         "(--nproc-per-node); micro-batches are packed by data.max_tokens_per_microbatch",
         _pairs_per_step,
         default=8,
+        read=_count(1),
     ),
-    "gradient_accumulation_steps": Row("data.pairs_per_step", "a factor of it (above)", _pairs_per_step, default=1),
-    "num_train_epochs": Row("train.epochs", "whole epochs only", _epochs, default=3.0),
-    "max_steps": Row("train.max_steps", "-1: null (train.epochs decides)", _steps, default=-1),
-    "learning_rate": Row("optim.lr", "TRL's default 1e-6", _to("optim.lr"), default=1e-6),
+    "gradient_accumulation_steps": Row(
+        "data.pairs_per_step", "a factor of it (above)", _pairs_per_step, default=1, read=_count(1)
+    ),
+    "num_train_epochs": Row("train.epochs", "whole epochs only", _epochs, default=3.0, read=_number(0, open_low=True)),
+    "max_steps": Row("train.max_steps", "-1: null (train.epochs decides)", _steps, default=-1, read=_count(-1)),
+    "learning_rate": Row(
+        "optim.lr", "TRL's default 1e-6", _to("optim.lr"), default=1e-6, read=_number(0, open_low=True)
+    ),
     "lr_scheduler_type": Row(
         "optim.scheduler",
         "linear, cosine, constant (no warm-up), constant_with_warmup; others refused",
-        _scheduler,
+        _to("optim.scheduler", SCHEDULERS.get),
         default="linear",
+        read=_choice(SCHEDULERS, "optim.scheduler linear, cosine or constant after optim.warmup_steps"),
     ),
     "lr_scheduler_kwargs": Row("", "the schedulers here take no arguments", harmless=(None, {})),
     "warmup_steps": Row(
         "optim.warmup_steps",
         "a value in (0, 1) is a ratio: ceil(max_steps x ratio), refused without max_steps; the ramp here starts "
         "at lr / (N + 1), not 0",
-        _warmup("warmup_steps"),
+        _warmup_steps,
         default=0,
+        read=_number(0),
     ),
     "warmup_ratio": Row(
         "optim.warmup_steps",
-        "transformers 4.x: ceil(max_steps x ratio), refused without max_steps",
-        _warmup("warmup_ratio"),
+        "transformers 4.x: a ratio in [0, 1], ceil(max_steps x ratio), refused above 0 without max_steps",
+        _warmup_ratio,
+        read=_number(0, 1, fix="warmup_ratio is a share of the run's steps; give a number of steps as warmup_steps"),
     ),
     "optim": Row(
         "optim.name",
         "adamw_torch, adamw_torch_fused: adamw; sgd; others refused",
-        _optimizer,
+        _to("optim.name", OPTIMIZERS.get),
         default="adamw_torch_fused",
+        read=_choice(OPTIMIZERS, "optim.name adamw or sgd"),
     ),
     "optim_args": Row("", "the optimizers here take no extra arguments", harmless=(None,)),
     "weight_decay": Row(
@@ -423,96 +570,166 @@ TABLE: dict[str, Row] = {
         "applied to every parameter here (transformers skips biases and norms)",
         _to("optim.weight_decay"),
         default=0.0,
+        read=_number(0),
     ),
-    "adam_beta1": Row("optim.betas[0]", "", _betas, default=0.9),
-    "adam_beta2": Row("optim.betas[1]", "", _betas, default=0.999),
-    "adam_epsilon": Row("optim.eps", "", _to("optim.eps"), default=1e-8),
-    "max_grad_norm": Row("optim.max_grad_norm", "0: no clipping", _to("optim.max_grad_norm"), default=1.0),
-    "seed": Row("train.seed, data.seed", "data.seed from data_seed when that is set", _seed, default=42),
-    "data_seed": Row("data.seed", "", _data_seed, default=None),
+    "adam_beta1": Row("optim.betas[0]", "", _betas, default=0.9, read=_number(0, 1, open_high=True)),
+    "adam_beta2": Row("optim.betas[1]", "", _betas, default=0.999, read=_number(0, 1, open_high=True)),
+    "adam_epsilon": Row("optim.eps", "", _to("optim.eps"), default=1e-8, read=_number(0, open_low=True)),
+    "max_grad_norm": Row(
+        "optim.max_grad_norm", "0: no clipping", _to("optim.max_grad_norm"), default=1.0, read=_number(0)
+    ),
+    "seed": Row(
+        "train.seed, data.seed", "data.seed from data_seed when that is set", _seed, default=42, read=_count(0)
+    ),
+    "data_seed": Row("data.seed", "", _data_seed, default=None, read=_optional(_count(0))),
     "logging_strategy": Row(
         "",
         "steps only (train.log_every)",
-        _strategy("logging_strategy", ("steps",), "metrics.jsonl logs every train.log_every steps"),
+        _read_elsewhere,
         default="steps",
+        read=_choice(("steps",), "metrics.jsonl logs every train.log_every steps"),
     ),
-    "logging_steps": Row("train.log_every", "a value in (0, 1): a ratio of max_steps", _log_every, default=10),
-    "logging_first_step": Row("", "", harmless=(False,)),
+    "logging_steps": Row(
+        "train.log_every",
+        "a value in (0, 1): a ratio of max_steps",
+        _log_every,
+        default=10,
+        read=_number(0, open_low=True),
+    ),
+    "logging_first_step": Row("", "", harmless=(False,), read=_boolean),
     "save_strategy": Row(
         "train.save_every",
         "steps, or no: save_every 0",
-        _strategy("save_strategy", ("steps", "no"), "checkpoints are taken every train.save_every steps"),
+        _read_elsewhere,
         default="steps",
+        read=_choice(("steps", "no"), "checkpoints are taken every train.save_every steps"),
     ),
-    "save_steps": Row("train.save_every", "a value in (0, 1): a ratio of max_steps", _save_every, default=500),
-    "save_total_limit": Row("train.keep_last", f"null: keep every checkpoint ({KEEP_ALL:_})", _keep_last, default=None),
-    "save_only_model": Row("", "a checkpoint here always holds what exact resume needs", harmless=(False,)),
+    "save_steps": Row(
+        "train.save_every",
+        "a value in (0, 1): a ratio of max_steps",
+        _save_every,
+        default=500,
+        read=_number(0, open_low=True),
+    ),
+    "save_total_limit": Row(
+        "train.keep_last",
+        f"null: keep every checkpoint ({KEEP_ALL:_})",
+        _keep_last,
+        default=None,
+        read=_optional(_count(1)),
+    ),
+    "save_only_model": Row(
+        "", "a checkpoint here always holds what exact resume needs", harmless=(False,), read=_boolean
+    ),
     "resume_from_checkpoint": Row(
         "train.resume",
         "a checkpoint of this toolkit (docs/checkpoints.md), not a TRL checkpoint-N; null: auto",
         _resume,
         default=None,
+        read=_checkpoint,
     ),
-    "bf16": Row("train.precision", "true: bf16; false: fp32; null (TRL's default): auto", _precision, default=None),
-    "fp16": Row("train.precision", "true refused: no fp16 here", _precision, default=False),
+    "bf16": Row(
+        "train.precision",
+        "true: bf16; false: fp32; null (TRL's default): auto",
+        _precision,
+        default=None,
+        read=_optional(_boolean),
+    ),
+    "fp16": Row("train.precision", "true refused: no fp16 here", _precision, default=False, read=_boolean),
     "gradient_checkpointing": Row(
-        "train.activation_checkpointing", "TRL's default true", _to("train.activation_checkpointing"), default=True
+        "train.activation_checkpointing",
+        "TRL's default true",
+        _to("train.activation_checkpointing"),
+        default=True,
+        read=_boolean,
     ),
     "gradient_checkpointing_kwargs": Row(
         "", "always non-reentrant here", harmless=(None, {}, {"use_reentrant": False})
     ),
-    "report_to": Row("train.report_to", "none or tensorboard; others refused", _report_to, default="none"),
+    "report_to": Row(
+        "train.report_to", "none or tensorboard; others refused", _report_to, default="none", read=_optional(_names)
+    ),
     "eval_strategy": Row(
         "eval.every",
         "steps: eval_steps (else logging_steps); needs eval.path, a built dataset",
         _eval_every,
         default="no",
+        read=_choice(("no", "steps"), "eval.every"),
     ),
-    "eval_steps": Row("eval.every", "with eval_strategy steps (above)", _read_elsewhere, default=None),
+    "eval_steps": Row(
+        "eval.every",
+        "with eval_strategy steps (above)",
+        _read_elsewhere,
+        default=None,
+        read=_optional(_number(0, open_low=True)),
+    ),
     "per_device_eval_batch_size": Row("", "evaluation is packed like training; " + _UNUSED, harmless=(8,)),
-    "dataloader_num_workers": Row("data.num_workers", "", _to("data.num_workers"), default=0),
-    "dataloader_drop_last": Row("", "no pair is dropped here (the last step may be short)", harmless=(False,)),
+    "dataloader_num_workers": Row("data.num_workers", "", _to("data.num_workers"), default=0, read=_count(0)),
+    "dataloader_drop_last": Row(
+        "", "no pair is dropped here (the last step may be short)", harmless=(False,), read=_boolean
+    ),
     "use_cpu": Row(
-        "distributed.device", "true: cpu", lambda v, ctx: {"distributed.device": "cpu"} if v else {}, default=False
+        "distributed.device",
+        "true: cpu",
+        lambda v, ctx: {"distributed.device": "cpu"} if v else {},
+        default=False,
+        read=_boolean,
     ),
     "run_name": Row("", "the run is named by train.output_dir; " + _UNUSED, harmless=(None,)),
-    "use_liger_kernel": Row("", "no Liger kernels here", harmless=(False,)),
+    "use_liger_kernel": Row("", "no Liger kernels here", harmless=(False,), read=_boolean),
     # older TRL names
     "rpo_alpha": Row(
         "loss.nll_weight",
         "TRL before 1.16 (1.16: loss_type [sigmoid, sft], loss_weights [1, a])",
         lambda v, ctx: {} if v is None else {"loss.nll_weight": v},
+        read=_optional(_number(0)),
     ),
     "max_prompt_length": Row("", _build_time("--max-length N") + " (prompt and completion together)"),
     "max_completion_length": Row("", _build_time("--max-length N") + " (a completion is never truncated here)"),
     # TRL's ModelConfig and ScriptArguments (the YAML of `trl dpo`)
     "model_name_or_path": Row(
-        "model.path", "a local model directory (dpo-train is offline)", _model_path, default=None
+        "model.path",
+        "a local model directory (dpo-train is offline)",
+        _model_path,
+        default=None,
+        read=_optional(_text),
     ),
     "model_revision": Row("", "offline: download that revision, point model_name_or_path at it", harmless=("main",)),
     "dtype": Row("", "weights train in fp32 here; bf16: true for bf16 compute", harmless=("float32",)),
     "attn_implementation": Row(
-        "model.attention", "flash_attention_2, sdpa, eager; null: auto", _attention, default=None
+        "model.attention", "flash_attention_2, sdpa, eager; null: auto", _attention, default=None, read=_attention_name
     ),
-    "use_peft": Row("model.lora", "true: {r, alpha, dropout, target_modules} from lora_*", _lora, default=False),
-    "lora_r": Row("model.lora.r", "with use_peft", _read_elsewhere, default=16),
-    "lora_alpha": Row("model.lora.alpha", "with use_peft", _read_elsewhere, default=32),
-    "lora_dropout": Row("model.lora.dropout", "with use_peft", _read_elsewhere, default=0.05),
+    "use_peft": Row(
+        "model.lora", "true: {r, alpha, dropout, target_modules} from lora_*", _lora, default=False, read=_boolean
+    ),
+    "lora_r": Row("model.lora.r", "with use_peft", _read_elsewhere, default=16, read=_count(1)),
+    "lora_alpha": Row("model.lora.alpha", "with use_peft", _read_elsewhere, default=32, read=_number(0, open_low=True)),
+    "lora_dropout": Row(
+        "model.lora.dropout", "with use_peft", _read_elsewhere, default=0.05, read=_number(0, 1, open_high=True)
+    ),
     "lora_target_modules": Row(
-        "model.lora.target_modules", "with use_peft; required then", _read_elsewhere, default=None
+        "model.lora.target_modules",
+        "with use_peft; required then",
+        _read_elsewhere,
+        default=None,
+        read=_optional(_names),
     ),
     "lora_target_parameters": Row("", "LoRA on linear modules only", harmless=(None,)),
     "lora_modules_to_save": Row("", "no extra trained modules with LoRA here", harmless=(None,)),
     "lora_task_type": Row("", "causal LMs only", harmless=("CAUSAL_LM",)),
-    "use_rslora": Row("", "plain LoRA scaling only", harmless=(False,)),
-    "use_dora": Row("", "no DoRA here", harmless=(False,)),
-    "load_in_8bit": Row("", "no quantized training here", harmless=(False,)),
-    "load_in_4bit": Row("", "no quantized training here", harmless=(False,)),
+    "use_rslora": Row("", "plain LoRA scaling only", harmless=(False,), read=_boolean),
+    "use_dora": Row("", "no DoRA here", harmless=(False,), read=_boolean),
+    "load_in_8bit": Row("", "no quantized training here", harmless=(False,), read=_boolean),
+    "load_in_4bit": Row("", "no quantized training here", harmless=(False,), read=_boolean),
     "bnb_4bit_quant_type": Row("", "no quantized training here", harmless=("nf4",)),
-    "use_bnb_nested_quant": Row("", "no quantized training here", harmless=(False,)),
+    "use_bnb_nested_quant": Row("", "no quantized training here", harmless=(False,), read=_boolean),
     "bnb_4bit_quant_storage": Row("", "no quantized training here", harmless=(None,)),
     "dataset_name": Row(
-        "data.path", "a dataset built by `dpo-data build` (else refused with the command)", _dataset, default=None
+        "data.path",
+        "a dataset built by `dpo-data build` (else refused with the command)",
+        _dataset,
+        default=None,
+        read=_optional(_text),
     ),
     "dataset_config": Row("", "the build reads files, not Hub configs", harmless=(None,)),
     "dataset_train_split": Row(
@@ -521,8 +738,8 @@ TABLE: dict[str, Row] = {
     "dataset_test_split": Row(
         "", "a built dataset is one split: build each, eval.path for held-out", harmless=("test",)
     ),
-    "dataset_streaming": Row("", "built datasets are memory-mapped", harmless=(False,)),
-    "ignore_bias_buffers": Row("", _UNUSED, harmless=(False,)),
+    "dataset_streaming": Row("", "built datasets are memory-mapped", harmless=(False,), read=_boolean),
+    "ignore_bias_buffers": Row("", _UNUSED, harmless=(False,), read=_boolean),
 }
 """Every TRL name this toolkit knows: what it maps to, or why it is refused. The only place TRL names live;
 docs/train-config.md's table is `markdown_table()` (tests/test_trl_config.py checks both)."""
@@ -540,16 +757,20 @@ def hint(name: str) -> str | None:
 
 def translate(trl: dict, world: int = 1, overrides: list[str] = ()) -> tuple[dict, list[str]]:
     """A flat TRL config -> (this toolkit's config as sections, notes for the user); every field that does
-    not translate is named in one ConfigError. TRL's default is translated for each mapped field the file
-    omits, so the config trains as TRL would; `overrides` (--set) apply last."""
+    not translate is named in one ConfigError. Each value is read as TRL's parser reads it (its row's reader);
+    TRL's default is translated for each mapped field the file omits, so the config trains as TRL would;
+    `overrides` (--set) apply last."""
     overridden = frozenset(item.partition("=")[0].strip() for item in overrides)
+    read, refused = _read_fields(trl)
     filled = {name: row.default for name, row in TABLE.items() if row.convert and row.default is not _UNSET}
-    ctx = Context({**filled, **trl}, world, overridden)
+    ctx = Context({**filled, **read}, world, overridden)
     keys, problems, unused = {}, [], []
     for name in [*trl, *(name for name in filled if name not in trl)]:  # the file's order, then TRL's defaults
-        value = ctx.trl[name]
+        if name in refused:
+            problems.append(refused[name])
+            continue
         try:
-            for key, out in _translate_one(name, value, ctx, unused).items():
+            for key, out in _translate_one(name, ctx.trl[name], ctx, unused).items():
                 if key in keys and keys[key][0] != out:
                     problems.append(
                         f"{name} sets {key} to {out!r}, and {keys[key][1]} to {keys[key][0]!r}; make them agree"
@@ -568,8 +789,63 @@ def translate(trl: dict, world: int = 1, overrides: list[str] = ()) -> tuple[dic
         sections.setdefault(section, {})[name] = value
     for item in overrides:
         _apply_override(sections, item)
-    load_config(sections)  # the translation is a config this toolkit accepts, or its problems are named
+    _load(sections, read, overridden)
     return {"format_version": 1, **{s: sections[s] for s in SECTIONS if s in sections}}, _notes(sections, unused)
+
+
+def _read_fields(trl: dict) -> tuple[dict, dict]:
+    """The file's fields as TRL's parser reads them, each through its row's reader, and {key: why} for each
+    key that is not a name (`1:`, `true:`, `null:`) or value its reader refuses. A refused field is left out of
+    the first: the others then read its TRL default, so that every problem is named at once."""
+    read, refused = {}, {}
+    for name, value in trl.items():
+        if not isinstance(name, str):
+            refused[name] = (
+                f"the key {name!r} is not a field name (YAML reads it as {_kind(name)}); TRL's fields are names "
+                "such as learning_rate: write the field's name, or drop the line"
+            )
+            continue
+        row = TABLE.get(name)
+        try:
+            read[name] = row.read(name, value) if row is not None and row.read is not None else value
+        except Untranslatable as error:
+            refused[name] = str(error)
+    return read, refused
+
+
+def _kind(key: Any) -> str:
+    """What YAML made of a key that is not text: `null:`, `true:`, `1:`, `2024-01-01:`."""
+    if key is None:
+        return "null"
+    if isinstance(key, bool):
+        return "a boolean"
+    return "a number" if isinstance(key, (int, float)) else f"a {type(key).__name__}"
+
+
+def _load(sections: dict, read: dict, overridden: frozenset) -> None:
+    """The translation is a config this toolkit accepts, or load_config's problems are named, with the TRL
+    fields of the file behind each key they name (a key set by --set is the user's own)."""
+    try:
+        load_config(sections)
+    except ConfigError as error:
+        message = str(error)
+        behind = [
+            f"{key} from {', '.join(f'{name} {_shown(read[name])}' for name in names)}"
+            for key, names in _setters(read).items()
+            if not any(key == done or key.startswith(done + ".") for done in overridden)
+            and re.search(re.escape(key).replace(r"\.", "[./]") + r"\b", message)
+        ]
+        raise ConfigError(message + (f"\n  (from the TRL config: {'; '.join(behind)})" if behind else "")) from None
+
+
+def _setters(read: dict) -> dict[str, list[str]]:
+    """Each key here -> the fields of the file whose row sets it (optim.betas[0] is optim.betas)."""
+    setters: dict[str, list[str]] = {}
+    for name in read:
+        row = TABLE.get(name)
+        for key in row.here.split(", ") if row is not None and row.here else ():
+            setters.setdefault(re.sub(r"\[\d+\]$", "", key), []).append(name)
+    return setters
 
 
 def _translate_one(name: str, value: Any, ctx: Context, unused: list[str]) -> dict:
@@ -581,27 +857,26 @@ def _translate_one(name: str, value: Any, ctx: Context, unused: list[str]) -> di
     if value in row.harmless and type(value) is type(row.harmless[row.harmless.index(value)]):
         unused.append(name)
         return {}
-    _refuse(f"{name} is {value!r:.60}; this toolkit has no counterpart: {row.note}; drop it")
+    _refuse(f"{name} is {_shown(value)}; this toolkit has no counterpart: {row.note}; drop it")
 
 
 def _unknown(name: str, value: Any, unused: list[str]) -> dict:
-    """A field outside the table: a TrainingArguments field at its default changes nothing; any other value,
-    and any other name, is refused by name."""
+    """A field outside the table: a TrainingArguments field at its default changes nothing (a boolean read as
+    TRL reads one); any other value, and any other name, is refused by name."""
     from transformers import TrainingArguments  # only a TRL config needs it
 
     defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
-    if name in defaults and value == defaults[name]:
+    if name not in defaults:
+        _refuse(
+            f"{name} is not a field of TRL 1.16's DPOConfig, TrainingArguments, ModelConfig or ScriptArguments"
+            + _suggest(name, list(TABLE) + list(defaults))
+        )
+    if isinstance(defaults[name], bool):
+        value = _boolean(name, value)
+    if value == defaults[name]:
         unused.append(name)
         return {}
-    if name in defaults:
-        _refuse(f"{name} is {value!r:.60}: a transformers TrainingArguments field with no counterpart here; drop it")
-    import difflib
-
-    close = difflib.get_close_matches(name, list(TABLE) + list(defaults), n=1)
-    _refuse(
-        f"{name} is not a field of TRL 1.16's DPOConfig, TrainingArguments, ModelConfig or ScriptArguments"
-        + (f" (did you mean {close[0]!r}?)" if close else "")
-    )
+    _refuse(f"{name} is {_shown(value)}: a transformers TrainingArguments field with no counterpart here; drop it")
 
 
 def _notes(sections: dict, unused: list[str]) -> list[str]:

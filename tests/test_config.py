@@ -155,7 +155,10 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         ),
         (
             ["loss.type=robust", "loss.label_smoothing=0.5"],
-            "loss.label_smoothing is 0.5; robust allows [0, 0.5); set it inside that range",
+            "loss.label_smoothing is 0.5; robust allows [0, 0.5): it is the chance that a pair's labels are "
+            "flipped, so at 0.5 chosen and rejected weigh the same and the gradient vanishes at parity (the policy "
+            "still the reference), and above 0.5 every preference is flipped; set it below 0.5 (robust DPO's paper "
+            "suggests 0.1)",
         ),
         (
             ["loss.type=ipo", "loss.label_smoothing=0.1"],
@@ -181,7 +184,7 @@ def test_each_rule_refuses_its_case_by_name(overrides, message):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["loss.type=sigmoid", "loss.label_smoothing=0.5"],
+        ["loss.type=sigmoid", "loss.label_smoothing=0.49"],
         ["loss.type=robust", "loss.label_smoothing=0.49"],
         ["loss.type=simpo", "reference.mode=none"],
         ["loss.router_aux_coef=null", "loss.nll_weight=0"],
@@ -311,11 +314,14 @@ def test_a_list_of_types_loads_and_reloads_from_its_resolved_form():
         ),
         (
             ["loss.type=exo_pair"],
-            "loss.label_smoothing is 0.0; exo_pair allows (0, 1); set it inside that range",
+            "loss.label_smoothing is 0.0; exo_pair allows (0, 0.5); set it inside that range",
         ),
         (
             ["loss.type=[sigmoid, exo_pair]", "loss.label_smoothing=0.7"],
-            "loss.label_smoothing is 0.7; sigmoid allows [0, 0.5]; set it inside that range",
+            "loss.label_smoothing is 0.7; sigmoid allows [0, 0.5), exo_pair allows (0, 0.5): it is the chance that "
+            "a pair's labels are flipped, so at 0.5 chosen and rejected weigh the same and the gradient vanishes at "
+            "parity (the policy still the reference), and above 0.5 every preference is flipped; set it below 0.5 "
+            "(robust DPO's paper suggests 0.1)",
         ),
         (
             ["loss.discopop_tau=0.2"],
@@ -647,7 +653,7 @@ def test_each_sorted_rule_refuses_its_case_by_name(overrides, message):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["loss.type=aot", "loss.label_smoothing=0.5"],
+        ["loss.type=aot", "loss.label_smoothing=0.49"],
         ["loss.type=[aot, aot_unpaired, sft]", "loss.ld_alpha=0.5", "reference.mode=live"],
         ["loss.type=aot", "reference.mode=precomputed", "reference.path=sidecar"],
         ["loss.type=aot_unpaired", "distributed.sequence_parallel={ulysses: 2}"],

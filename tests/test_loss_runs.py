@@ -77,9 +77,9 @@ ON_POLICY = {
 
 
 def _inside(interval: Interval) -> float:
-    """A label_smoothing the type allows: 0 where it may be 0, else just above the interval's low end (exo_pair:
+    """A label_smoothing the type allows: 0 where it may be 0, else 1e-3 above the interval's low end (exo_pair:
     1e-3, the EXO paper's epsilon)."""
-    return 0.0 if 0.0 in interval else interval.low + 1e-3 * (interval.high - interval.low)
+    return 0.0 if 0.0 in interval else interval.low + 1e-3
 
 
 def _loss_section(name: str) -> dict:

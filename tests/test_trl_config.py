@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from dpo_train.config import load_config
 from dpo_train.errors import ConfigError
 from dpo_train.trl_config import KEEP_ALL, TABLE, markdown_table, translate
+from tests.harness import cli_argv, run_process
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
 
@@ -184,9 +186,11 @@ def test_every_field_without_a_counterpart_is_refused_by_name_in_one_error():
     refused = [name for name, row in TABLE.items() if row.convert is None]
     with pytest.raises(ConfigError) as caught:
         translate({name: 12345 for name in refused})
-    lines = str(caught.value).splitlines()[1:]
-    assert [line.split(" is 12345")[0] for line in lines] == [f"  - {name}" for name in refused]
-    assert all("this toolkit has no counterpart" in line and line.endswith("drop it") for line in lines)
+    lines = dict(zip(refused, str(caught.value).splitlines()[1:], strict=True))
+    assert [line.split(" is 12345")[0] for line in lines.values()] == [f"  - {name}" for name in refused]
+    for name, line in lines.items():  # a boolean field is read as TRL reads one first: 12345 is none
+        flag = TABLE[name].read is not None
+        assert "TRL reads a boolean" in line if flag else "no counterpart" in line and line.endswith("drop it")
     assert (
         "max_length is 12345; this toolkit has no counterpart: a build option here: `dpo-data build --max-length"
         in (str(caught.value))
@@ -288,3 +292,251 @@ def test_dpo_train_from_trl_prints_a_config_dpo_train_loads(tmp_path, run_cli):
 def test_the_docs_table_is_the_modules_table():
     table = DOCS.read_text().split("<!-- trl:start -->\n")[1].split("<!-- trl:end -->")[0]
     assert table == markdown_table()
+
+
+# -- hostile values (issue 33): every value a TRL YAML can hold ends as a translation or one named error ----------
+
+HOSTILE = ["false", "true", "maybe", "", float("nan"), float("inf"), float("-inf"), [True], ["a", 1], {"a": 1}]
+HOSTILE += [None, 10**30, -5, -0.5, 2]
+"""Quoted booleans, other text, NaN and infinities, lists and mappings where one value belongs, null, an integer
+past every range, negatives, a number no boolean is."""
+
+OUTSIDE_THE_TABLE = ["push_to_hub", "hub_model_id", "learnig_rate"]
+"""A TrainingArguments field with a boolean default, one with a text default, and a name TRL does not have."""
+
+
+def _outcome(trl: dict, **kwargs) -> dict | str:
+    """translate's config, or its ConfigError's message; any other exception fails the test as it is."""
+    try:
+        return translate(trl, **kwargs)[0]
+    except ConfigError as error:
+        return str(error)
+
+
+def _with(name: str) -> dict:
+    """What a field is read with (SAMPLES' other fields: use_peft for lora_r, ...), so that its own value is judged."""
+    return {k: v for k, v in SAMPLES.get(name, ({},))[0].items() if k != name and v != "BUILT"}
+
+
+@pytest.mark.parametrize("name", [*TABLE, *OUTSIDE_THE_TABLE])
+def test_every_field_takes_every_hostile_value_to_a_translation_or_an_error_naming_it(name):
+    for value in HOSTILE:
+        out = _outcome({**_with(name), name: value})  # named by itself, not as a part of a key here (loss.beta)
+        assert isinstance(out, dict) or re.search(rf"(?<![\w./]){name}(?!\w)", out), (value, out)
+
+
+def test_every_field_that_converts_reads_its_value_by_its_kind_first():
+    assert [name for name, row in TABLE.items() if row.convert and row.read is None] == []
+
+
+def test_every_field_trl_types_as_a_boolean_reads_text_as_trls_parser_and_refuses_the_rest():
+    trl = pytest.importorskip("trl")
+    typed = {
+        f.name: f.type for c in (trl.DPOConfig, trl.ModelConfig, trl.ScriptArguments) for f in dataclasses.fields(c)
+    }
+    booleans = [name for name in TABLE if typed.get(name) in (bool, "bool", bool | None, "bool | None")]
+    assert len(booleans) >= 20 and "bf16" in booleans and "use_peft" in booleans
+    for name in booleans:
+        read = TABLE[name].read
+        assert (read(name, "No"), read(name, "TRUE"), read(name, 0), read(name, True)) == (False, True, False, True)
+        for value in ("maybe", 2, [True], 0.0):
+            with pytest.raises(ConfigError, match=f"^{name} is .*; TRL reads a boolean here"):
+                read(name, value)
+
+
+@pytest.mark.parametrize(
+    "text", ["yes", "YES", "True", "t", "Y", "1", "no", "No", "FALSE", "f", "N", "0", "maybe", "", "on", " true", "2"]
+)
+def test_a_boolean_as_text_means_what_transformers_string_to_bool_says(text):
+    from argparse import ArgumentTypeError
+
+    from transformers.hf_argparser import string_to_bool
+
+    try:
+        expected = string_to_bool(text)
+    except ArgumentTypeError:  # on, off, a space: TRL's parser refuses them, and so does the translation
+        assert "gradient_checkpointing is" in _outcome({"gradient_checkpointing": text})
+        return
+    config = load_config(translate({"gradient_checkpointing": text})[0])
+    assert config.train.activation_checkpointing is expected
+
+
+@pytest.mark.parametrize(
+    "trl, key, expected",
+    [
+        ({"bf16": "false"}, "train.precision", "fp32"),
+        ({"bf16": "FALSE"}, "train.precision", "fp32"),
+        ({"bf16": "n"}, "train.precision", "fp32"),
+        ({"bf16": 0}, "train.precision", "fp32"),
+        ({"bf16": "true"}, "train.precision", "bf16"),
+        ({"bf16": "Yes", "fp16": "false"}, "train.precision", "bf16"),
+        ({"use_peft": "no", "lora_target_modules": ["q_proj"]}, "model.lora", None),
+        ({"use_peft": "false", "lora_target_modules": ["q_proj"]}, "model.lora", None),
+        (
+            {"use_peft": "yes", "lora_target_modules": ["q_proj"], "lora_r": "4"},
+            "model.lora",
+            {"r": 4, "alpha": 32, "dropout": 0.05, "target_modules": ["q_proj"]},
+        ),
+        ({"precompute_ref_log_probs": "false", "output_dir": "/r/x"}, "reference.mode", "live"),
+        ({"precompute_ref_log_probs": "t", "output_dir": "/r/x"}, "reference.path", "/r/x-reference"),
+        ({"gradient_checkpointing": "false"}, "train.activation_checkpointing", False),
+        ({"sync_ref_model": "false"}, "reference.sync_ref_model", False),
+        ({"sync_ref_model": "TRUE"}, "reference.sync_ref_model", True),
+        ({"use_weighting": "0"}, "loss.use_weighting", False),
+        ({"use_cpu": "false"}, "distributed.device", "auto"),
+        ({"use_cpu": "y"}, "distributed.device", "cpu"),
+        ({"learning_rate": "1e-5"}, "optim.lr", 1e-5),
+        ({"per_device_train_batch_size": "3", "gradient_accumulation_steps": 2.0}, "data.pairs_per_step", 6),
+    ],
+)
+def test_quoted_booleans_and_numbers_translate_as_trl_reads_them(trl, key, expected):
+    assert _value(load_config(translate(trl)[0]), key) == expected
+
+
+def test_a_quoted_boolean_that_changes_nothing_is_accepted_as_its_value():
+    trl = {"padding_free": "false", "disable_dropout": "True", "use_liger_kernel": "no", "push_to_hub": "false"}
+    assert translate(trl)[1][-1] == f"accepted, changing nothing here: {', '.join(trl)}"
+    assert "disable_dropout is False; this toolkit has no counterpart" in _outcome({"disable_dropout": "false"})
+
+
+@pytest.mark.parametrize(
+    "trl, message",
+    [
+        ({"bf16": "maybe"}, "bf16 is 'maybe'; TRL reads a boolean here: true or false, or (its parser's"),
+        ({"bf16": 2}, "bf16 is 2; TRL reads a boolean here"),
+        ({"bf16": [True]}, "bf16 is [True]; TRL reads a boolean here"),
+        ({"use_peft": None}, "use_peft is None; TRL reads a boolean here"),
+        ({"per_device_train_batch_size": float("nan")}, "per_device_train_batch_size is nan; here it must be a whole"),
+        ({"max_steps": float("inf")}, "max_steps is inf; here it must be a whole number >= -1; set max_steps to one"),
+        ({"warmup_ratio": float("inf")}, "warmup_ratio is inf; here it must be a finite number in [0, 1]"),
+        ({"learning_rate": float("nan")}, "learning_rate is nan; here it must be a finite number > 0"),
+        ({"learning_rate": "nan"}, "learning_rate is 'nan'; here it must be a finite number > 0"),
+        ({"lr_scheduler_type": ["linear"]}, "lr_scheduler_type is ['linear']; here: linear, cosine, constant"),
+        ({"optim": {"name": "sgd"}}, "optim is {'name': 'sgd'}; here: adamw_torch, adamw_torch_fused, adamw, sgd"),
+        ({"loss_type": {"a": 1}}, "loss_type is {'a': 1}; give a name or a list of names (loss_type: [a, b])"),
+        ({"report_to": 5}, "report_to is 5; give a name or a list of names"),
+        ({"save_strategy": False}, "save_strategy is False (YAML reads a bare yes/no/on/off as a boolean: quote"),
+        ({"model_init_kwargs": {1: "x"}}, "model_init_kwargs is {1: 'x'}; give a mapping of names to values"),
+        ({1: 2}, "the key 1 is not a field name (YAML reads it as a number); TRL's fields are names"),
+        ({True: 2}, "the key True is not a field name (YAML reads it as a boolean)"),
+        ({None: 2}, "the key None is not a field name (YAML reads it as null)"),
+        ({"warmup_ratio": 5, "max_steps": 10}, "warmup_ratio is 5; here it must be a finite number in [0, 1]; "),
+    ],
+)
+def test_each_hostile_value_of_issue_33_is_one_named_error(trl, message):
+    out = _outcome(trl)
+    assert isinstance(out, str) and out.startswith("the TRL config does not translate") and message in out, out
+
+
+def _named(error: str) -> list[str]:
+    """The field (or the key that is not a name) each line of a translation error names, in its order."""
+    return re.findall(r"^  - (?:the key )?(\S+)", error, re.MULTILINE)
+
+
+def test_every_problem_is_named_at_once_in_the_files_order():
+    out = _outcome({"bf16": "maybe", 1: 2, "optim": ["sgd"], "learning_rate": 1e-5, "max_steps": -3})
+    assert _named(out) == [
+        "bf16",
+        "1",
+        "optim",
+        "max_steps",
+    ]
+
+
+def test_a_key_the_translated_config_refuses_names_the_trl_fields_behind_it_not_an_override():
+    out = _outcome({"learning_rate": 10**30, "per_device_train_batch_size": 10**7})
+    assert "optim/lr: 1000000000000000000000000000000 is greater than the maximum of 100" in out
+    assert out.endswith(
+        "(from the TRL config: optim.lr from learning_rate 1000000000000000000000000000000; "
+        "data.pairs_per_step from per_device_train_batch_size 10000000)"
+    )
+    assert "from the TRL config" not in _outcome({"learning_rate": 1e-5}, overrides=["optim.lr=500"])
+
+
+def test_a_warmup_ratio_is_a_share_of_the_steps_inside_0_and_1():
+    warmup = [
+        load_config(translate(trl)[0]).optim.warmup_steps
+        for trl in (
+            {"warmup_ratio": 1, "max_steps": 10},
+            {"warmup_ratio": 0.25, "max_steps": 10},
+            {"warmup_ratio": 0},
+        )
+    ]
+    assert warmup == [10, 3, 0]  # today 1 was one step; 0 needs no max_steps
+    for ratio in (5, 1.5, -0.1):
+        assert f"warmup_ratio is {ratio}; here it must be a finite number in [0, 1]; warmup_ratio is a share of " in (
+            _outcome({"warmup_ratio": ratio, "max_steps": 100})
+        )
+
+
+VANISHES = "at 0.5 chosen and rejected weigh the same and the gradient vanishes at parity"
+
+
+@pytest.mark.parametrize("types", ["sigmoid", "aot", "aot_unpaired", "simpo", "robust", "exo_pair", "[cpo, sft]"])
+@pytest.mark.parametrize("smoothing", [0.5, 0.7])
+def test_label_smoothing_from_one_half_is_refused_naming_why(types, smoothing):
+    overrides = [f"loss.type={types}", f"loss.label_smoothing={smoothing}", "reference.mode=live"]
+    if types in ("simpo", "[cpo, sft]"):
+        overrides[-1] = "reference.mode=none"
+    with pytest.raises(ConfigError) as caught:
+        load_config({}, overrides)
+    assert str(caught.value).startswith(f"loss.label_smoothing is {smoothing}; ") and VANISHES in str(caught.value)
+    load_config({}, [*overrides[:1], "loss.label_smoothing=0.49", overrides[2]])
+
+
+def test_a_translated_label_smoothing_of_one_half_is_refused_naming_the_trl_field():
+    for loss in ("aot", "robust", "exo_pair"):
+        out = _outcome({"loss_type": loss, "label_smoothing": 0.5})
+        assert VANISHES in out and out.endswith("(from the TRL config: loss.label_smoothing from label_smoothing 0.5)")
+    assert "label_smoothing is -0.1; here it must be a finite number >= 0" in _outcome({"label_smoothing": -0.1})
+
+
+TRL_HOSTILE_YAML = """\
+per_device_train_batch_size: .nan
+warmup_ratio: .inf
+learning_rate: .nan
+max_steps: -.inf
+lr_scheduler_type: [linear]
+optim: {name: sgd}
+loss_type: {a: 1}
+report_to: 5
+bf16: maybe
+use_cpu: 2
+1: one
+null: none
+"""
+
+TRL_QUOTED_YAML = """\
+bf16: 'false'
+use_peft: 'no'
+lora_target_modules: [q_proj]
+precompute_ref_log_probs: 'false'
+gradient_checkpointing: 'False'
+sync_ref_model: 'n'
+max_steps: 10
+warmup_ratio: 1
+"""
+
+
+def test_dpo_train_from_trl_refuses_hostile_yaml_in_one_error_without_a_traceback(tmp_path):
+    (tmp_path / "trl.yaml").write_text(TRL_HOSTILE_YAML)
+    proc = run_process(cli_argv("train", "--from-trl", tmp_path / "trl.yaml"), code=2)
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.startswith("error: the TRL config does not translate")
+    assert _named(proc.stderr) == [key.partition(":")[0] for key in TRL_HOSTILE_YAML.splitlines()][:-1] + ["None"]
+
+
+def test_dpo_train_from_trl_reads_quoted_booleans_as_trl_does(tmp_path, run_cli):
+    from dpo_cli.train import main
+
+    (tmp_path / "trl.yaml").write_text(TRL_QUOTED_YAML)
+    result = run_cli(main, "--from-trl", tmp_path / "trl.yaml")
+    assert result.exit_code == 0, result.stderr
+    (tmp_path / "train.yaml").write_text(result.stdout)
+    config = load_config(tmp_path / "train.yaml")
+    assert (config.train.precision, config.model.lora, config.reference.mode) == ("fp32", None, "live")
+    assert (config.train.activation_checkpointing, config.reference.sync_ref_model) == (False, False)
+    assert config.optim.warmup_steps == 10
+    (tmp_path / "keys.yaml").write_text("true: 1\nbf16: 'false'\n")
+    result = run_cli(main, "--from-trl", tmp_path / "keys.yaml")
+    assert result.exit_code == 2 and "the key True is not a field name" in result.stderr
