@@ -101,9 +101,9 @@ def main() -> None:
     "--part",
     default=None,
     metavar="K/N",
-    help="Build only part K of N (0-based): every N-th span of --pairs-per-shard rows from the K-th, into --out "
-    "as a part (part.json written last); join parts 0..N-1 with dpo-data merge. A part already built with the "
-    "same plan is skipped. Default: read from SLURM_ARRAY_TASK_ID/_COUNT in a Slurm job array; none builds "
+    help="Build only part K of N (0-based, N <= 100000): every N-th span of --pairs-per-shard rows from the K-th, "
+    "into --out as a part (part.json written last); join parts 0..N-1 with dpo-data merge. A part already built "
+    "with the same plan is skipped. Default: read from SLURM_ARRAY_TASK_ID/_COUNT in a Slurm job array; none builds "
     "the whole dataset.",
 )
 def build(

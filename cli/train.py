@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +13,23 @@ import traceback
 
 import click
 
+from dpo_cli.errors import fail
+
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+MAX_NODES = 100_000
+"""--nnodes at most: more machines than the largest clusters have is a typo, and torchrun's rendezvous would
+wait for every one of them (it waited, silently, for --nnodes 99999999999999999999)."""
+MAX_PROCS_PER_NODE = 1_024
+"""--nproc-per-node at most: each process is a rank holding the model (or its shard) on this machine, and no
+machine has that many accelerators or cores; torchrun would start every one before the first could fail."""
+RDZV_BACKENDS = ("c10d", "static", "etcd-v2", "etcd")
+"""torchrun's own rendezvous backends (torch.distributed.elastic.rendezvous.registry); the etcd ones need the
+python-etcd package and an etcd server at --rdzv-endpoint."""
+_ENDPOINT_HELP = "HOST:PORT with PORT 1-65535, HOST a hostname, an IPv4 address or [IPv6] (e.g. node0:29500)"
+_LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,62}")  # of a hostname or IPv4 address: no space, no leading '-'
+_PORT = re.compile(r"[0-9]{1,5}")
+_RDZV_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a key in the rendezvous store, e.g. a Slurm job id
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -38,7 +57,8 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     default=1,
     show_default=True,
     metavar="N",
-    help="Processes on this machine; N > 1 relaunches under torchrun (running under torchrun works too).",
+    help=f"Processes on this machine, 1 to {MAX_PROCS_PER_NODE}; N > 1 relaunches under torchrun (running under "
+    "torchrun works too).",
 )
 @click.option(
     "--nnodes",
@@ -46,8 +66,8 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     default=1,
     show_default=True,
     metavar="N",
-    help="Machines in the run, each launching --nproc-per-node processes (torchrun's --nnodes); N > 1 needs "
-    "--rdzv-endpoint, and train.output_dir on a filesystem every node sees.",
+    help=f"Machines in the run, 1 to {MAX_NODES}, each launching --nproc-per-node processes (torchrun's --nnodes); "
+    "N > 1 needs --rdzv-endpoint, and train.output_dir on a filesystem every node sees.",
 )
 @click.option(
     "--node-rank",
@@ -61,19 +81,22 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
     "--rdzv-endpoint",
     metavar="HOST:PORT",
     default=None,
-    help="Where the nodes meet (torchrun's --rdzv-endpoint): a host every node reaches, e.g. the first node.",
+    help="Where the nodes meet (torchrun's --rdzv-endpoint): a host every node reaches, e.g. the first node; "
+    f"{_ENDPOINT_HELP}.",
 )
 @click.option(
     "--rdzv-backend",
     default="c10d",
     show_default=True,
-    help="torchrun's rendezvous backend: c10d, or static (node ranks as given).",
+    help="torchrun's rendezvous backend: c10d, static (node ranks as given), or etcd-v2 / etcd (python-etcd and an "
+    "etcd server).",
 )
 @click.option(
     "--rdzv-id",
     default="dpo-train",
     show_default=True,
-    help="The run's rendezvous id, the same on every node (e.g. $SLURM_JOB_ID).",
+    help="The run's rendezvous id, the same on every node (e.g. $SLURM_JOB_ID): 1 to 128 letters, digits, '.', '_' "
+    "or '-'.",
 )
 @click.option(
     "--precompute-reference",
@@ -136,6 +159,7 @@ def main(
     (train.parity_guard): a difference is exit 2 before the optimizer steps. Supported architectures:
     docs/train-config.md.
     """
+    _counts(nproc_per_node, nnodes)
     if from_trl or not config:
         processes = nproc_per_node * nnodes  # the global batch counts every process of every node
         sys.exit(_translate(config, from_trl, list(overrides), processes, precompute_reference or overwrite))
@@ -169,24 +193,40 @@ def main(
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)
     if overwrite and not precompute_reference:
-        click.echo("error: --overwrite only applies to --precompute-reference; drop it", err=True)
-        sys.exit(2)
+        fail("--overwrite only applies to --precompute-reference; drop it")
     sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite))
+
+
+def _counts(nproc_per_node: int, nnodes: int) -> None:
+    """The process counts within bounds (click takes any integer, 10**20 included), before anything starts."""
+    if not 1 <= nnodes <= MAX_NODES:
+        fail(f"--nnodes is {nnodes}; allowed: 1 or more machines, at most {MAX_NODES}. Fix: the machines in the run")
+    if not 1 <= nproc_per_node <= MAX_PROCS_PER_NODE:
+        fail(
+            f"--nproc-per-node is {nproc_per_node}; allowed: 1 to {MAX_PROCS_PER_NODE} processes on this machine. "
+            "Fix: give one per accelerator (or a few on CPU)"
+        )
 
 
 def _nodes(nnodes: int, node_rank: int, endpoint: str | None, backend: str, rdzv_id: str) -> list[str]:
     """torchrun's arguments for where this launcher's processes sit: `--standalone` on one machine, else the
-    rendezvous every node joins. Bad values are refused here, by name, before torchrun starts."""
-    if nnodes < 1:
-        _refuse(f"--nnodes is {nnodes}; allowed: 1 or more machines")
+    rendezvous every node joins. Bad values are refused here, by name, before torchrun starts: torchrun would
+    print its traceback for some and wait for ever on others."""
+    _rendezvous(backend, rdzv_id)
     if nnodes == 1:
         if endpoint or node_rank:
-            _refuse("--rdzv-endpoint and --node-rank are for --nnodes 2 or more; drop them on one machine")
+            fail("--rdzv-endpoint and --node-rank are for --nnodes 2 or more; drop them on one machine")
         return ["--standalone"]
     if not endpoint:
-        _refuse(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes meet (e.g. the first node)")
+        fail(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes meet (e.g. the first node)")
+    problem = _endpoint_problem(endpoint)
+    if problem:
+        fail(
+            f"--rdzv-endpoint is {endpoint!r} ({problem}); allowed: {_ENDPOINT_HELP}. Fix: the first node's address "
+            "and a free port, the same on every node"
+        )
     if not 0 <= node_rank < nnodes:
-        _refuse(f"--node-rank is {node_rank}; allowed: 0 to {nnodes - 1} with --nnodes {nnodes}")
+        fail(f"--node-rank is {node_rank}; allowed: 0 to {nnodes - 1} with --nnodes {nnodes}")
     return [
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",
@@ -196,9 +236,44 @@ def _nodes(nnodes: int, node_rank: int, endpoint: str | None, backend: str, rdzv
     ]
 
 
-def _refuse(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(2)
+def _rendezvous(backend: str, rdzv_id: str) -> None:
+    """A backend torchrun has (and can load here), and an id the rendezvous store takes as a key."""
+    if backend not in RDZV_BACKENDS:
+        fail(
+            f"--rdzv-backend is {backend!r}; allowed: {', '.join(RDZV_BACKENDS)} (torchrun's). Fix: leave it at c10d, "
+            "which needs no server"
+        )
+    if backend.startswith("etcd") and importlib.util.find_spec("etcd") is None:
+        fail(f"--rdzv-backend {backend} needs the python-etcd package, not installed here; install it, or use c10d")
+    if not _RDZV_ID.fullmatch(rdzv_id):
+        fail(
+            f"--rdzv-id is {rdzv_id!r}; allowed: 1 to 128 letters, digits, '.', '_' or '-'. Fix: a name or number the "
+            "same on every node (e.g. $SLURM_JOB_ID)"
+        )
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a rendezvous endpoint, or None for HOST:PORT (an IPv6 host in brackets, as torchrun
+    reads it). The port is required: torchrun's default differs by backend, and every node must name the same."""
+    host, colon, port = endpoint.rpartition(":")
+    if not colon or not port or endpoint.endswith("]"):
+        return "no port"
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        return f"the port {port!r} is not a number in 1-65535"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is not an IPv6 address"
+        return None
+    if ":" in host:
+        return "an IPv6 address goes in brackets, e.g. [::1]:29500"
+    if not host:
+        return "no host before the port"
+    labels = host.removesuffix(".").split(".")
+    if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return f"the host {host!r} is not a hostname or an IPv4 address"
+    return None
 
 
 def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, overwrite: bool = False) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
 from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, read_dcp_metadata, reading_tensors, safe_reader
 from dpo_state.errors import DocumentError, StateError
-from dpo_state.export_record import EXPORT_FILE, export_problems
+from dpo_state.export_record import export_problems, is_export
 from dpo_state.files import read_json
 from dpo_state.layout import resolve
 from dpo_state.state import (
@@ -121,8 +121,8 @@ def _unique(problems: list[str]) -> list[str]:
 
 def verify_checkpoint(path: str | Path) -> list[str]:
     """`checkpoint_problems` of a step directory, or of a run directory's latest committed checkpoint; for an
-    export (final/, final-merged/: a directory holding export.json), `export_problems`."""
-    if (Path(path) / EXPORT_FILE).is_file():
+    export (final/, final-merged/: a directory holding export.json, or model files that lost it), `export_problems`."""
+    if is_export(path):
         return export_problems(path)
     try:
         directory = resolve(path)

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from dpo_state.export_record import write_export_record
+from dpo_state.export_record import CARD_FILE, write_export_record
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
 from dpo_train.checkpointing import kill_point
 from dpo_train.config import ModelConfig, TrainConfig
 from dpo_train.model import dropout_as_loaded
-from dpo_train.model_card import CARD_FILE, RunFacts, base_model, card_text
+from dpo_train.model_card import RunFacts, base_model, card_text
 from dpo_train.parallel import collectives
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from dpo_state.commit import COMMIT_FILE
+from dpo_state.export_record import CARD_ROWS
 from dpo_state.files import read_json
 from dpo_state.layout import step_dir
 from dpo_state.run_logs import EVAL_LOG, by_step, read_log
 from dpo_train.config import ModelConfig, TrainConfig
 
-CARD_FILE = "README.md"
 _EVAL_ROWS = ("accuracy", "loss", "margin", "logp_accuracy", "nll")
 """The held-out metrics the card compares before and after training (those an eval record has)."""
 
@@ -160,7 +160,11 @@ def _lineage(facts: RunFacts) -> str:
     checkpoint = step_dir(facts.out, facts.step)
     # the export descends from the checkpoint of its own step when one was saved, else from the last one
     parent = checkpoint.name if (checkpoint / COMMIT_FILE).is_file() else facts.lineage.get("parent") or "none"
-    rows = [("run id", facts.lineage["run_id"]), ("exported at step", facts.step), ("parent checkpoint", parent)]
+    rows = [
+        (CARD_ROWS["run_id"], facts.lineage["run_id"]),
+        (CARD_ROWS["step"], facts.step),
+        ("parent checkpoint", parent),
+    ]
     if facts.lineage.get("resumed_from"):  # a path on the machine that trained: its name only
         rows.append(("resumed from", Path(facts.lineage["resumed_from"]).name))
     return "## Lineage\n\n" + _table(rows)

@@ -1,4 +1,5 @@
-"""Hostile checkpoints: pickled payloads never run; tampered rank files, commit records, lineage, logs are refused."""
+"""Hostile checkpoints and exports: pickled payloads never run; tampered rank files, commit records, lineage, logs,
+export records and linked export files are refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import pytest
 
 from dpo_state.commit import write_commit
+from dpo_state.export_record import write_export_record
 from tests.harness import state_here, tiny_config, train_cli, train_here, write_yaml
 
 
@@ -24,7 +26,7 @@ class _CreatesFile:
 
 @pytest.fixture(scope="module")
 def trained(sample_dataset, smollm2_dir, tmp_path_factory):
-    """A run with committed checkpoints at steps 1 and 2, and its config."""
+    """A run with committed checkpoints at steps 1 and 2 and its export (final/), and its config."""
     tmp = tmp_path_factory.mktemp("hostile")
     config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=2, save_every=1)
     train_cli(write_yaml(tmp / "c.yaml", config))
@@ -218,3 +220,56 @@ def test_a_loader_state_that_breaks_its_schema_is_refused(sample_dataset):
     state["format_version"] = 1
     with pytest.raises(DataError, match="loader state format_version 1; this dpo-data reads format_version 2"):
         DPOLoader([sample_dataset], LoaderConfig()).load_state_dict(state)
+
+
+# -- an export (final/) against its export.json, its model card and its run -------------------------------------
+
+
+def _edit_record(final, **fields):
+    path = final / "export.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_an_export_without_its_record_is_named_as_one(run, run_cli):
+    """Before: "holds no committed checkpoint (looked in .../final/checkpoints)"."""
+    final = run / "run" / "final"
+    (final / "export.json").unlink()
+    proc = state_here(run_cli, "verify", final, code=1)
+    assert f"{final} is an export (it holds config.json, model.safetensors, tokenizer.json" in proc.stderr
+    assert "without its export.json, the record its files are checked against" in proc.stderr
+    assert "checkpoint" not in proc.stderr
+
+
+@pytest.mark.parametrize("field, value", [("step", 7), ("run_id", "another-run")])
+def test_an_edited_step_or_run_id_of_an_export_record_fails_verify(field, value, run, run_cli):
+    """Before: verify passed; the model card (hashed in the record) says both."""
+    final = run / "run" / "final"
+    _edit_record(final, **{field: value})
+    proc = state_here(run_cli, "verify", final, code=1)
+    assert f"export.json: {field} is {value!r}, but README.md says" in proc.stderr
+    assert "(edited or corrupted)" in proc.stderr
+
+
+def test_a_forged_run_id_is_caught_by_the_run_s_checkpoints_but_not_in_a_copy(run, tmp_path, run_cli):
+    """Card and record rewritten together, hashes and all: the run directory's checkpoints still name the run. A copy
+    away from them verifies, as docs/checkpoints.md says: the record protects against corruption, not an editor."""
+    final = run / "run" / "final"
+    record = json.loads((final / "export.json").read_text())
+    card = final / "README.md"
+    card.write_text(card.read_text().replace(f"| run id | {record['run_id']} |", "| run id | forged |"))
+    write_export_record(final, record["step"], "forged")
+    proc = state_here(run_cli, "verify", final, code=1)
+    assert f"export.json: run_id is 'forged', but the checkpoints of {run / 'run'} are of run {record['run_id']}" in (
+        proc.stderr
+    )
+    state_here(run_cli, "verify", shutil.copytree(final, tmp_path / "copy"))
+
+
+def test_a_file_of_an_export_replaced_by_a_link_is_refused_by_name(run, tmp_path, run_cli):
+    """Before: a link to an identical file outside final/ verified (and would have been pushed)."""
+    final = run / "run" / "final"
+    outside = shutil.copy(final / "config.json", tmp_path / "config.json")
+    (final / "config.json").unlink()
+    (final / "config.json").symlink_to(outside)
+    proc = state_here(run_cli, "verify", final, code=1)
+    assert f"config.json: a symbolic link (to {outside}), not a file of the export" in proc.stderr

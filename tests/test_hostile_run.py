@@ -1,4 +1,5 @@
-"""Hostile run directories: failing saves, full disks, shared or doomed output_dirs, cut exports, early ends."""
+"""Hostile runs: failing saves, full disks, shared or doomed output_dirs, cut exports, early ends, bad launch flags,
+more loader workers than the machine holds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import cli_argv, state_here, train_cli, train_here
+from tests.harness import cli_argv, free_port, run_process, state_here, train_cli, train_here
 from tests.test_checkpoint import config
 
 
@@ -174,3 +175,133 @@ def test_weights_from_a_lora_checkpoint_names_what_it_is_and_what_to_do(small_da
     stderr = refused(run_cli, path)
     assert "is a LoRA run's checkpoint" in stderr and "resume that run instead" in stderr
     assert "damaged or was replaced" not in stderr
+
+
+# -- launch flags: refused by name before torchrun starts, never its traceback nor a wait ----------------------
+
+LAUNCH_TIMEOUT_S = 60
+"""A launch refusal takes a fraction of a second; one still going after this has gone on to torchrun and waits."""
+
+
+def launch_refused(tmp_path, *flags, code: int = 2) -> str:
+    """`dpo-train CONFIG FLAGS` as a user's shell runs it: exit `code` before anything starts (a hang is killed and
+    fails), one `error:` line, no traceback. Its stderr."""
+    proc = run_process(cli_argv("train", tmp_path / "train.yaml", *flags), code=code, timeout=LAUNCH_TIMEOUT_S)
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: --"), proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--rdzv-endpoint", "127.0.0.1:99999"], "--rdzv-endpoint is '127.0.0.1:99999' (the port '99999' is not"),
+        (["--rdzv-endpoint", ":::"], "--rdzv-endpoint is ':::' (no port)"),
+        (["--rdzv-endpoint", "h:1 --foo"], "--rdzv-endpoint is 'h:1 --foo' (the port '1 --foo' is not a number"),
+        (["--rdzv-endpoint", "127.0.0.1"], "--rdzv-endpoint is '127.0.0.1' (no port)"),  # waited, before
+        (["--rdzv-endpoint=-node0:29500"], "the host '-node0' is not a hostname"),
+        (["--rdzv-endpoint", "::1:29500"], "an IPv6 address goes in brackets, e.g. [::1]:29500"),
+        (["--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-backend", "nope"], "--rdzv-backend is 'nope'; allowed: c10d"),
+        (["--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "a b"], "--rdzv-id is 'a b'; allowed: 1 to 128"),
+        (
+            ["--nnodes", "99999999999999999999"],
+            "--nnodes is 99999999999999999999; allowed: 1 or more machines, at most 100000",
+        ),
+        (["--nproc-per-node", "0"], "--nproc-per-node is 0; allowed: 1 to 1024"),
+        (["--nproc-per-node", "99999"], "--nproc-per-node is 99999; allowed: 1 to 1024"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_a_bad_launch_flag_is_one_named_line_before_torchrun_starts(flags, named, tmp_path):
+    """Before: torchrun's traceback (exit 1) for a bad port, host or backend, and a silent wait for a missing port
+    or 10**20 nodes. Each flag also comes with --nnodes 2 (without an endpoint: the old code refused that first)."""
+    nodes = [] if "--nnodes" in flags else ["--nnodes", "2"]
+    if "--nnodes" in flags:
+        flags = [*flags, "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    assert named in launch_refused(tmp_path, *nodes, *flags)
+
+
+@pytest.mark.parametrize("endpoint", ["node0:29500", "10.0.0.1:1", "[::1]:29500", "[fe80::1%eth0]:65535", "a.b_c-d:80"])
+def test_the_endpoints_torchrun_reads_are_taken(endpoint):
+    from dpo_cli.train import _endpoint_problem
+
+    assert _endpoint_problem(endpoint) is None
+
+
+def test_a_failed_rendezvous_is_one_line_exit_1(monkeypatch, capsys):
+    """A node that never joins: torchrun raises a RendezvousTimeoutError (after its join timeout), here at once."""
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from dpo_cli import launch
+
+    def no_peers(argv):
+        raise RendezvousTimeoutError("the rendezvous timed out") from TimeoutError("waited 600 s\n  frame #0: ...")
+
+    monkeypatch.setattr(torch.distributed.run, "main", no_peers)
+    with pytest.raises(SystemExit) as exited:
+        launch.main()
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 1 and len(stderr.strip().splitlines()) == 1
+    said = "error: the rendezvous failed: RendezvousTimeoutError: the rendezvous timed out (TimeoutError: waited 600 s)"
+    assert stderr.startswith(said) and "--rdzv-endpoint" in stderr
+
+
+# -- data.num_workers: no more loader workers than the machine holds -------------------------------------------
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Set what the worker bound reads of this machine: machine(cpus, available GiB, processes)."""
+    from dpo_data.loading import config as loading
+
+    def set_to(cpus: int, gib: float | None, processes: int = 1) -> None:
+        facts = loading.Machine(cpus, None if gib is None else int(gib * 2**30), processes)
+        monkeypatch.setattr(loading, "machine", lambda: facts)
+
+    return set_to
+
+
+@pytest.mark.parametrize(
+    "facts, most, why",
+    [
+        ((1024, 4096.0), 64, "at most 64 on any machine"),
+        ((2, 4096.0), 8, "4 per CPU of 2, for one training process"),
+        (
+            (64, 2.0, 2),
+            2,
+            "256 MB each within 50% of the 2.0 GiB of memory available now, shared by 2 training processes",
+        ),
+        ((1024, None, 4), 64, "at most 64 on any machine"),  # memory unknown: the other bounds
+    ],
+)
+def test_loader_workers_are_bounded_by_a_fixed_cap_the_cpus_and_the_memory(facts, most, why, machine):
+    """Before: up to 1,024 workers per rank were taken; dozens took 13 of this machine's 23 GB."""
+    from dpo_data import DataError, LoaderConfig
+
+    machine(*facts)
+    assert LoaderConfig(num_workers=most).num_workers == most
+    with pytest.raises(DataError) as refused:
+        LoaderConfig(num_workers=most + 1)
+    assert str(refused.value) == (
+        f"num_workers (data.num_workers) is {most + 1}; allowed: 0 to {most} loader workers per rank here ({why}). "
+        f"Fix: set it to {most} or less (0 loads in the training process itself)"
+    )
+
+
+def test_the_machine_facts_count_the_training_processes_sharing_it(monkeypatch):
+    from dpo_data.loading.config import machine
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    here = machine()
+    assert here.processes == 3 and here.cpus >= 1 and (here.available_bytes is None or here.available_bytes > 0)
+
+
+def test_a_run_with_more_workers_than_the_memory_holds_is_refused_before_any_starts(
+    small_dataset, smollm2_dir, tmp_path, run_cli, machine
+):
+    machine(64, 1.0)  # half of 1 GiB holds 2 workers of 256 MB
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "workers", train__max_steps=1, data__num_workers=8)
+    stderr = refused(run_cli, path)
+    assert "num_workers (data.num_workers) is 8; allowed: 0 to 2 loader workers per rank here" in stderr
+    assert not (out / "metrics.jsonl").exists()
