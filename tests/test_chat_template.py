@@ -235,3 +235,127 @@ def test_an_override_dataset_beside_one_without_is_refused(built, smollm2_dir, t
     assert "error: datasets built with different tokenizers cannot be mixed" in result.stderr
     assert f"{stock}: v2:" in result.stderr and "with its tokenizer's own chat template;" in result.stderr
     assert "differing parts: chat_template); rebuild them with one tokenizer and one --chat-template" in result.stderr
+
+
+# -- hostile templates (issue 33): a reject per row or one named error, never a traceback nor a leftover ----------
+
+HOSTILE = (
+    "{%- set c = messages[0]['content'] -%}"
+    "{%- if c == 'loops' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{%- elif c == 'range' %}{% for i in range(10**12) %}{% endfor %}"
+    "{%- elif c == 'recursion' %}{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}"
+    "{%- elif c == 'huge' %}{% for i in range(100000) %}{{ c * 1000 }}{% endfor %}"
+    "{%- elif c == 'multiply' %}{{ c * 10**10 }}"
+    "{%- elif c == 'memory' %}{{ c|center(10**11) }}"
+    "{%- endif %}" + CHATML
+)
+"""Each prompt asks for another hostile rendering: hours of loops, an OverflowError, a recursion without end, a
+400-million-character text (more than the Rust tokenizer takes), a 60 GB string, a 100 GB allocation."""
+BUDGET_REJECTS = {
+    "loops": ("template_budget", "it took over 1 s of CPU time"),
+    "range": ("template_error", "OverflowError: Range too big"),
+    "recursion": ("template_budget", "it recursed too deep"),
+    "huge": ("template_budget", "its rendering passed 17825792 characters"),
+    "multiply": ("template_budget", "str * int would make a value of 80000000000 characters or items"),
+    "memory": ("template_budget", "it needed more memory than a rendering may take"),
+}
+
+
+def _no_leftovers(result, out):
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not list(out.parent.glob(f"{out.name}.incomplete-*"))
+
+
+def test_a_hostile_template_rejects_each_row_it_cannot_render_within_the_budget(smollm2_dir, tmp_path):
+    """In worker processes (--num-proc 2): each hostile row is rejected with its reason and what it asked for,
+    within about a second for the loops; the one row it renders is kept."""
+    from tests.harness import data_cli
+
+    rows = [chat(prompt, f"{prompt}, yes.", f"{prompt}, no.") for prompt in [*BUDGET_REJECTS, "fine"]]
+    (tmp_path / "hostile.jinja").write_text(HOSTILE)
+    out = tmp_path / "out"
+    args = ("--tokenizer", smollm2_dir, "--out", out, "--chat-template", tmp_path / "hostile.jinja", "--num-proc", 2)
+    result = data_cli("build", write_jsonl(tmp_path / "rows.jsonl", rows), *args, timeout=120)
+    _no_leftovers(result, out)
+    records = [orjson.loads(line) for line in (out / "rejects.jsonl").read_bytes().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, len(BUDGET_REJECTS) + 1))
+    for record, (reason, says) in zip(records, BUDGET_REJECTS.values()):
+        assert record["reason"] == reason and says in record["message"], record
+    assert read_manifest(out)["totals"]["pairs"] == 1
+
+
+def test_a_template_that_renders_no_row_is_one_named_error_and_leaves_nothing(smollm2_dir, tmp_path, run_cli):
+    """In-process (today a RecursionError traceback): nothing about it can hang or abort."""
+    rows = write_jsonl(tmp_path / "rows.jsonl", [chat("recursion", f"{i}.", f"{i + 1}.") for i in range(3)])
+    (tmp_path / "hostile.jinja").write_text(HOSTILE)
+    out = tmp_path / "out"
+    result = _build(run_cli, rows, smollm2_dir, out, "--chat-template", tmp_path / "hostile.jinja", code=2)
+    _no_leftovers(result, out)
+    assert result.stderr.splitlines()[-1] == (
+        f"error: --chat-template {tmp_path / 'hostile.jinja'} cannot render the data: all 3 rows that reached it "
+        f"failed, the first at {rows} line 1 (the chat template is over its budget on this row: it recursed too deep "
+        "(a macro that calls itself without end?)); fix the template so that it renders these conversations "
+        "(docs/data-build.md)"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "template, says",
+    [
+        (
+            "{% include '/etc/passwd' %}" + CHATML,
+            "line 1 includes another template, but a chat template must be self-contained (no loader is "
+            "configured): put that template's text in this file",
+        ),
+        (
+            "{% if false %}{{ 'x' * 10**10 }}{% endif %}" + CHATML,
+            "line 1: a constant expression is over budget (str * int would make a value of 10000000000 characters "
+            "or items, over the 17825792 allowed); see the rendering budget in docs/data-build.md and fix the "
+            "template",
+        ),
+    ],
+    ids=["include", "constant"],
+)
+def test_a_template_that_fails_the_up_front_checks_is_refused_before_the_build(
+    files, smollm2_dir, tmp_path, template, says
+):
+    """An include has nothing to load (today a TypeError per row); a constant expression is computed by the
+    compiler even where it is never reached (today 10 GB, before the first row)."""
+    from tests.harness import data_cli
+
+    (tmp_path / "t.jinja").write_text(template)
+    out = tmp_path / "out"
+    result = data_cli(
+        "build",
+        files[1],
+        "--tokenizer",
+        smollm2_dir,
+        "--out",
+        out,
+        "--chat-template",
+        tmp_path / "t.jinja",
+        code=2,
+        timeout=120,
+    )
+    _no_leftovers(result, out)
+    assert result.stderr == f"error: --chat-template {tmp_path / 't.jinja'}: {says}\n"
+    assert not out.exists()
+
+
+def test_an_override_failing_on_its_first_rows_stops_the_build_there(tokenizer):
+    """In each worker: the eighth row the override fails on, with none rendered, is a DataError (a template over
+    its time budget on every row would otherwise cost a second a row); without an override, they are rejects."""
+    import copy
+
+    from dpo_data.prepare.rows import normalize_row
+    from dpo_data.prepare.template import FAIL_FAST_ROWS
+    from dpo_data.prepare.tokenize import PairEncoder, TokenizeOptions
+
+    clone = copy.deepcopy(tokenizer)
+    clone.chat_template = "{% for i in range(10**12) %}{% endfor %}" + CHATML
+    pairs = [normalize_row(chat(f"q{i}", "a", "b")) for i in range(FAIL_FAST_ROWS)]
+    results = PairEncoder(clone, TokenizeOptions()).encode_many(pairs)
+    assert {r.reason for r in results} == {"template_error"}
+    with pytest.raises(DataError, match=r"^--chat-template t\.jinja cannot render the data: the first 8 rows that "):
+        PairEncoder(clone, TokenizeOptions(), override="t.jinja").encode_many(pairs)

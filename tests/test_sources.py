@@ -110,3 +110,101 @@ def test_an_oversized_line_is_skipped_whole_and_later_lines_still_read(tmp_path)
 def test_a_missing_input_is_an_error_naming_it(tmp_path):
     with pytest.raises(InputFileError, match=r"nope\.jsonl: no such file"):
         open_input(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_parquet_map_column_is_named_as_a_map_not_as_messages(tmp_path):
+    """pyarrow reads a map<string, string> as (key, value) tuples; a prompt of them is no message list."""
+    from dpo_data.prepare.rows import RowReject, normalize_row
+
+    path = tmp_path / "map.parquet"
+    prompt = pa.array([[("role", "user"), ("content", "hi")]], type=pa.map_(pa.string(), pa.string()))
+    pq.write_table(pa.table({"prompt": prompt, "chosen": ["a"], "rejected": ["b"]}), path)
+    ((_, row),) = rows_of(path)
+    with pytest.raises(RowReject) as e:
+        normalize_row(row)
+    assert (e.value.reason, e.value.message) == (
+        "wrong_type",
+        "field 'prompt' must be a string or a list of messages, got a map of str to str (a Parquet or Arrow map "
+        "column)",
+    )
+
+
+# -- hf:// inputs: a hand-made Hugging Face cache, snapshot_download replaced (no network) ------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """The cache layout huggingface_hub leaves: snapshots/COMMIT/data/*.jsonl linked to ../../../blobs/HASH."""
+    import huggingface_hub
+
+    repo = tmp_path / "hub" / "datasets--o--n"
+    snapshot = repo / "snapshots" / COMMIT
+    (snapshot / "data").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "abc").write_text('{"a": 1}\n')
+    (snapshot / "data" / "train.jsonl").symlink_to("../../../blobs/abc")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snapshot))
+    return snapshot
+
+
+def test_a_hub_file_linked_into_its_repo_blobs_is_an_input(hub_cache):
+    from dpo_data.prepare.hub import hub_files
+
+    assert hub_files("hf://datasets/o/n/data/*.jsonl") == [str(hub_cache / "data" / "train.jsonl")]
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("hf://datasets/o/n/../../../../outside.jsonl", "GLOB '../../../../outside.jsonl' is climbing out with .."),
+        ("hf://datasets/o/n/data/../../x.jsonl", "GLOB 'data/../../x.jsonl' is climbing out with .."),
+        ("hf://datasets/o/n//etc/passwd", "GLOB '/etc/passwd' is absolute"),
+    ],
+)
+def test_a_hub_glob_that_leaves_the_repo_is_refused_by_name(hub_cache, spec, says):
+    from dpo_data.prepare.hub import hub_files
+
+    (hub_cache.parents[3] / "outside.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(DataError) as e:
+        hub_files(spec)
+    assert str(e.value) == (
+        f"input {spec}: {says}; a GLOB names files inside the dataset repo, relative to its root (e.g. "
+        "data/train-*.parquet)"
+    )
+
+
+@pytest.mark.parametrize("target", ["outside", "other-repo-blob"])
+def test_a_snapshot_file_linked_outside_its_repo_is_refused(hub_cache, target):
+    """A link to a local file, or to another repo's blob, would be recorded as this repo's file at this commit."""
+    from dpo_data.prepare.hub import hub_files
+
+    leak = hub_cache.parents[3] / "secret.jsonl"
+    if target == "other-repo-blob":
+        leak = hub_cache.parents[2] / "datasets--x--y" / "blobs" / "def"
+        leak.parent.mkdir(parents=True)
+    leak.write_text('{"a": 2}\n')
+    (hub_cache / "data" / "leak.jsonl").symlink_to(leak)
+    with pytest.raises(DataError) as e:
+        hub_files("hf://datasets/o/n/data/*.jsonl")
+    assert str(e.value) == (
+        f"input hf://datasets/o/n/data/*.jsonl: {hub_cache / 'data' / 'leak.jsonl'} leads to {leak}, outside the "
+        f"dataset's snapshot {hub_cache} and its blob store, so it is no file of the repo at that commit. Fix: remove "
+        "that link from the Hugging Face cache and download the dataset again (`hf download --repo-type dataset ...`)"
+    )
+
+
+def test_a_hub_input_of_another_kind_than_datasets_is_named(tmp_path):
+    """Today such a path is taken for a local file: "no such file"."""
+    from dpo_data.prepare.build import BuildOptions, build
+
+    spec = "hf://models/HuggingFaceTB/SmolLM2-135M-Instruct/*.json"
+    with pytest.raises(DataError) as e:
+        build([spec], str(tmp_path), tmp_path / "out", BuildOptions())
+    assert str(e.value) == (
+        f"input {spec}: only hf://datasets/... is supported as an input, not hf://models/... (a model or space repo "
+        "holds no training rows); allowed: hf://datasets/OWNER/NAME[@REVISION]/GLOB, e.g. "
+        "hf://datasets/HuggingFaceH4/ultrafeedback_binarized/data/train_prefs-*.parquet"
+    )
+    assert not list(tmp_path.iterdir())

@@ -21,12 +21,12 @@ from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
 from dpo_data.prepare.columns import check_columns, rename_columns
 from dpo_data.prepare.hub import hub_files, is_hub_input
-from dpo_data.prepare.inputs import InputFile, OversizedLine, iter_rows, open_input
+from dpo_data.prepare.inputs import MAX_ROW_BYTES, InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, commit_staged
 from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
-from dpo_data.prepare.template import read_chat_template
+from dpo_data.prepare.template import TEMPLATE_FAILURES, read_chat_template, render_chars, unrenderable
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_data.progress import Stage
 from dpo_state.attestation import tokenizer_attestation
@@ -57,7 +57,7 @@ class BuildOptions:
     source: str | None = None
     max_reject_fraction: float | None = None
     pairs_per_shard: int = 100_000
-    max_row_bytes: int = 8 << 20
+    max_row_bytes: int = MAX_ROW_BYTES
     columns: Mapping[str, str] | str | None = None
     chat_template: str | Path | None = None
     num_proc: int = 1
@@ -102,8 +102,9 @@ _worker: dict[str, Any] = {}
 
 def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
     """Set up this process's encoder (the build process itself, or a forked pool worker)."""
-    topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos)
-    _worker.update(encoder=PairEncoder(tokenizer, topts), options=options, inputs=inputs)
+    topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos, options.max_row_bytes)
+    encoder = PairEncoder(tokenizer, topts, override=options.chat_template)
+    _worker.update(encoder=encoder, options=options, inputs=inputs)
 
 
 @dataclass
@@ -118,6 +119,8 @@ class ChunkResult:
     rejects: list[tuple[int, dict]]
     columns: dict[int, Counter]
     """Per input index: how many of the chunk's rows (objects) have each column."""
+    rendered: int = 0
+    """Rows of the chunk whose renderings the chat template made."""
 
 
 def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
@@ -144,7 +147,9 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
         except RowReject as reject:
             rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
     kept, sources, truncated, ids = [], [], [], {part: [] for part in PARTS}
-    for (input_index, number, row_index, item), pair, encoded in zip(where, pairs, encoder.encode_many(pairs)):
+    before = encoder.rendered_rows
+    results = encoder.encode_many(pairs)
+    for (input_index, number, row_index, item), pair, encoded in zip(where, pairs, results):
         source = pair.source or inputs[input_index].source
         if isinstance(encoded, RowReject):
             rejects.append(_reject(input_index, inputs[input_index], number, source, encoded, item))
@@ -156,7 +161,7 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
         for part in PARTS:
             ids[part].extend(getattr(encoded, part))
     rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
-    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns)
+    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns, encoder.rendered_rows - before)
 
 
 def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
@@ -258,7 +263,8 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
     started = time.perf_counter()
     out = Path(out)
     files = _open_inputs(inputs, options)
-    template = read_chat_template(options.chat_template) if options.chat_template is not None else None
+    chars = render_chars(options.max_row_bytes)
+    template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
         if options.part is None:  # at once (again before the build); a part first needs its plan, to see
@@ -311,10 +317,14 @@ def _build_into(
     all in `staging`."""
     tally = Tally(inputs=entries, columns=[Counter() for _ in files])
     writer = ShardWriter(staging)
+    renders = _Renders()
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
         for result in _run(files, tokenizer, options, tally, bar):
             _consume(result, tally, writer, rejects_file)
+            renders.add(result)
     shards = writer.close()
+    if template is not None:
+        renders.check(options.chat_template)
     if plan is None:
         return conclude(staging, tally, shards, attestation, options, template)
     result = BuildResult(staging, None, sum(e["rows_read"] for e in entries), tally.pairs, dict(tally.by_reason), 0.0)
@@ -324,6 +334,30 @@ def _build_into(
     result.part = part_document(options.part, plan, tally, shards, attestation, staging)
     write_part(staging, result.part)
     return result
+
+
+@dataclass
+class _Renders:
+    """Whether the chat template rendered any row: an override that renders none cannot render the data."""
+
+    rendered: int = 0
+    failed: int = 0
+    first: dict | None = None
+
+    def add(self, result: ChunkResult) -> None:
+        self.rendered += result.rendered
+        for _, record in result.rejects:
+            if record["reason"] in TEMPLATE_FAILURES:
+                self.failed += 1
+                self.first = self.first or record
+
+    def check(self, chat_template: Any) -> None:
+        """A DataError (the build commits nothing) when every row that reached the template failed in it."""
+        if self.failed and not self.rendered:
+            locator = "line" if "line" in self.first else "row"
+            where = f"{self.first['file']} {locator} {self.first[locator]}"
+            what = f"all {self.failed} rows that reached it failed"
+            raise unrenderable(chat_template, what, self.first["message"], where)
 
 
 def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from dpo_data.errors import DataError
 
+HUB_SCHEME = "hf://"
 HUB_PREFIX = "hf://datasets/"
 _FORM = "hf://datasets/OWNER/NAME[@REVISION]/GLOB, e.g. hf://datasets/HuggingFaceH4/ultrafeedback_binarized/data/train_prefs-*.parquet"
 
 
 def is_hub_input(path: str) -> bool:
-    return path.startswith(HUB_PREFIX)
+    """Any hf:// path: a dataset's is read, any other kind is a named error (never "no such file")."""
+    return path.startswith(HUB_SCHEME)
 
 
 def hub_files(spec: str) -> list[str]:
     """The local paths of the files of `spec`'s dataset repo that GLOB matches, sorted: downloaded into
     huggingface_hub's cache (`HF_HUB_CACHE`), or found there without the network (`HF_HUB_OFFLINE=1`). The
-    paths name the snapshot's commit, so the manifest records which revision was built."""
+    paths name the snapshot's commit, so the manifest records which revision was built. Every file must lie in
+    that snapshot, or in its repo's blob store where the cache links it: a file outside is no file of the repo."""
     owner, name, revision, pattern = _parts(spec)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -30,7 +33,10 @@ def hub_files(spec: str) -> list[str]:
             f"{str(e).splitlines()[0]}). Fix: check the name and revision, the network or HF_TOKEN; offline, "
             "download it first (`hf download --repo-type dataset ...`) or pass its local files"
         ) from None
-    files = sorted(str(p) for p in Path(local).glob(pattern) if p.is_file())
+    snapshot = Path(local)
+    files = sorted(str(p) for p in snapshot.glob(pattern) if p.is_file())
+    for path in files:
+        _check_in_snapshot(spec, snapshot, Path(path))
     if not files:
         raise DataError(
             f"input {spec}: no file of dataset {owner}/{name} matches {pattern!r}. Fix: list the repo's files "
@@ -39,10 +45,36 @@ def hub_files(spec: str) -> list[str]:
     return files
 
 
+def _check_in_snapshot(spec: str, snapshot: Path, path: Path) -> None:
+    """`path` (or what it links to) lies in the snapshot, or in the blob store of the repo's cache beside it
+    (huggingface_hub links a snapshot's files to `../../blobs/<hash>`)."""
+    resolved = path.resolve()
+    roots = [snapshot.resolve()]
+    if snapshot.parent.name == "snapshots":
+        roots.append((snapshot.parent.parent / "blobs").resolve())
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise DataError(
+            f"input {spec}: {path} leads to {resolved}, outside the dataset's snapshot {snapshot} and its blob store, "
+            "so it is no file of the repo at that commit. Fix: remove that link from the Hugging Face cache and "
+            "download the dataset again (`hf download --repo-type dataset ...`)"
+        )
+
+
 def _parts(spec: str) -> tuple[str, str, str | None, str]:
+    if not spec.startswith(HUB_PREFIX):
+        kind = spec[len(HUB_SCHEME) :].partition("/")[0]
+        raise DataError(
+            f"input {spec}: only hf://datasets/... is supported as an input, not hf://{kind}/... (a model or "
+            f"space repo holds no training rows); allowed: {_FORM}"
+        )
     owner, _, rest = spec[len(HUB_PREFIX) :].partition("/")
     name, _, pattern = rest.partition("/")
     name, at, revision = name.partition("@")
     if not owner or not name or not pattern or (at and not revision):
         raise DataError(f"input {spec!r} is not a Hub input; allowed: {_FORM}")
+    if pattern.startswith("/") or ".." in PurePosixPath(pattern).parts:
+        raise DataError(
+            f"input {spec}: GLOB {pattern!r} is {'absolute' if pattern.startswith('/') else 'climbing out with ..'}; "
+            "a GLOB names files inside the dataset repo, relative to its root (e.g. data/train-*.parquet)"
+        )
     return owner, name, revision or None, pattern

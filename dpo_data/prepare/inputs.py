@@ -24,6 +24,8 @@ FORMATS = {
 }
 HF_DATASET = "hf-dataset"
 """A `datasets.Dataset.save_to_disk` directory: state.json lists its Arrow files, read in that order."""
+MAX_ROW_BYTES = 8 << 20
+"""The default --max-row-bytes: a longer row is rejected as row_too_large."""
 _READ_CHUNK = 1 << 20
 MAX_JSON_INPUT_BYTES = 1 << 30
 """A .json input is one array, parsed whole (several times its size in memory): larger data is .jsonl."""

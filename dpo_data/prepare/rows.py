@@ -72,15 +72,23 @@ def normalize_row(row: Any) -> Pair:
 
 
 def _kind(value: Any) -> str:
+    if _is_map(value):
+        key, item = value[0]
+        return f"a map of {type(key).__name__} to {type(item).__name__} (a Parquet or Arrow map column)"
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
     )
 
 
+def _is_map(value: Any) -> bool:
+    """pyarrow reads a map column as a list of (key, value) tuples, which JSON never makes."""
+    return isinstance(value, list) and bool(value) and all(isinstance(item, tuple) for item in value)
+
+
 def _part_kind(field: str, value: Any) -> str:
     if isinstance(value, str):
         return "text"
-    if isinstance(value, list):
+    if isinstance(value, list) and not _is_map(value):
         return "messages"
     raise RowReject("wrong_type", f"field '{field}' must be a string or a list of messages, got {_kind(value)}")
 
@@ -237,7 +245,7 @@ def _check_order(field: str, prompt: list, completion: list) -> None:
 def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     """Split two full conversations into (shared prompt, chosen turn, rejected turn)."""
     for field, value in (("chosen", chosen), ("rejected", rejected)):
-        if not isinstance(value, list):
+        if not isinstance(value, list) or _is_map(value):
             raise RowReject(
                 "missing_field" if isinstance(value, str) else "wrong_type",
                 f"without 'prompt', field '{field}' must be a full conversation (a list of messages), "

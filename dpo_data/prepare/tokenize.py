@@ -8,12 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import TemplateError
-
 from dpo_data.errors import DataError
+from dpo_data.prepare.inputs import MAX_ROW_BYTES
 from dpo_data.prepare.rows import Pair, RowReject
 from dpo_data.prepare.shared_head import SpecialSplit
-from dpo_data.prepare.template import ChatRenderer
+from dpo_data.prepare.template import FAIL_FAST_ROWS, TEMPLATE_FAILURES, ChatRenderer, render_chars, unrenderable
 
 OVERLENGTH_MODES = ("reject", "truncate-prompt")
 _TAILS_KEPT = 64  # distinct prompt tails (text after the prompt's last special token) kept encoded
@@ -27,6 +26,8 @@ class TokenizeOptions:
     max_length: int | None = None
     overlength: str = "reject"
     append_eos: bool = True
+    max_row_bytes: int = MAX_ROW_BYTES
+    """The largest row read: a rendering may hold `render_chars(max_row_bytes)` characters."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,19 @@ class PairEncoder:
     plus EOS on each completion. Special-token text inside content is encoded as ordinary text.
     Tool calls and a row's `tools` are rendered by the template as TRL renders them, or the row is rejected
     where the template would drop them (it renders the same without them).
+    All of a row's renderings share one budget (template.py); a row over it is rejected as `template_budget`.
+    With `override` (the --chat-template file), a template that fails on the first `FAIL_FAST_ROWS` rows it
+    meets, rendering none, stops the build with a DataError instead of failing on every row in turn.
     """
 
-    def __init__(self, tokenizer: Any, options: TokenizeOptions):
+    def __init__(self, tokenizer: Any, options: TokenizeOptions, override: Any = None):
         self.tokenizer = tokenizer
         self.options = options
-        self._renderer = ChatRenderer(tokenizer)
+        self._renderer = ChatRenderer(tokenizer, render_chars(options.max_row_bytes))
+        self._override = override
+        self.rendered_rows = 0
+        """Rows whose renderings the chat template made (kept or rejected later)."""
+        self._failed_rows = 0
         backend = tokenizer.backend_tokenizer
         # Copies of the Rust tokenizer, because encode_special_tokens is state on the object: this one
         # matches special tokens (template text), `_content` never does (user content). Serializing the
@@ -89,14 +97,23 @@ class PairEncoder:
         """Encode pairs in order; each result is an `EncodedPair` or the `RowReject` that stopped it."""
         results: list[Any] = [None] * len(pairs)
         fast: list[tuple[int, tuple[str, str, str]]] = []
+        pieces: list[tuple[int, list]] = []
         for i, pair in enumerate(pairs):
             try:
                 if pair.kind == "text":
                     results[i] = self._finish(*self._encode_text(pair))
-                elif self._has_control_text(pair):
-                    results[i] = self._finish(*self._encode_chat_piecewise(pair))
-                else:
-                    fast.append((i, self._render(pair)))
+                    continue
+                with self._renderer.row():  # one budget for all of the row's renderings; encoding comes after
+                    if self._has_control_text(pair):
+                        pieces.append((i, self._render_piecewise(pair)))
+                    else:
+                        fast.append((i, self._render(pair)))
+            except RowReject as reject:
+                results[i] = reject
+                self._count_failure(reject)
+        for i, parts in pieces:
+            try:
+                results[i] = self._finish(*self._split_prefix(*(self._encode_pieces(*part) for part in parts)))
             except RowReject as reject:
                 results[i] = reject
         if fast:
@@ -133,9 +150,11 @@ class PairEncoder:
         plain = _is_plain(pair)
         if not plain:
             self._check_tool_fields(pair)
-        prompt = self._apply(pair.prompt, add_generation_prompt=True, tools=pair.tools)
-        chosen = self._apply(pair.prompt + pair.chosen, add_generation_prompt=False, tools=pair.tools)
-        rejected = self._apply(pair.prompt + pair.rejected, add_generation_prompt=False, tools=pair.tools)
+        render = self._renderer.render
+        prompt = render(pair.prompt, True, pair.tools)
+        chosen = render(pair.prompt + pair.chosen, False, pair.tools)
+        rejected = render(pair.prompt + pair.rejected, False, pair.tools)
+        self.rendered_rows += 1
         if not plain:
             self._check_tools_rendered(pair, prompt, chosen, rejected)
         for field, full in (("chosen", chosen), ("rejected", rejected)):
@@ -148,11 +167,14 @@ class PairEncoder:
                 )
         return prompt, chosen, rejected
 
-    def _apply(self, messages: list, add_generation_prompt: bool, tools: list | None) -> str:
-        try:
-            return self._renderer.render(messages, add_generation_prompt, tools)
-        except TemplateError as e:  # a template's raise_exception() or a jinja error: the row's fault
-            raise RowReject("template_error", f"the chat template failed on this conversation: {e}") from None
+    def _count_failure(self, reject: RowReject) -> None:
+        """A row the template failed on; with an override that has rendered nothing yet, the last one allowed."""
+        if reject.reason not in TEMPLATE_FAILURES:
+            return
+        self._failed_rows += 1
+        if self._override is not None and not self.rendered_rows and self._failed_rows >= FAIL_FAST_ROWS:
+            what = f"the first {self._failed_rows} rows that reached it all failed, so the build stopped there"
+            raise unrenderable(self._override, what, reject.message)
 
     def _split_tails(self, head: list[int], chosen: list[int], rejected: list[int], tail: list[int]):
         """`_split_prefix` for renderings encoded as a shared head and tails: only the tails are compared."""
@@ -184,21 +206,23 @@ class PairEncoder:
         messages = (*pair.prompt, *pair.chosen, *pair.rejected)
         return any(self._special_re.search(m.get("content", "")) for m in messages)
 
-    def _encode_chat_piecewise(self, pair: Pair):
-        """Encode template text with special tokens and content without, for rows whose content holds
-        special-token text; the template is rendered around sentinels to find where content goes."""
+    def _render_piecewise(self, pair: Pair) -> list[tuple[list[str], list[str]]]:
+        """For rows whose content holds special-token text: the (template texts, contents) of the prompt, prompt +
+        chosen and prompt + rejected, to encode template text with special tokens and content without. The
+        template is rendered around sentinels to find where content goes."""
         self._render(pair)  # the same prefix-stability check on the real text
-        prompt = self._pieces(pair.prompt, True, pair.tools)
-        chosen = self._pieces(pair.prompt + pair.chosen, False, pair.tools)
-        rejected = self._pieces(pair.prompt + pair.rejected, False, pair.tools)
-        return self._split_prefix(prompt, chosen, rejected)
+        return [
+            self._pieces(pair.prompt, True, pair.tools),
+            self._pieces(pair.prompt + pair.chosen, False, pair.tools),
+            self._pieces(pair.prompt + pair.rejected, False, pair.tools),
+        ]
 
-    def _pieces(self, messages: list, add_generation_prompt: bool, tools: list | None) -> list[int]:
+    def _pieces(self, messages: list, add_generation_prompt: bool, tools: list | None) -> tuple[list[str], list[str]]:
         # a tool call's message may have no content: it gets none, or the template would render an empty one
         marked = [{**m, "content": _SENTINEL.format(i)} if "content" in m else m for i, m in enumerate(messages)]
-        rendered = self._apply(marked, add_generation_prompt, tools)
+        rendered = self._renderer.render(marked, add_generation_prompt, tools)
         parts = re.split("\ue000DPO(\\d+)\ue001", rendered)
-        real = self._apply(messages, add_generation_prompt, tools)
+        real = self._renderer.render(messages, add_generation_prompt, tools)
         contents = [messages[int(j)]["content"] for j in parts[1::2]]
         if "".join(p for pair in zip(parts[0::2], contents + [""]) for p in pair) != real:
             raise RowReject(
@@ -206,8 +230,11 @@ class PairEncoder:
                 "the chat template changes message content, so special-token text in content cannot be "
                 "kept as plain text; remove the special-token text from the content",
             )
+        return parts[0::2], contents
+
+    def _encode_pieces(self, template_texts: list[str], contents: list[str]) -> list[int]:
         ids: list[int] = []
-        for k, template_text in enumerate(parts[0::2]):
+        for k, template_text in enumerate(template_texts):
             if template_text:
                 ids += self._template.encode(template_text, add_special_tokens=False).ids
             if k < len(contents) and contents[k]:
@@ -276,10 +303,13 @@ class PairEncoder:
                 )
 
     def _differs(self, messages: list, add_generation_prompt: bool, tools: list | None, rendered: str) -> bool:
-        """Whether `messages` render other than `rendered`; a template that fails without the tool data needs it."""
+        """Whether `messages` render other than `rendered`; a template that fails without the tool data needs it
+        (one over its budget without it rejects the row)."""
         try:
             return self._renderer.render(messages, add_generation_prompt, tools) != rendered
-        except TemplateError:
+        except RowReject as reject:
+            if reject.reason != "template_error":
+                raise
             return True
 
     # -- plain text ----------------------------------------------------------------------------
