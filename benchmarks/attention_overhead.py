@@ -1,7 +1,7 @@
 """The attention path's cost on a full-attention model: this checkout against another one, same rows, same run.
 
 SmolLM2-135M-Instruct (Llama) on CPU, fp32: 8 packed rows of 12 pairs of the bundled sample, each through
-`dpo_train.logps.pair_logps` forward and backward with the attention `dpo-train` picks (`auto`), 3 passes,
+`dpo_train.attention.logps.pair_logps` forward and backward with the attention `dpo-train` picks (`auto`), 3 passes,
 the median reported. Each (checkout, layout) runs in a fresh process, interleaved `--repeats` times, so a
 slower machine hour hits both alike; the ratio this / other is what to read. Made to check that the
 per-layer window, chunk, softcap and sink handling of `dpo_train/attention` costs a Llama nothing:
@@ -28,10 +28,10 @@ def child(root: str, layout: str, data: str) -> float:
 
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.bundled_model import materialize_smollm2
-    from dpo_train.config import ModelConfig
-    from dpo_train.logps import pair_logps
-    from dpo_train.model import load_policy, prepare_for_training
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.bundled import materialize_smollm2
+    from dpo_train.model.policy import load_policy, prepare_for_training
 
     if (Path(root) / "dpo_train" / "parallel").is_dir():
         from dpo_train.parallel.device import placement

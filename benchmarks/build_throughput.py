@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.tokenizer is None:
-        from dpo_train.bundled_model import materialize_smollm2
+        from dpo_train.model.bundled import materialize_smollm2
 
         args.tokenizer = str(materialize_smollm2())
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:

@@ -3,7 +3,7 @@
 A random Llama (hidden 384, 4 layers, the SmolLM2 vocabulary of 49152: 45M parameters) trained one step
 with AdamW gives a checkpoint of about 540 MB (weights and two moments in fp32). Timed, each the median of
 --repeat runs:
-- save: `dpo_train.checkpointing.save` (DCP with 2 writer threads and fsync, rank files, state.json,
+- save: `dpo_train.checkpoint.save.save` (DCP with 2 writer threads and fsync, rank files, state.json,
   sha256 of every file, commit record) against `torch.save({"model", "optim"})` of the same state
   dicts to one file, and against the same torch.save followed by fsync (a durable save);
 - load: `restore` (hash verification of every file, identity check, DCP load, loader and RNG state)
@@ -40,7 +40,7 @@ MODEL = {
 
 def _trainer(data: str, out: Path):
     from dpo_data.loading.loader import DPOLoader
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
@@ -81,7 +81,9 @@ def main() -> None:
     import torch
 
     from dpo_state.layout import step_dir
-    from dpo_train.checkpointing import new_lineage, restore, save
+    from dpo_train.checkpoint.parts import new_lineage
+    from dpo_train.checkpoint.restore import restore
+    from dpo_train.checkpoint.save import save
 
     work = Path(tempfile.mkdtemp(prefix="dpo-ckpt-bench-"))
     try:

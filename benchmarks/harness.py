@@ -145,7 +145,7 @@ def build_dataset(inputs: Iterable, tokenizer_dir: str | Path, out: Path, **opti
 
 def smollm2_and_sample(work: Path) -> tuple[str, str]:
     """The bundled SmolLM2-135M-Instruct, and the sample built with its tokenizer into WORK/train (once)."""
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     model, data = str(materialize_smollm2()), Path(work) / "train"
     if not (data / "manifest.json").is_file():

@@ -671,7 +671,7 @@ def main() -> None:
     repeat = args.repeat or (3 if args.quick else 11)
     epoch_repeat, trainer_repeat, mem_repeat = (1, 3, 1) if args.quick else (3, 10, 3)
 
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     tok = materialize_smollm2()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="loader_bench_"))

@@ -29,7 +29,7 @@ OBJECTIVES = {
 def step_seconds(dataset: str, model_dir: str, loss: dict, steps: int) -> dict:
     """Wall seconds of each optimizer step after the first, and the step's micro-batches."""
     from dpo_data import DPOLoader
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 

@@ -26,10 +26,10 @@ def measure(data: str, repeats: int) -> dict:
 
     from dpo_data.dataset.store import PairStore
     from dpo_train.attention import segments
-    from dpo_train.bundled_model import materialize_smollm2
-    from dpo_train.config import ModelConfig
-    from dpo_train.logps import pair_logps
-    from dpo_train.model import disable_dropout, load_policy
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.bundled import materialize_smollm2
+    from dpo_train.model.policy import disable_dropout, load_policy
     from dpo_train.reference.guard import check_parity, reordered
 
     torch.manual_seed(0)

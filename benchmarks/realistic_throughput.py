@@ -142,7 +142,7 @@ def prepare(work: Path, pairs: int, steps: int, seed: int) -> dict:
     steps x 8 rows: one epoch of it is exactly the timed run, so a precompute pass scores only trained pairs)."""
     from transformers import AutoTokenizer
 
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     model = str(materialize_smollm2())
     meta = work / "meta.json"
@@ -337,8 +337,8 @@ def _config(info: dict, out: Path, steps: int, reference: dict, layout: str) -> 
 
 
 def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, precomputed: bool) -> dict:
-    from dpo_train.config import load_config
-    from dpo_train.reference.precompute import precompute_reference
+    from dpo_train.config.loading import load_config
+    from dpo_train.precompute import precompute_reference
     from dpo_train.trainer import train
 
     sidecar = work / f"sidecar-{layout}"
@@ -418,7 +418,7 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.attention.choice import attention_for
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
     from dpo_train.parallel.device import placement
 
     attention = attention_for("auto", placement("cpu", "fp32"), layout=layout)  # what dpo-train picks

@@ -2,7 +2,7 @@
 
 One pair (prompt 3072, chosen 512, rejected 512 tokens: a 7168-token row) on a tiny random Llama (hidden
 64, 4 heads, 4 key/value heads, 2 layers, the SmolLM2 vocabulary of 49152), one policy forward and
-backward through `dpo_train.logps.pair_logps`, as the trainer runs it, for U = 1 (one process, the
+backward through `dpo_train.attention.logps.pair_logps`, as the trainer runs it, for U = 1 (one process, the
 ordinary sdpa path), Ulysses U = 2 and 4, and context C = 2 and 4. Per rank:
 - saved for backward: the bytes of the distinct tensor storages autograd keeps for the backward pass
   (exact and deterministic: the activation memory);
@@ -65,8 +65,8 @@ def _worker(rank: int, world: int, port: int, ulysses: int, context: int, length
 
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.logps import pair_logps
     from dpo_train.attention.sequence_parallel import sequence_mesh
-    from dpo_train.logps import pair_logps
     from dpo_train.parallel.device import placement
 
     torch.set_num_threads(1)  # ranks share the cores; one process gets the same one thread

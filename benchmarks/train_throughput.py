@@ -59,8 +59,8 @@ def _step_pairs(data: str, steps: int) -> list[list[int]]:
 
 
 def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
-    from dpo_train.config import load_config
-    from dpo_train.reference.precompute import precompute_reference
+    from dpo_train.config.loading import load_config
+    from dpo_train.precompute import precompute_reference
     from dpo_train.trainer import train
 
     reference = {"mode": "precomputed", "path": str(work / "sidecar")} if precomputed else {"mode": "live"}
@@ -134,7 +134,7 @@ def ours_first_microbatch_logps(model: str, data: str, steps: int) -> dict:
 
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
 
     store = PairStore([data])
     first = _step_pairs(data, steps)[0][:MICRO]

@@ -50,7 +50,7 @@ def verification(dataset: Path) -> dict:
 def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
     """The demo's optimizer steps, in process; micro-batches kept to time the contract check on them."""
     from dpo_data import DPOLoader, contract_problems
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     model_dir = str(materialize_smollm2())
     work = Path(tempfile.mkdtemp(prefix="dpo-trust-bench-"))

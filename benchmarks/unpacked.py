@@ -2,7 +2,7 @@
 
 A tiny random model (hidden 256, 4 layers, vocab 4096, fp32, CPU), 4 micro-batches of 8 pairs of random
 lengths (prompts 16-128 tokens, completions 8-128), each forward and backward through
-`dpo_train.logps.pair_logps`, 3 passes, the median reported. Cases, each in a fresh process:
+`dpo_train.attention.logps.pair_logps`, 3 passes, the median reported. Cases, each in a fresh process:
 
 - `lfm2 unpacked`: LFM2 (conv, attention, conv, attention) on the unpacked path, as `model.attention: auto` runs it;
 - `lfm2 trl-padded`: the same model and rows as TRL 1.16's DPOTrainer forwards them (`concatenated_forward`:
@@ -59,9 +59,9 @@ def child(model_type: str, case: str) -> dict:
     import torch
 
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.choice import load_model
-    from dpo_train.config import ModelConfig
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     torch.manual_seed(0)

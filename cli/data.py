@@ -361,7 +361,7 @@ def smollm2(cache_dir) -> None:
 
     Idempotent and safe to run from several processes at once.
     """
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     with user_errors():
         click.echo(str(materialize_smollm2(cache_dir)))

@@ -132,7 +132,7 @@ def push(final_dir, repo_id, token, private) -> None:
     REPO_ID (namespace/name; created when missing), in one commit: model card, weights, tokenizer,
     export.json. It must verify against its export.json first; nothing is sent otherwise. Prints the
     commit's URL. Exit 2 with the reason named (no token, no network, a refused repo id)."""
-    from dpo_train.hub import push_export
+    from dpo_train.export.hub import push_export
 
     click.echo(_guard(push_export, final_dir, repo_id, token=token, private=private))
 

@@ -281,7 +281,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
     from dpo_state.errors import ToolkitError
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel import collectives
 
     rank = int(os.environ.get("RANK", "0"))
@@ -289,7 +289,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     try:
         resolved = load_config(config, overrides)
         if precompute:
-            from dpo_train.reference.precompute import precompute_reference
+            from dpo_train.precompute import precompute_reference
 
             path = precompute_reference(resolved, overwrite, progress=not quiet)
             if rank == 0:
@@ -323,7 +323,7 @@ def _translate(config: str | None, from_trl: str | None, overrides: list[str], w
     import yaml
 
     from dpo_state.errors import ToolkitError
-    from dpo_train.trl_config import read_trl, translate
+    from dpo_train.config.trl import read_trl, translate
 
     wrong = (
         "give CONFIG to train, or --from-trl TRL.yaml to translate a TRL config"
@@ -350,8 +350,8 @@ def _translate(config: str | None, from_trl: str | None, overrides: list[str], w
 
 def _resume_hint(config: str, overrides: list[str]) -> str:
     from dpo_state.errors import ToolkitError
-    from dpo_train.config import load_config
-    from dpo_train.run_dir import resume_hint
+    from dpo_train.config.loading import load_config
+    from dpo_train.run.directory import resume_hint
 
     try:
         return resume_hint(load_config(config, list(overrides)).train.output_dir)

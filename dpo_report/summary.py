@@ -15,7 +15,7 @@ REPORT_FORMAT_VERSION = 2
 """`dpo-state report --json` prints one document of this version; schema `run-report`. 2: eval `loss`, `nll`."""
 
 FILL_EDGES = [b / 10 for b in range(11)]
-"""The bins of the trainer's micro-batch fill histogram (dpo_train.metrics.FILL_BINS)."""
+"""The bins of the trainer's micro-batch fill histogram (dpo_train.step.metrics.FILL_BINS)."""
 
 CHARTED_SOURCES = 12
 """sources.png draws this many sources, those with the most pairs (ties by name); the rest are listed."""

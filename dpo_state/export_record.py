@@ -15,7 +15,7 @@ EXPORT_FORMAT_VERSION = 1
 EXPORT_SCHEMA = "export-manifest"
 EXPORT_FILE = "export.json"
 EXPORT_NAMES = ("final", "final-merged")
-"""The export directories a run writes beside its checkpoints (dpo_train/export.py)."""
+"""The export directories a run writes beside its checkpoints (dpo_train/export/final.py)."""
 MODEL_FILES = (
     "config.json",
     "model.safetensors",
@@ -28,8 +28,8 @@ MODEL_FILES = (
 """Files of a model directory, which a run or step directory never holds: with one, a directory is an export."""
 CARD_FILE = "README.md"
 CARD_ROWS = {"run_id": "run id", "step": "exported at step"}
-"""The labels of the model card's lineage rows (dpo_train/model_card.py writes them) that state what export.json's
-run_id and step must say."""
+"""The labels of the model card's lineage rows (dpo_train/export/model_card.py writes them) that state what
+export.json's run_id and step must say."""
 _CARD_ROWS = {
     "run_id": re.compile(rf"^\| {CARD_ROWS['run_id']} \| (.+) \|$", re.M),
     "step": re.compile(rf"^\| {CARD_ROWS['step']} \| (\d+) \|$", re.M),

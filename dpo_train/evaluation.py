@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairStore
-from dpo_train.loss import LossConfig, pair_losses
 from dpo_train.reference.scoring import Scores, score_pairs
-from dpo_train.step_sort import SortScores, set_partners, sorted_types
+from dpo_train.step.loss import LossConfig, pair_losses
+from dpo_train.step.sort import SortScores, set_partners, sorted_types
 
 EVAL_FORMAT_VERSION = 2
 """Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added."""

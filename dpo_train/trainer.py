@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,49 +16,45 @@ from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.loader import DPOLoader
 from dpo_data.progress import Stage
+from dpo_state.faults import step_fault
 from dpo_train.attention.inputs import row_inputs
+from dpo_train.attention.logps import pair_logps
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
-from dpo_train.checkpointing import (
+from dpo_train.checkpoint.identity import run_identity
+from dpo_train.checkpoint.parts import (
     Checkpointable,
     ModelAndOptimizer,
     ReferenceWeights,
     RNGState,
     RunContext,
     TrainState,
-    abandon_later,
-    find_resume,
     new_lineage,
-    restore,
-    save,
 )
-from dpo_train.config import TrainConfig
-from dpo_train.early_stopping import EarlyStopping, early_stopping
+from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
+from dpo_train.checkpoint.save import save
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
-from dpo_train.export import export
-from dpo_train.identity import run_identity
-from dpo_train.initial_policy import initial_policy
-from dpo_train.logps import pair_logps
-from dpo_train.lora import apply_lora
-from dpo_train.loss import pair_losses
-from dpo_train.metrics import add_pairs, new_sums, step_record
-from dpo_train.model import embedding_rows
-from dpo_train.model_card import run_facts
-from dpo_train.nonfinite import agree, local_nonfinite, step_sources
-from dpo_train.objective import microbatch_loss, router_aux_coef
+from dpo_train.export.final import export
+from dpo_train.export.model_card import run_facts
+from dpo_train.model.lora import apply_lora
+from dpo_train.model.policy import embedding_rows
 from dpo_train.parallel import collectives
 from dpo_train.parallel.device import Placement
 from dpo_train.parallel.wrapping import no_sync, wrap
-from dpo_train.progress import Progress
 from dpo_train.reference.choice import build_reference
-from dpo_train.run_dir import check_output_dir, run_lock, start_run_dir
-from dpo_train.run_log import RunLog
-from dpo_train.run_setup import RunSetup, setup_run
-from dpo_train.sinks import check_report_to, check_sinks
-from dpo_train.step_sort import SortScores, sorted_types, step_partners, unmoved_rng
-
-FAULT_ENV = "DPO_TRAIN_FAULT"
-"""Testing hook: RANK:STEP makes that rank raise an OSError at that step (failure-propagation tests)."""
+from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
+from dpo_train.run.initial_policy import initial_policy
+from dpo_train.run.log import RunLog
+from dpo_train.run.progress import Progress
+from dpo_train.run.setup import RunSetup, setup_run
+from dpo_train.run.sinks import check_report_to, check_sinks
+from dpo_train.step.early_stopping import EarlyStopping, early_stopping
+from dpo_train.step.loss import pair_losses
+from dpo_train.step.metrics import add_pairs, new_sums, step_record
+from dpo_train.step.nonfinite import agree, local_nonfinite, step_sources
+from dpo_train.step.objective import microbatch_loss, router_aux_coef
+from dpo_train.step.sort import SortScores, sorted_types, step_partners, unmoved_rng
 
 
 class Trainer:
@@ -332,7 +327,7 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
         lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
         if rank == 0:
             print(f"resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr, flush=True)
-    fault, epochs_note = _fault(rank), _epochs_note(config, rank)
+    fault, epochs_note = step_fault(rank), _epochs_note(config, rank)
     saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
     resumed_at = trainer.state.step if resume_from else None
     with (
@@ -425,19 +420,6 @@ def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
             )
 
     return note
-
-
-def _fault(rank: int) -> Callable[[int], None]:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return lambda step: None
-    fault_rank, fault_step = (int(x) for x in spec.split(":"))
-
-    def check(step: int) -> None:
-        if rank == fault_rank and step == fault_step:
-            raise OSError(f"injected fault ({FAULT_ENV}={spec}): rank {rank} failed reading step {step}")
-
-    return check
 
 
 def _schedule(config: TrainConfig):

@@ -68,9 +68,9 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
-    from dpo_train.config import ModelConfig
-    from dpo_train.logps import pair_logps
-    from dpo_train.model import load_policy, prepare_for_training
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.policy import load_policy, prepare_for_training
     from dpo_train.parallel.device import placement
 
     place = placement(device, "bf16")
@@ -187,7 +187,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device check: torch sees no CUDA device; run it on a GPU machine (or --device cpu)")
     from dpo_data.prepare.build import BuildOptions, build
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     started = time.perf_counter()
     model_dir = str(materialize_smollm2())

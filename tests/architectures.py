@@ -213,7 +213,7 @@ PATH_REFUSED = {
 
 
 def model_spec(name: str) -> dict:
-    """`model.init.config` for dpo_train.config.ModelConfig (a mutation's entry names its model_type)."""
+    """`model.init.config` for dpo_train.config.sections.ModelConfig (a mutation's entry names its model_type)."""
     spec = {"model_type": name, **BASE, **ZOO[name]}
     return {k: v for k, v in spec.items() if k not in UNSET.get(name, ())}
 
@@ -260,7 +260,7 @@ def router_loss_default(model) -> bool:
     """Whether the model returns a router load-balancing loss with a nonzero default coefficient: then
     `loss.router_aux_coef` is on unless set, and the paths that cannot compute it exactly refuse it."""
     from dpo_train.attention.features import text_config
-    from dpo_train.objective import computes_router_loss
+    from dpo_train.step.objective import computes_router_loss
 
     coefficient = float(getattr(text_config(model), "router_aux_loss_coef", 0.0) or 0.0)
     return bool(coefficient) and computes_router_loss(model)

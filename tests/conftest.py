@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct directory, materialized once into the user cache."""
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     return materialize_smollm2()
 

@@ -9,7 +9,7 @@ import torch
 
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.probe import eager_unpacked
-from dpo_train.config import ModelConfig
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from tests.architectures import (
     COLUMNS,
@@ -36,7 +36,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
 
 
 def _load(model_type: str, path: str, layout: str, mesh=None):
-    from dpo_train.attention.choice import load_model
+    from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
@@ -46,7 +46,7 @@ def _load(model_type: str, path: str, layout: str, mesh=None):
 def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]:
     """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message
     (on `device`: scripts/device_check.py runs it on CUDA)."""
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
 
     out, truth, batch_pairs = {}, None, pairs()
     for path in PATHS:
@@ -158,8 +158,8 @@ def test_an_attention_keyword_a_path_does_not_know_is_an_error():
 def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed as dist
 
+    from dpo_train.attention.logps import pair_logps
     from dpo_train.attention.sequence_parallel import sequence_mesh
-    from dpo_train.logps import pair_logps
 
     join_gloo(rank, world, port)
     meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
@@ -237,7 +237,7 @@ if __name__ == "__main__":  # regenerate the docs table from a fresh run of ever
 def test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type):
     """The eager math our paths use for softcap and sinks (and the chunk masks) is differentiated as the
     model's own eager attention is: the gradient of a fixed function of the pair log-probs agrees."""
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
 
     model, batch_pairs = _load(model_type, "segments", "shared_prompt"), pairs()
     weights = torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]], dtype=torch.float64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dpo_state.schema import schema_problems
-from dpo_train.config import load_config
+from dpo_train.config.loading import load_config
 from dpo_train.errors import ConfigError
 
 ISSUE_EXAMPLE = """
@@ -81,7 +81,7 @@ def test_the_data_section_holds_the_loader_keys_with_the_loaders_own_defaults():
     from dataclasses import fields
 
     from dpo_data.loading.config import LoaderConfig
-    from dpo_train.config import LOADER_KEYS, DataConfig
+    from dpo_train.config.sections import LOADER_KEYS, DataConfig
 
     data = {f.name: f.default for f in fields(DataConfig)}
     loader = {f.name: f.default for f in fields(LoaderConfig)}
@@ -95,7 +95,7 @@ def test_the_data_section_holds_the_loader_keys_with_the_loaders_own_defaults():
 def test_the_schemas_loss_types_are_the_registrys():
     """The schema's enum is for users' editors; the registry is the family: they must name the same types."""
     from dpo_state.schema import load_schema
-    from dpo_train.loss import F_DIVERGENCES, LOSSES
+    from dpo_train.step.loss import F_DIVERGENCES, LOSSES
 
     schema = load_schema("train-config")
     loss = schema["properties"]["loss"]["properties"]
@@ -197,7 +197,7 @@ def test_the_edges_of_each_rule_load(overrides):
 
 def test_a_config_without_data_path_loads_and_only_a_run_refuses_it():
     """Tools and tests load partial configs; `check_config` (the run setup's) names the missing dataset."""
-    from dpo_train.config import check_config, config_problems
+    from dpo_train.config.rules import check_config, config_problems
 
     config = load_config({})
     assert config.data.path == "" and config_problems(config, for_run=False) == []
@@ -211,8 +211,9 @@ def test_a_config_without_data_path_loads_and_only_a_run_refuses_it():
 def test_a_config_built_in_code_is_checked_against_the_registry_too():
     """The run setup's check covers a TrainConfig that never went through the schema: a bad loss.type is
     named with the registry's names (no KeyError), beside the run's other problems."""
-    from dpo_train.config import ReferenceConfig, TrainConfig, check_config
-    from dpo_train.loss import LOSSES, LossConfig
+    from dpo_train.config.rules import check_config
+    from dpo_train.config.sections import ReferenceConfig, TrainConfig
+    from dpo_train.step.loss import LOSSES, LossConfig
 
     config = TrainConfig(loss=LossConfig(type="kto"), reference=ReferenceConfig(mode="none"))
     with pytest.raises(ConfigError) as info:
@@ -228,8 +229,9 @@ def test_a_config_built_in_code_is_checked_against_the_registry_too():
 def test_the_config_rules_read_the_loss_registry(monkeypatch):
     """A type added to `LOSSES` is one entry: its reference need and label_smoothing range are what the
     config's rules check, with no other list of names to update (the schema's enum is the test above's)."""
-    from dpo_train.config import ReferenceConfig, TrainConfig, config_problems
-    from dpo_train.loss import LOSSES, Interval, LossConfig, LossType
+    from dpo_train.config.rules import config_problems
+    from dpo_train.config.sections import ReferenceConfig, TrainConfig
+    from dpo_train.step.loss import LOSSES, Interval, LossConfig, LossType
 
     monkeypatch.setitem(LOSSES, "smoothed", LossType(LOSSES["sigmoid"].form, label_smoothing=Interval(0.0, 0.2)))
     monkeypatch.setitem(LOSSES, "free", LossType(LOSSES["simpo"].form, needs_reference=False))
@@ -253,8 +255,9 @@ def test_the_config_rules_read_the_loss_registry(monkeypatch):
 def test_the_loss_keys_only_some_types_read_follow_the_registry(monkeypatch):
     """`LossType.options` and `f_divergence` decide which keys a type lets change: an entry that reads
     discopop_tau and scores makes both legal, with no list of names in config.py."""
-    from dpo_train.config import TrainConfig, config_problems
-    from dpo_train.loss import LOSSES, LossConfig, LossType
+    from dpo_train.config.rules import config_problems
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.step.loss import LOSSES, LossConfig, LossType
 
     def problems(**loss):
         return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
@@ -413,8 +416,9 @@ def test_the_edges_of_each_list_rule_load(overrides):
 def test_a_list_built_in_code_is_checked_too():
     """A TrainConfig that never went through the schema: a bad name by its place, a NaN or negative weight,
     an unknown f-divergence, each named."""
-    from dpo_train.config import TrainConfig, config_problems
-    from dpo_train.loss import LOSSES, LossConfig
+    from dpo_train.config.rules import config_problems
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.step.loss import LOSSES, LossConfig
 
     def problems(**loss):
         return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
@@ -442,9 +446,9 @@ def test_a_default_objective_is_what_checkpoints_recorded_before_the_new_loss_ke
     """A checkpoint written before loss.weights, discopop_tau and the f-divergence keys existed must still
     resume: with those keys at their defaults the objective is the one main's identity.py wrote (this dict
     is its output for these configs); each key joins it only when set."""
-    from dpo_train.config import TrainConfig
-    from dpo_train.identity import _objective
-    from dpo_train.loss import LossConfig
+    from dpo_train.checkpoint.identity import _objective
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.step.loss import LossConfig
 
     before = {"type": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "nll_weight": 0.0, "average_log_prob": False}
     assert _objective(TrainConfig(), 0.0) == {**before, "target_margin": 0.5}
@@ -589,8 +593,9 @@ def test_the_edges_of_each_per_token_rule_load(overrides):
 
 
 def test_per_token_keys_built_in_code_are_checked_too():
-    from dpo_train.config import TrainConfig, config_problems
-    from dpo_train.loss import LossConfig
+    from dpo_train.config.rules import config_problems
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.step.loss import LossConfig
 
     def problems(**loss):
         return config_problems(TrainConfig(loss=LossConfig(**loss)), for_run=False)
@@ -609,9 +614,9 @@ def test_per_token_keys_built_in_code_are_checked_too():
 
 def test_the_per_token_keys_join_the_objective_only_when_set():
     """Existing runs' identity stays the same: ld_alpha and use_weighting at their defaults are not recorded."""
-    from dpo_train.config import TrainConfig
-    from dpo_train.identity import _objective
-    from dpo_train.loss import LossConfig
+    from dpo_train.checkpoint.identity import _objective
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.step.loss import LossConfig
 
     plain = _objective(TrainConfig(), 0.0)
     assert "ld_alpha" not in plain and "use_weighting" not in plain
@@ -761,7 +766,8 @@ def test_the_edges_of_each_tr_dpo_rule_load(overrides):
 
 
 def test_tr_dpo_keys_built_in_code_are_checked_too():
-    from dpo_train.config import ReferenceConfig, TrainConfig, config_problems
+    from dpo_train.config.rules import config_problems
+    from dpo_train.config.sections import ReferenceConfig, TrainConfig
 
     def problems(**reference):
         return config_problems(TrainConfig(reference=ReferenceConfig(**reference)), for_run=False)
@@ -785,8 +791,8 @@ def test_tr_dpo_keys_built_in_code_are_checked_too():
 def test_the_tr_dpo_keys_join_the_reference_identity_only_when_on():
     """A run without TR-DPO records the reference as main's identity.py did before the keys existed (this dict),
     so its checkpoints still resume; with it, the three keys are recorded and a resume with others is refused."""
-    from dpo_train.config import ReferenceConfig, TrainConfig
-    from dpo_train.identity import _reference
+    from dpo_train.checkpoint.identity import _reference
+    from dpo_train.config.sections import ReferenceConfig, TrainConfig
 
     before = {"mode": "live", "weights_fingerprint": "sha256:w", "sidecar_table": None}
     assert _reference(TrainConfig(), "sha256:w", None) == before

@@ -132,13 +132,13 @@ def test_every_collective_goes_through_the_helper_on_its_device(small_dataset, s
         "all_reduce<-collectives.spread",  # nonfinite.agree (non-finite vote, step_pairs), the step to save
         "all_reduce<-trainer.step",  # the step's metric sums
         "all_reduce<-scoring.score_pairs",  # precompute and eval tables
-        "all_gather_object<-checkpointing.save",  # the ranks' loader positions
+        "all_gather_object<-save.save",  # the ranks' loader positions
         "all_gather_object<-collectives.gather_failures",  # the failure messages, when a rank failed
-        "broadcast_object_list<-checkpointing.find_resume",
-        "barrier<-checkpointing.save",
-        "barrier<-checkpointing.abandon_later",
+        "broadcast_object_list<-restore.find_resume",
+        "barrier<-save.save",
+        "barrier<-restore.abandon_later",
         "barrier<-precompute.precompute_reference",
-        "barrier<-export.export",
+        "barrier<-final.export",
     }
     assert expected <= sites, expected - sites
     assert any(site.startswith("torch:") for calls in first for site in calls)  # FSDP2 and DCP are not ours to place
@@ -158,7 +158,7 @@ class _FakeNpu:
 
 
 def test_rng_states_are_saved_and_restored_per_device_kind(monkeypatch):
-    from dpo_train.checkpointing import RNGState
+    from dpo_train.checkpoint.parts import RNGState
 
     npu = _FakeNpu()
     monkeypatch.setattr(torch, "npu", npu, raising=False)
@@ -172,7 +172,7 @@ def test_rng_states_are_saved_and_restored_per_device_kind(monkeypatch):
 
 
 def test_rng_states_of_another_device_kind_are_refused():
-    from dpo_train.checkpointing import RNGState
+    from dpo_train.checkpoint.parts import RNGState
     from dpo_train.errors import ResumeError
 
     with pytest.raises(ResumeError, match="generator states for cpu, cuda, this run needs cpu"):
@@ -194,7 +194,7 @@ def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) 
     import torch.distributed as dist
 
     from dpo_data.dataset.store import PairStore
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.test_invariance import MODEL

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dpo_train.early_stopping import EarlyStopping
+from dpo_train.step.early_stopping import EarlyStopping
 from tests.harness import tiny_config, train_here, write_yaml
 
 
@@ -89,7 +89,7 @@ def test_a_run_stops_after_patience_evaluations_and_a_resume_counts_on(
     ids=["no-evaluations", "patience-alone", "unknown-metric"],
 )
 def test_early_stopping_without_evaluations_or_a_metric_is_refused(eval_keys, message, tmp_path):
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

@@ -19,7 +19,7 @@ CONFIGS = [
 def _trainer(dataset, loss: dict):
     from dpo_data.dataset.store import PairStore
     from dpo_train.attention.sequence_parallel import run_mesh
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
@@ -51,7 +51,7 @@ def _packed(pairs: list) -> dict:
 
 def _objective(trainer, pairs: list) -> dict:
     """The training step's objective over `pairs` as one micro-batch, read off its sums; nothing is stepped."""
-    from dpo_train.metrics import PAIR_SUMS
+    from dpo_train.step.metrics import PAIR_SUMS
 
     trainer.microbatch(_packed(pairs))
     sums = dict(zip(PAIR_SUMS, trainer.sums[0].tolist()))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dpo_state.schema import load_schema
-from dpo_train.config import ModelConfig, load_config
+from dpo_train.config.loading import load_config
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, train_cli, train_here
 from tests.test_checkpoint import config
@@ -164,7 +165,7 @@ def _numeric_keys(node: dict, path: str = ""):
 
 
 def test_every_number_of_the_schema_is_bounded_and_the_docs_table_is_the_schemas():
-    from dpo_train.config import _allowed
+    from dpo_train.config.loading import _allowed
 
     keys = list(_numeric_keys(load_schema("train-config")))
     ends = ({"minimum", "exclusiveMinimum"}, {"maximum", "exclusiveMaximum"})
@@ -188,7 +189,7 @@ def test_the_cli_refuses_numbers_out_of_range_before_anything_is_written(small_d
 
 
 def test_a_model_path_that_is_not_a_model_directory_is_named(tmp_path):
-    from dpo_train.model import load_policy
+    from dpo_train.model.policy import load_policy
 
     def message(**model) -> str:
         with pytest.raises(ConfigError) as info:
@@ -212,7 +213,7 @@ def test_a_model_path_that_is_not_a_model_directory_is_named(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("initializer_range", 100.0), ("hidden_size", -5)])
 def test_a_model_init_config_that_transformers_refuses_is_named(field, value):
-    from dpo_train.model import load_policy
+    from dpo_train.model.policy import load_policy
 
     named = field.replace("_", ".")  # 'initializer_range', or 'The hidden size (-5) is not a multiple ...'
     with pytest.raises(ConfigError, match=rf"^model.init.config: transformers cannot build .*{named}.*{value}"):
@@ -260,7 +261,7 @@ def _tiny(tied: bool):
 def test_lora_on_a_tied_layer_is_refused_naming_it(targets, named):
     """Before, it trained; a merged export then held the adapter in lm_head too (the weight is one), so the
     merged model's logits differed from the trained policy's by hundreds on this tiny model."""
-    from dpo_train.lora import apply_lora
+    from dpo_train.model.lora import apply_lora
 
     with pytest.raises(ConfigError, match="adapts a tied layer") as info:
         apply_lora(_tiny(tied=True), {"r": 2, "target_modules": targets})
@@ -269,8 +270,8 @@ def test_lora_on_a_tied_layer_is_refused_naming_it(targets, named):
 
 
 def test_lora_on_an_untied_embedding_merges_into_the_model_it_trained():
-    from dpo_train.lora import apply_lora
-    from dpo_train.model import embedding_rows
+    from dpo_train.model.lora import apply_lora
+    from dpo_train.model.policy import embedding_rows
 
     model = apply_lora(_tiny(tied=False), {"r": 2, "target_modules": ["embed_tokens", "q_proj"]})
     with torch.no_grad():
@@ -333,7 +334,7 @@ def test_a_read_only_tensorboard_directory_is_an_environment_error(small_dataset
 
 def test_a_full_tensorboard_disk_is_an_environment_error_before_the_first_step(tmp_path):
     from dpo_train.errors import WriteError
-    from dpo_train.sinks import check_sinks
+    from dpo_train.run.sinks import check_sinks
 
     with small_tmpfs(tmp_path / "run" / "tensorboard", 1) as full:
         with open(full / "filler", "wb", buffering=0) as f, pytest.raises(OSError):

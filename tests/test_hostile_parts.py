@@ -15,9 +15,9 @@ from dpo_data.errors import DataError
 from dpo_data.prepare.merge import merge
 from dpo_data.prepare.parts import MAX_PARTS, resolve_part
 from dpo_state.digest import file_digest
-from dpo_train.config import load_config
+from dpo_train.config.loading import load_config
 from dpo_train.errors import ConfigError
-from dpo_train.run_dir import check_output_dir
+from dpo_train.run.directory import check_output_dir
 from tests.conftest import chat, write_jsonl
 from tests.harness import tiny_config
 from tests.test_build_parts import _copies, _edit_part, _parts

@@ -131,9 +131,9 @@ def test_a_resolved_config_that_is_a_directory_is_named(tmp_path, run_cli):
     ids=["list-key", "deep"],
 )
 def test_dpo_train_reads_its_config_with_the_same_strict_reader(tmp_path, text, error):
-    """dpo_train/strict_yaml.py is the same reader raising ConfigError (these two were a TypeError and a
+    """dpo_train/config/strict_yaml.py is the same reader raising ConfigError (these two were a TypeError and a
     RecursionError there)."""
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.errors import ConfigError
 
     path = tmp_path / "c.yaml"

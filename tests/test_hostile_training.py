@@ -115,7 +115,7 @@ def test_each_kind_of_malformed_micro_batch_is_named(kind):
 def test_the_trainer_refuses_a_malformed_micro_batch_before_its_forward(sample_dataset):
     from dpo_data import PairStore
     from dpo_data.errors import DataError
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 

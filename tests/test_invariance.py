@@ -94,7 +94,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     import dpo_train.trainer as trainer_module
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
 
     if reduction == "mean_of_means":

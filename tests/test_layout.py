@@ -63,20 +63,32 @@ def test_dependencies_point_one_way(part):
     assert wrong == {}
 
 
-# dpo_train's rooms and what each may use of the rest of dpo_train (a room or a flat module, by name):
-# how a row is attended knows nothing of steps, checkpoints, metrics or the reference; the ranks' plumbing
-# knows nothing of models or losses; the reference is built from the initial policy and the run setup,
-# never from the trainer's loop, its checkpoints or its logs.
+# dpo_train's rooms and what each may use of the rest of dpo_train (another room, or `errors`), lowest first:
+# the ranks' plumbing knows nothing of models or losses; how a row is attended knows nothing of steps,
+# configs or checkpoints; the step's arithmetic knows no config; the reference is built from the config and the
+# attention, never from the loop, its checkpoints or its logs; no room imports the top floor (TOP_FLOOR).
 ROOMS = {
-    "attention": {"errors", "model", "logps", "parallel"},
     "parallel": {"errors"},
-    "reference": {"errors", "config", "model", "logps", "parallel", "attention", "initial_policy", "run_setup"},
+    "attention": {"errors", "parallel"},
+    "step": {"errors", "parallel", "attention"},
+    "config": {"errors", "step"},
+    "model": {"errors", "config", "attention"},
+    "reference": {"errors", "config", "parallel", "attention"},
+    "checkpoint": {"errors", "config", "step", "parallel", "model", "reference"},
+    "export": {"errors", "config", "model", "parallel"},
+    "run": {"errors", "config", "parallel", "attention", "model", "reference", "checkpoint"},
 }
+# The top floor: the entry points (`trainer.train`, `precompute.precompute`), the held-out evaluation the trainer
+# and its tests call, and `errors`, which every room shares and which imports nothing of dpo_train.
+TOP_FLOOR = {"__init__", "errors", "trainer", "evaluation", "precompute"}
+TRAINER_FAN_OUT = 11
+"""At most this many rooms and top-floor modules imported by the trainer (a room counts once): 25 before rooms."""
 
 
 def dpo_train_uses(path: Path) -> set[str]:
-    """The rooms and flat modules of dpo_train that a file imports: `dpo_train.parallel.device` -> parallel,
-    `dpo_train.config` -> config, `from dpo_train import collectives` -> collectives."""
+    """The rooms and top-level modules of dpo_train that a file imports, at module level or inside a function:
+    `dpo_train.parallel.device` -> parallel, `dpo_train.config.rules` -> config, `from dpo_train import errors`
+    -> errors."""
     used = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -89,6 +101,40 @@ def dpo_train_uses(path: Path) -> set[str]:
     return used
 
 
+def room_graph() -> dict[str, set[str]]:
+    """room -> the rooms its modules import (lazy imports included), as the code stands."""
+    return {
+        room: set().union(*(dpo_train_uses(p) for p in (ROOT / "dpo_train" / room).rglob("*.py"))) - {room, "errors"}
+        for room in ROOMS
+    }
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` (a list of nodes, the first repeated at the end), or None when it has none."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_every_module_of_dpo_train_sits_in_a_room_or_on_the_top_floor():
+    folders = {p.name for p in (ROOT / "dpo_train").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    flat = {p.stem for p in (ROOT / "dpo_train").glob("*.py")}
+    assert folders == set(ROOMS) and flat == TOP_FLOOR
+
+
 @pytest.mark.parametrize("room", sorted(ROOMS))
 def test_each_room_uses_only_what_its_rule_allows(room):
     files = sorted((ROOT / "dpo_train" / room).rglob("*.py"))
@@ -98,11 +144,37 @@ def test_each_room_uses_only_what_its_rule_allows(room):
     assert wrong == {}
 
 
+def test_errors_imports_nothing_of_dpo_train():
+    assert dpo_train_uses(ROOT / "dpo_train" / "errors.py") == set()
+
+
+def test_no_circle_between_rooms():
+    """Neither the rules nor the imports as they stand (lazy ones too) let a room reach itself through others."""
+    assert circle({room: allowed - {"errors"} for room, allowed in ROOMS.items()}) is None
+    assert circle(room_graph()) is None
+
+
+def test_the_trainer_imports_few_rooms():
+    used = dpo_train_uses(ROOT / "dpo_train" / "trainer.py")
+    assert len(used) <= TRAINER_FAN_OUT, sorted(used)
+
+
 def test_the_room_rule_walk_catches_a_forbidden_import(tmp_path):
-    """The check can fail: a room file importing the trainer is seen."""
+    """The check can fail: a room file importing the trainer or a higher room is seen, lazily too, and a
+    circle is found."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from dpo_train.trainer import Trainer\nfrom dpo_train import checkpointing\n")
-    assert dpo_train_uses(bad) - ROOMS["attention"] == {"trainer", "checkpointing"}
+    bad.write_text(
+        "from dpo_train.trainer import Trainer\nfrom dpo_train import checkpoint\n"
+        "def f():\n    from dpo_train.run.setup import setup_run\n"
+    )
+    assert dpo_train_uses(bad) - ROOMS["attention"] == {"trainer", "checkpoint", "run"}
+    assert circle({"attention": {"model"}, "model": {"config"}, "config": {"step"}, "step": {"attention"}}) == [
+        "attention",
+        "model",
+        "config",
+        "step",
+        "attention",
+    ]
 
 
 def test_every_package_directory_ships():

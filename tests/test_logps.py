@@ -8,7 +8,7 @@ import torch
 
 from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pair_sums
-from dpo_train.logps import pair_logps
+from dpo_train.attention.logps import pair_logps
 
 
 @pytest.fixture(scope="module")

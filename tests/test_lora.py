@@ -63,7 +63,7 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(single):
 def test_only_adapters_get_gradients_and_optimizer_state(small_dataset, smollm2_dir, tmp_path):  # noqa: F811
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.loader import DPOLoader
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 
@@ -88,8 +88,8 @@ def test_final_holds_an_adapter_peft_loads_and_a_merged_model(single, smollm2_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from dpo_train.config import load_config
-    from dpo_train.model import load_policy
+    from dpo_train.config.loading import load_config
+    from dpo_train.model.policy import load_policy
 
     cfg = load_config(single.parent / "single.yaml")
     base = load_policy(cfg.model)

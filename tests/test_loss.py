@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dpo_train.errors import ConfigError
-from dpo_train.loss import F_DIVERGENCES, LOSSES, LossConfig, LossType, pair_losses
-from dpo_train.objective import microbatch_loss
+from dpo_train.step.loss import F_DIVERGENCES, LOSSES, LossConfig, LossType, pair_losses
+from dpo_train.step.objective import microbatch_loss
 
 # Three pairs: summed completion log-probs under the policy and the reference, and token counts.
 C, R = torch.tensor([-10.0, -4.0, -7.5]), torch.tensor([-12.0, -3.0, -7.5])
@@ -351,7 +351,7 @@ def test_the_trainer_gives_sft_in_a_list_to_the_nll_term(sample_dataset):
     the gradient of sigmoid with nll_weight 0.7, and not sigmoid's alone."""
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.harness import TINY_LLAMA
@@ -478,8 +478,8 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
     ld_alpha 0.3 or weighting alone do not."""
     from dpo_data.dataset.store import PairIds, PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config import load_config
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.harness import TINY_LLAMA

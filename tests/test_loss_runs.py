@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from dpo_train.loss import LOSSES, Interval, LossConfig
+from dpo_train.step.loss import LOSSES, Interval, LossConfig
 from tests.harness import TINY_LLAMA, tiny_config, train_here, write_yaml
 
 BETA = LossConfig().beta
@@ -131,8 +131,9 @@ def initial(small_dataset, smollm2_dir) -> dict:
     unpadded sdpa forward per segment (float64 sums of fp32 log-probs): what the runs' packed rows must give."""
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.loader import DPOLoader
-    from dpo_train.config import ModelConfig, load_config
-    from dpo_train.model import load_policy
+    from dpo_train.config.loading import load_config
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.policy import load_policy
 
     config = load_config(tiny_config(small_dataset, smollm2_dir, Path("unused")))
     first = next(iter(DPOLoader(config.data.paths, config.data.loader_config(0, 1))))

@@ -16,9 +16,9 @@ import warnings
 import pytest
 import torch
 
-from dpo_train.loss import LossConfig, pair_losses
-from dpo_train.objective import microbatch_loss
-from dpo_train.step_sort import SortScores, sorted_types, step_partners
+from dpo_train.step.loss import LossConfig, pair_losses
+from dpo_train.step.objective import microbatch_loss
+from dpo_train.step.sort import SortScores, sorted_types, step_partners
 
 CHOSEN = torch.tensor([-10.0, -4.0, -7.5, -3.0])
 REJECTED = torch.tensor([-12.0, -3.0, -7.5, -9.0])
@@ -406,7 +406,7 @@ def test_ld_alpha_and_use_weighting_are_trls_loss(trl_trainer, monkeypatch, conf
     from accelerate import Accelerator
 
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
     from dpo_train.reference.choice import Reference
 
     Accelerator(cpu=True)  # the CPO tests' CPOConfig resets accelerate's shared state, which _compute_loss reads

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dpo_train.config import ModelConfig
-from dpo_train.model_card import base_model
+from dpo_train.config.sections import ModelConfig
+from dpo_train.export.model_card import base_model
 from tests.harness import TINY_LLAMA, state_here, tiny_config, train_here, write_yaml
 
 LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from dpo_data.loading.microbatch import pack_microbatch
-from dpo_train.config import ModelConfig
+from dpo_train.attention.logps import pair_logps
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from dpo_train.logps import pair_logps
-from dpo_train.objective import microbatch_loss, router_aux_coef
+from dpo_train.step.objective import microbatch_loss, router_aux_coef
 from tests.architectures import model_spec, pairs
 
 
 def _model(model_type: str, attention: str = "segments"):
-    from dpo_train.attention.choice import load_model
+    from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})

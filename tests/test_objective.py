@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dpo_train.loss import LossConfig, pair_losses
-from dpo_train.objective import microbatch_loss
+from dpo_train.step.loss import LossConfig, pair_losses
+from dpo_train.step.objective import microbatch_loss
 from tests.harness import join_gloo, spawn
 
 torch.manual_seed(0)

@@ -8,9 +8,9 @@ import torch
 
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-from dpo_train.config import ModelConfig
+from dpo_train.attention.logps import pair_logps
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ParityError
-from dpo_train.logps import pair_logps
 from dpo_train.reference.guard import check_parity, reordered
 from tests.architectures import model_spec, pairs, relative_error
 from tests.harness import train_here, write_yaml
@@ -19,7 +19,7 @@ LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 
 
 def _model(model_type: str, attention: str = "auto", layout: str = "separate", **overrides):
-    from dpo_train.attention.choice import load_model
+    from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": {**model_spec(model_type), **overrides}, "seed": 0})
@@ -73,7 +73,7 @@ def test_check_parity_names_the_pair_both_values_and_the_causes():
 
 def test_dropout_is_found_by_name_in_modules_attributes_and_configs():
     """Every dropout-like number is zeroed, wherever the model keeps it, and the export sees the config as loaded."""
-    from dpo_train.model import disable_dropout, dropout_as_loaded, load_policy
+    from dpo_train.model.policy import disable_dropout, dropout_as_loaded, load_policy
 
     spec = {**model_spec("seed_oss"), "residual_dropout": 0.1, "attention_dropout": 0.2}
     model = load_policy(ModelConfig(init={"config": spec, "seed": 0}), "eager")
@@ -95,7 +95,7 @@ def test_dropout_is_found_by_name_in_modules_attributes_and_configs():
 
 def test_the_weights_fingerprint_takes_zero_dim_tensors():
     """Apertus keeps its activation's beta and eps as 0-dim buffers (it traced back in the fingerprint)."""
-    from dpo_train.model import load_policy
+    from dpo_train.model.policy import load_policy
     from dpo_train.reference.sidecar import weights_fingerprint
 
     model = load_policy(ModelConfig(init={"config": model_spec("apertus"), "seed": 0}), "eager")
@@ -133,7 +133,7 @@ def test_seed_oss_trains_with_its_residual_dropout_off(tmp_path, small_dataset, 
 
 def test_the_guard_stops_a_run_whose_dropout_stays_on(tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch):
     """The mutant: dropout left on (the old module-only switch) is exit 2 at step 1, nothing stepped or saved."""
-    import dpo_train.model as model_module
+    import dpo_train.model.policy as model_module
 
     monkeypatch.setattr(model_module, "disable_dropout", lambda model: [])
     path = _config(tmp_path, small_dataset, smollm2_dir, "seed_oss", SEED_OSS, save_every=1)
@@ -149,7 +149,7 @@ def test_the_guard_runs_under_lora_and_the_shared_prompt_layout(
     tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
 ):
     """LoRA's reference is the policy with its adapters off, scored in eval mode: a dropout left on differs."""
-    import dpo_train.model as model_module
+    import dpo_train.model.policy as model_module
 
     lora = {"r": 4, "alpha": 8, "dropout": 0.5, "target_modules": ["q_proj", "v_proj"]}
     path = _config(tmp_path, small_dataset, smollm2_dir, "seed_oss", SEED_OSS)

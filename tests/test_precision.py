@@ -19,9 +19,9 @@ log-softmax is taken in fp32. This is why a precomputed reference is bound to it
 def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir):
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config import ModelConfig
-    from dpo_train.logps import pair_logps
-    from dpo_train.model import load_policy, prepare_for_training
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.policy import load_policy, prepare_for_training
     from dpo_train.parallel.device import placement
 
     store = PairStore([str(sample_dataset)])
@@ -44,7 +44,7 @@ def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir
 def test_training_in_bf16_learns(sample_dataset):
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.test_invariance import MODEL

@@ -7,9 +7,9 @@ import torch
 
 from dpo_train.attention import segments
 from dpo_train.attention.probe import TOLERANCE, probe
-from dpo_train.config import ModelConfig
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from dpo_train.model import load_policy
+from dpo_train.model.policy import load_policy
 from tests.architectures import model_spec
 from tests.harness import train_here, write_yaml
 
@@ -71,7 +71,7 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
     tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
 ):
     calls = []
-    import dpo_train.initial_policy as initial  # the trainer's and the precompute's initial policy
+    import dpo_train.run.initial_policy as initial  # the trainer's and the precompute's initial policy
 
     monkeypatch.setattr(initial, "probe", lambda model, layout: calls.append(layout) or 0.0)
     path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
@@ -84,7 +84,7 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
 def test_an_attention_keyword_that_is_not_inert_reaches_an_error_not_a_silent_drop():
     model = _raw("llama")
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
     from tests.architectures import pairs
 
     with pytest.raises(Exception, match="returns no attention weights"):

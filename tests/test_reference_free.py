@@ -18,7 +18,7 @@ METHODS = {
 
 
 def _config(dataset, out, loss: dict, mode: str = "none"):
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
 
     return load_config(
         {

@@ -194,9 +194,9 @@ def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):
     """An unknown sink is a config error; a missing optional package names the extra to install."""
     from dpo_report.charts import write_report
     from dpo_state.errors import ToolkitError
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.errors import ConfigError
-    from dpo_train.sinks import check_report_to
+    from dpo_train.run.sinks import check_report_to
 
     with pytest.raises(ConfigError, match="report_to"):
         load_config({"train": {"report_to": ["mlflow"]}})

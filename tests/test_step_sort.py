@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpo_train.loss import LossConfig, pair_losses
-from dpo_train.objective import microbatch_loss
-from dpo_train.step_sort import SortScores, step_partners
+from dpo_train.step.loss import LossConfig, pair_losses
+from dpo_train.step.objective import microbatch_loss
+from dpo_train.step.sort import SortScores, step_partners
 from tests.harness import join_gloo, spawn
 
 PAIRS = 7
@@ -129,7 +129,7 @@ def test_ranks_find_the_partners_one_process_finds():
 
 def _trainer(dataset, **model):
     from dpo_data.dataset.store import PairStore
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
     from tests.harness import TINY_LLAMA

@@ -35,7 +35,7 @@ def _config(dataset, strategy: str = "ddp", **reference) -> dict:
 def _trainer(config: dict, rank: int = 0, world: int = 1):
     """A real Trainer and the real loader's batches for this rank."""
     from dpo_data.dataset.store import PairStore
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import DPOLoader, Trainer
 
@@ -287,11 +287,13 @@ def _full(model) -> dict:
 
 
 def _check_restore(trainer, loader, out, config, rank: int, world: int) -> None:
-    """Save after step 3 through `checkpointing.save`, restore into a fresh trainer: its reference's local
+    """Save after step 3 through `checkpoint.save.save`, restore into a fresh trainer: its reference's local
     shards are the trained ones, bitwise, and differ from the initial reference's."""
     from pathlib import Path
 
-    from dpo_train.checkpointing import new_lineage, restore, save
+    from dpo_train.checkpoint.parts import new_lineage
+    from dpo_train.checkpoint.restore import restore
+    from dpo_train.checkpoint.save import save
 
     path = save(trainer.checkpointable(loader), trainer.run_context(loader, Path(out)), new_lineage())
     fresh, fresh_loader = _trainer(config, rank, world)

@@ -13,7 +13,7 @@ MODEL = TINY_LLAMA
 
 
 def _trainer(dataset, **train):
-    from dpo_train.config import load_config
+    from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
 

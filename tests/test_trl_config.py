@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dpo_train.config import load_config
+from dpo_train.config.loading import load_config
+from dpo_train.config.trl import translate
+from dpo_train.config.trl_names import KEEP_ALL, TABLE, markdown_table
 from dpo_train.errors import ConfigError
-from dpo_train.trl_config import KEEP_ALL, TABLE, markdown_table, translate
 from tests.harness import cli_argv, run_process
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"

@@ -264,7 +264,7 @@ FORMATS = {"text": TEXT_ROWS, "chat_explicit": CHAT_ROWS, "chat_implicit": IMPLI
 
 @pytest.fixture(scope="module")
 def tokenizer_dir():
-    from dpo_train.bundled_model import materialize_smollm2
+    from dpo_train.model.bundled import materialize_smollm2
 
     return materialize_smollm2()
 

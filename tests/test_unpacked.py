@@ -12,10 +12,10 @@ import torch
 
 from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_train.attention.logps import pair_logps
 from dpo_train.attention.probe import eager_unpacked, probe
-from dpo_train.config import ModelConfig
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from dpo_train.logps import pair_logps
 from tests.architectures import model_spec, pairs, relative_error
 
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
@@ -23,7 +23,7 @@ TOLERANCE = 1e-5
 
 
 def _load(model_type: str, attention: str = "auto", layout: str = "separate", mesh=None):
-    from dpo_train.attention.choice import load_model
+    from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
@@ -69,7 +69,7 @@ def test_the_unpacked_sums_equal_the_packed_ones_field_by_field():
 def test_the_router_loss_of_an_unpacked_row_is_trls_padded_one():
     """Jamba (experts behind Mamba and attention layers): the padded batch is TRL's own, so its
     load-balancing loss is the one TRL adds; and the trainer's coefficient check lets it through."""
-    from dpo_train.objective import router_aux_coef
+    from dpo_train.step.objective import router_aux_coef
     from tests.test_moe import _padded_aux
 
     model = _load("jamba")
@@ -134,9 +134,9 @@ def test_a_packed_row_fed_to_the_model_is_caught(model_type, monkeypatch):
     from dpo_train.attention import segments
 
     model = _load(model_type)
-    monkeypatch.setattr("dpo_train.logps.unpacked.runs_unpacked", lambda model: False)
+    monkeypatch.setattr("dpo_train.attention.logps.unpacked.runs_unpacked", lambda model: False)
     if model_type == "bloom":
-        monkeypatch.setattr("dpo_train.logps.row_inputs", _packed_row)
+        monkeypatch.setattr("dpo_train.attention.logps.row_inputs", _packed_row)
     else:
         monkeypatch.setattr("dpo_train.attention.inputs.runs_unpacked", lambda model: False)
         segments.register()

@@ -6,9 +6,7 @@ import ctypes
 import os
 import re
 import shutil
-import signal
 import stat
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -17,14 +15,13 @@ from typing import TYPE_CHECKING
 from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, STAGING_SUFFIX, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_data.errors import DataError
+from dpo_state.faults import data_kill_point
 from dpo_state.files import fsync_dir
 from dpo_state.lock import DirectoryLock
 
 if TYPE_CHECKING:
     from dpo_data.prepare.tally import BuildResult
 
-KILL_ENV = "DPO_DATA_KILL"
-"""Testing hook for crash tests: `before-swap`, `after-swap` or `after-delete` SIGKILLs the build there."""
 _BUILD_ENTRIES = {
     MANIFEST_NAME,
     REJECTS_NAME,
@@ -177,17 +174,17 @@ def swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
         check_replaceable(out, overwrite)  # again: a long build gives others time to write into `out`
     except DataError as e:
         raise DataError(f"{e} (nothing was committed; the new build is in {staging})") from None
-    _kill_point("before-swap")
+    data_kill_point("before-swap")
     if out.exists():
         _exchange(staging, out)
         fsync_dir(out.parent)
-        _kill_point("after-swap")
+        data_kill_point("after-swap")
         remove_build_output(staging)
     else:
         os.rename(staging, out)
         fsync_dir(out.parent)
-        _kill_point("after-swap")
-    _kill_point("after-delete")
+        data_kill_point("after-swap")
+    data_kill_point("after-delete")
 
 
 _RENAME_EXCHANGE = 2
@@ -208,9 +205,3 @@ def _exchange(a: Path, b: Path) -> None:
             f"--overwrite {b}: the atomic swap with {a} failed ({os.strerror(code)}); {b} is unchanged "
             f"and the new build is in {a}"
         )
-
-
-def _kill_point(name: str) -> None:
-    if os.environ.get(KILL_ENV) == name:
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)

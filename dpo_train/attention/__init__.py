@@ -5,6 +5,7 @@
 - `masks`: which keys a position of a packed row may see, per layer kind;
 - `segments`, `sequence_parallel`: the two attention implementations of our own;
 - `inputs`: the model's keyword inputs for a packed row, per path;
-- `choice`: the path a run takes, and the refusals of paths that cannot express a model;
+- `logps`: per-pair log-probs from a packed micro-batch;
+- `choice`: the path a run takes, and the refusals of paths that cannot express a model (`model.load` loads it);
 - `probe`: packed vs unpacked log-probs on a synthetic row before step 1.
 """

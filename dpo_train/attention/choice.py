@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dpo_state.errors import ToolkitError
 from dpo_train.attention import segments, sequence_parallel, unpacked
 from dpo_train.attention.features import model_attention, model_config, text_config
 from dpo_train.errors import ConfigError
@@ -66,94 +65,12 @@ def _flash_usable(place: Any, layout: str) -> bool:
     return bool(cuda_bf16 and layout == "separate" and importlib.util.find_spec("flash_attn"))
 
 
-def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> Any:
-    """The policy loaded with the path `attention_for` picks, checked by `fit_model`. transformers'
-    own refusal of an attention (sdpa for Gemma2 or GPT-OSS) becomes a named ConfigError; under auto a
-    refused flash-attention falls back to the segment attention. A model packing cannot serve (its
-    config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
-    from dpo_train.model import load_policy
-
-    arch, why = _unpacked_reason(spec)
-    if requested == unpacked.ATTENTION or why and requested == "auto":
-        return _load_unpacked(spec, mesh, arch, why)
-    if why:  # before transformers' own refusal of sdpa (Bloom), which would name packed paths as the fix
-        raise _packing_refused(arch, why, requested, layout)
-    attention = attention_for(requested, place, mesh, layout)
-    try:
-        model = load_policy(spec, attention)
-    except ToolkitError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a model class that cannot take this path: named, not a traceback
-        if "attention implementation" not in str(e):
-            raise ConfigError(
-                f"model.attention {requested}: transformers cannot build this model with attention {attention} "
-                f"({type(e).__name__}: {_first_line(e)}): its class does not go through transformers' attention "
-                "registry, so no packing path can keep its segments apart; use model.attention unpacked (each "
-                "sequence alone in a padded batch; docs/train-config.md, supported architectures)"
-            ) from None
-        if requested == "auto" and attention == "flash_attention_2":
-            segments.register()
-            model = load_policy(spec, segments.ATTENTION)
-        else:
-            raise ConfigError(
-                f"model.attention {requested}: transformers refuses it for this model ({_first_line(e)}); use "
-                "model.attention auto or segments (which apply softcapping and sinks), or eager"
-            ) from None
-    fit_model(model, requested, layout)
-    return model
-
-
-def _unpacked_reason(spec: Any) -> tuple[str, str | None]:
-    """The class transformers builds for `spec`, and why it needs the unpacked path (None: it packs), read
-    from its config before any weights load."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from dpo_train.model import _init_config
-
-    try:
-        if spec.path:
-            config = AutoConfig.from_pretrained(spec.path)
-        elif spec.init and "config" in spec.init:
-            config = _init_config(spec.init["config"])
-        else:
-            return "the model", None
-    except (OSError, ValueError, ConfigError):  # unreadable: load_policy names the problem, fit_model checks
-        return "the model", None
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type), unpacked.reason(config)
-
-
-def _packing_refused(arch: str, why: str, requested: str, layout: str) -> ConfigError:
+def packing_refused(arch: str, why: str, requested: str, layout: str) -> ConfigError:
     return ConfigError(
         f"{arch}: {why}, so packed pairs would leak into each other (data.layout {layout} packs several "
         f"segments per row) and model.attention {requested} packs; use model.attention auto or unpacked "
         "(each sequence alone in a padded batch; docs/train-config.md, supported architectures)"
     )
-
-
-def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:
-    """The policy with transformers' own attention (sdpa, or eager where transformers has no sdpa for
-    it), marked to run unpacked. Sequence parallelism splits one row over ranks, which a padded batch of
-    whole sequences cannot follow: refused by name."""
-    from dpo_train.model import load_policy
-
-    if mesh is not None and mesh.active:
-        cause = f": {why}, so packing is off for it" if why else ""
-        raise ConfigError(
-            f"{arch} trains unpacked (model.attention unpacked{cause}), and the unpacked path cannot "
-            "split a sequence over ranks: remove distributed.sequence_parallel (data parallelism and "
-            "FSDP still apply)"
-        )
-    try:
-        model = load_policy(spec, "sdpa")
-    except ValueError as e:
-        if "attention implementation" not in str(e):
-            raise
-        model = load_policy(spec, "eager")  # Bloom, MPT: transformers has no sdpa for them
-    unpacked.mark(model)
-    unpacked.note(model, why or "model.attention unpacked asked for it")
-    return model
 
 
 def fit_model(model: Any, requested: str, layout: str) -> str:
@@ -169,7 +86,7 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
     arch = type(model).__name__
     why = unpacked.reason(text_config(model))
     if why:
-        raise _packing_refused(arch, why, requested, layout)
+        raise packing_refused(arch, why, requested, layout)
     missing = {name: layer for name, layer in needs.needs().items() if name not in EXPRESSES.get(attention, _ALL)}
     if not missing:
         return attention
@@ -200,5 +117,5 @@ def _either(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].split(". ")[0]

@@ -147,7 +147,7 @@ _PATHS = {"segments": segments.ATTENTION, "eager": "eager", "sdpa": "sdpa"}  # m
 def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):
     """The packed row's [pairs, 2] log-probs under `path` and their relative errors against `truth`."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.logps import pair_logps
+    from dpo_train.attention.logps import pair_logps
 
     model_config(model)._attn_implementation = path
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch

@@ -98,7 +98,7 @@ def segment_attention(
     if row_segments is None:
         raise ModelError(
             "this model runs the segment attention and was called without the row's segments; call it "
-            "through dpo_train.logps.pair_logps, or load it with model.attention sdpa"
+            "through dpo_train.attention.logps.pair_logps, or load it with model.attention sdpa"
         )
     layer, sinks = call_attention(module, "segments", kwargs)
     if tuned(module):

@@ -214,7 +214,7 @@ def sequence_parallel_attention(
     if sequence_shard is None:
         raise ModelError(
             "this model runs with sequence-parallel attention and was called without a sequence shard; "
-            "call it through dpo_train.logps.pair_logps with the run's SequenceMesh"
+            "call it through dpo_train.attention.logps.pair_logps with the run's SequenceMesh"
         )
     layer, sinks = call_attention(module, "sequence parallel", kwargs)
     if tuned(module):  # before the exchange: the query is this rank's positions, scaled by their local index

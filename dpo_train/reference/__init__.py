@@ -5,6 +5,6 @@
 - `live`: the frozen initial policy, sharded from birth under FSDP2, or under LoRA the policy with its
   adapters off; TR-DPO's move of the copy toward the policy;
 - `sidecar`: precomputed log-probs bound to the dataset and the reference weights, verified before use;
-- `scoring`: every pair of a dataset scored without gradients, packed (sidecars and held-out eval);
-- `precompute`: `dpo-train CONFIG --precompute-reference`.
+- `guard`: step 1's parity guard;
+- `scoring`: every pair of a dataset scored without gradients, packed (sidecars and held-out eval).
 """

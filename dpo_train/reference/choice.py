@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from dpo_data.dataset.store import PairStore
-from dpo_train.config import TrainConfig
-from dpo_train.logps import pair_logps
+from dpo_train.attention.logps import pair_logps
+from dpo_train.config.sections import TrainConfig
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.guard import check_parity, reordered
 from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into

@@ -16,14 +16,14 @@ from dpo_data.loading.binpack import first_fit_decreasing
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
-from dpo_train.logps import pair_logps
+from dpo_train.attention.logps import pair_logps
 from dpo_train.parallel import collectives
 
 
 @dataclass
 class Scores:
     """Per pair (by global pair index): summed completion log-probs and completion token counts; where asked
-    for, LD-DPO's sums and WPO's weights (dpo_train/logps.py)."""
+    for, LD-DPO's sums and WPO's weights (dpo_train/attention/logps.py)."""
 
     chosen: np.ndarray
     rejected: np.ndarray

@@ -9,11 +9,11 @@ import torch
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
-from dpo_train.config import TrainConfig
-from dpo_train.lora import lora_settings
-from dpo_train.loss import LossConfig
+from dpo_train.config.sections import TrainConfig
+from dpo_train.model.lora import lora_settings
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.choice import reference_mode
+from dpo_train.step.loss import LossConfig
 
 _GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov", "initial_lr")
 

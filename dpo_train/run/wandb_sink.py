@@ -10,7 +10,7 @@ import yaml
 
 from dpo_state.files import read_document, write_json_atomic
 from dpo_train.errors import ConfigError, WriteError
-from dpo_train.run_dir import RESOLVED_CONFIG
+from dpo_train.run.directory import RESOLVED_CONFIG
 
 RUN_FILE = "wandb-run.json"
 """OUTPUT/wandb-run.json: the W&B run id of this run directory, so that a resumed run continues that run."""

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from dpo_state.export_record import CARD_FILE, write_export_record
+from dpo_state.faults import train_kill_point
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
-from dpo_train.checkpointing import kill_point
-from dpo_train.config import ModelConfig, TrainConfig
-from dpo_train.model import dropout_as_loaded
-from dpo_train.model_card import RunFacts, base_model, card_text
+from dpo_train.config.sections import ModelConfig, TrainConfig
+from dpo_train.export.model_card import RunFacts, base_model, card_text
+from dpo_train.model.policy import dropout_as_loaded
 from dpo_train.parallel import collectives
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -57,8 +57,8 @@ def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: in
 
 def _merged(config: TrainConfig, state: dict) -> Any:
     """The adapters merged into a fresh base model (loaded on this rank only, on the CPU)."""
-    from dpo_train.lora import merged_model
-    from dpo_train.model import load_policy
+    from dpo_train.model.lora import merged_model
+    from dpo_train.model.policy import load_policy
 
     # eager: nothing runs a forward here, and every architecture loads with it (Gemma2 has no sdpa)
     return merged_model(load_policy(config.model, "eager"), config.model.lora, state)
@@ -83,7 +83,7 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     _describe(staging, config, facts, peft)
-    kill_point(f"in-export:{target.name}")
+    train_kill_point(f"in-export:{target.name}")
     _into_place(staging, target)
 
 

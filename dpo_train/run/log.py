@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
-from dpo_train.sinks import MetricSinks
+from dpo_train.run.sinks import MetricSinks
 
 
 class RunLog:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpo_train.attention.choice import load_model
 from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
-from dpo_train.checkpointing import load_weights
-from dpo_train.config import TrainConfig
-from dpo_train.model import prepare_for_training
+from dpo_train.checkpoint.restore import load_weights
+from dpo_train.config.sections import TrainConfig
+from dpo_train.model.load import load_model
+from dpo_train.model.policy import prepare_for_training
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 

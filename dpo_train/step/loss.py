@@ -3,7 +3,7 @@
 The step, not the loss, reduces: it sums pair losses and divides by the number of pairs in the whole
 optimizer step, so every pair weighs the same whatever the packing (docs/objective.md). So every form is a
 function of one pair's values, save the `sorted` types (AOT), which pair the step's sorted log-ratios: they
-also read each pair's partners in those sorts, constants that dpo_train/step_sort.py finds over the whole
+also read each pair's partners in those sorts, constants that dpo_train/step/sort.py finds over the whole
 step (every micro-batch and rank) before its forwards, so they too are the same whatever the packing.
 Notation: for a pair, c = log pi(chosen), r = log pi(rejected) (summed over completion tokens, or
 averaged with `average_log_prob`), c0 and r0 the same under the reference, |c| and |r| completion
@@ -11,7 +11,7 @@ token counts, the log-ratios x_c = c - c0 and x_r = r - r0, f the score of `loss
 (reverse_kl: f(x) = x), and the margin  D = f(x_c) - f(x_r)  (reverse_kl: the DPO margin).
 
 `LOSSES` is the family: one `LossType` per `loss.type` name, and the only list of them. The per-pair
-computation, `LossConfig.needs_reference` and the config's checks (dpo_train/config.py) all read it.
+computation, `LossConfig.needs_reference` and the config's rules (dpo_train/config/rules.py) all read it.
 Adding a loss type is one entry here (its closed form in the function's docstring) plus its row in the
 docs/objective.md table (tests/test_loss.py checks the table's facts against the entries) and its name
 in the `loss_type` enum (`$defs`) of schemas/train-config.schema.json, which is for editors and must list the
@@ -36,7 +36,7 @@ Counts = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The `loss:` section of the training config; checked by dpo_train/config.py (`config_problems`)
+    """The `loss:` section of the training config; checked by dpo_train/config/rules.py (`config_problems`)
     and the schema, never here."""
 
     type: str | list[str] = "sigmoid"
@@ -75,7 +75,7 @@ class LossConfig:
     use_weighting: bool = False
     """WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"), TRL's `use_weighting`:
     each pair's loss times w_c w_r, w = exp(mean over the completion's tokens of log p(token) - log sum_v
-    p(v)^2) under the policy, without gradient (dpo_train/logps.py `wpo_weights`)."""
+    p(v)^2) under the policy, without gradient (dpo_train/attention/logps.py `wpo_weights`)."""
     router_aux_coef: float | None = None
     """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
     load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's
@@ -165,7 +165,7 @@ class LossType:
     sorted: bool = False
     """The loss pairs the k-th smallest of one log-ratio over the optimizer step with the k-th smallest of
     another (AOT): its form takes a fifth argument, each pair's partners [pairs, 2] in those sorts
-    (dpo_train/step_sort.py `step_partners`), constants without gradient."""
+    (dpo_train/step/sort.py `step_partners`), constants without gradient."""
 
 
 def _reverse_kl(config: LossConfig, ratio: torch.Tensor) -> torch.Tensor:
@@ -532,7 +532,7 @@ def pair_losses(
     summed) from summed completion log-probs (LD-DPO's sums with `ld_alpha`), and the token counts for the
     averaged forms. `pair_weights`: WPO's (`use_weighting`), multiplying each pair's loss, as TRL multiplies
     each listed type's. `partners`: each listed `sorted` type's partners of these pairs in the step's sorts
-    (dpo_train/step_sort.py). The rewards are the first listed type's that has a per-pair term (not sft's,
+    (dpo_train/step/sort.py). The rewards are the first listed type's that has a per-pair term (not sft's,
     unless it is alone)."""
     if config.use_weighting and pair_weights is None:
         raise ConfigError("loss.use_weighting is true, but no WPO pair weights reached the loss; pass pair_weights")
@@ -540,7 +540,7 @@ def pair_losses(
     if unpartnered:
         raise ConfigError(
             f"loss.type {unpartnered[0]} pairs the optimizer step's sorted log-ratios, and no partners reached "
-            "the loss; pass partners from dpo_train/step_sort.py `step_partners` over the whole step"
+            "the loss; pass partners from dpo_train/step/sort.py `step_partners` over the whole step"
         )
     if config.needs_reference and (ref_chosen is None or ref_rejected is None):
         raise ConfigError(

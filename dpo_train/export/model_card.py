@@ -11,7 +11,7 @@ from dpo_state.export_record import CARD_ROWS
 from dpo_state.files import read_json
 from dpo_state.layout import step_dir
 from dpo_state.run_logs import EVAL_LOG, by_step, read_log
-from dpo_train.config import ModelConfig, TrainConfig
+from dpo_train.config.sections import ModelConfig, TrainConfig
 
 _EVAL_ROWS = ("accuracy", "loss", "margin", "logp_accuracy", "nll")
 """The held-out metrics the card compares before and after training (those an eval record has)."""
@@ -20,7 +20,7 @@ _EVAL_ROWS = ("accuracy", "loss", "margin", "logp_accuracy", "nll")
 @dataclass(frozen=True)
 class RunFacts:
     """What the card says of a run beyond its config: the identity its checkpoints record
-    (`dpo_train.identity`), its lineage, the step it ended at, the pairs of each source and its output
+    (`dpo_train.checkpoint.identity`), its lineage, the step it ended at, the pairs of each source and its output
     directory (where eval.jsonl is)."""
 
     identity: dict

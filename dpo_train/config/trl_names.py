@@ -1,22 +1,20 @@
-"""TRL's names for this config: one table from TRL 1.16's DPOConfig (and its TrainingArguments, ModelConfig and
-ScriptArguments) fields to this toolkit's keys, and the translation of a flat TRL YAML config through it."""
+"""TRL's names for this config: one table from TRL 1.16's DPOConfig (and its TrainingArguments, ModelConfig
+and ScriptArguments) fields to this toolkit's keys, what each converts to or why it is refused, and the
+"did you mean" hint both the loader and the translation read."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpo_train.config import SECTIONS, _apply_override, _suggest, load_config
 from dpo_train.errors import ConfigError
-from dpo_train.loss import F_DIVERGENCES, LOSSES, Interval
-from dpo_train.strict_yaml import read_yaml_file
+from dpo_train.step.loss import F_DIVERGENCES, LOSSES, Interval
 
-_UNSET = object()
+UNSET = object()
 """A row's TRL default when the row has none to fill in (refused and accepted-only rows)."""
 
 
@@ -52,11 +50,11 @@ class Row:
     note: str
     convert: Callable[[Any, Context], dict] | None = None
     harmless: tuple = ()
-    default: Any = _UNSET
+    default: Any = UNSET
     read: Reader | None = None
 
 
-def _refuse(message: str) -> None:
+def refuse(message: str) -> None:
     raise Untranslatable(message)
 
 
@@ -68,20 +66,20 @@ FALSE = ("no", "false", "f", "n", "0")
 """transformers' `string_to_bool` (hf_argparser.py), TRL's reading of a boolean given as text: these, in any case."""
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value as an error quotes it: its repr, cut at 60 characters (a field may hold a whole mapping)."""
     return f"{value!r:.60}"
 
 
-def _boolean(name: str, value: Any) -> bool:
+def boolean(name: str, value: Any) -> bool:
     """A boolean: true or false, or text (an integer's digits too) that TRL's string_to_bool reads."""
     if isinstance(value, bool):
         return value
     text = str(value).lower() if isinstance(value, (str, int)) else None
     if text in TRUE or text in FALSE:
         return text in TRUE
-    _refuse(
-        f"{name} is {_shown(value)}; TRL reads a boolean here: true or false, or (its parser's string_to_bool) "
+    refuse(
+        f"{name} is {shown(value)}; TRL reads a boolean here: true or false, or (its parser's string_to_bool) "
         f"yes/no, true/false, t/f, y/n, 1/0 in any case, quoted or not; set {name}: true or {name}: false"
     )
 
@@ -113,8 +111,8 @@ def _number(low: float = -math.inf, high: float = math.inf, *, open_low=False, o
     def read(name: str, value: Any) -> int | float:
         number = _numeric(value)
         if number is None or (isinstance(number, float) and not math.isfinite(number)) or number not in bounds:
-            _refuse(
-                f"{name} is {_shown(value)}; here it must be a finite number {_span(bounds)}".rstrip()
+            refuse(
+                f"{name} is {shown(value)}; here it must be a finite number {_span(bounds)}".rstrip()
                 + f"; {fix or f'set {name} to one'}"
             )
         return number
@@ -128,7 +126,7 @@ def _count(low: int) -> Reader:
     def read(name: str, value: Any) -> int:
         number = _numeric(value)
         if number is None or (isinstance(number, float) and not number.is_integer()) or number < low:
-            _refuse(f"{name} is {_shown(value)}; here it must be a whole number >= {low}; set {name} to one")
+            refuse(f"{name} is {shown(value)}; here it must be a whole number >= {low}; set {name} to one")
         return int(number)
 
     return read
@@ -143,7 +141,7 @@ def _choice(choices: Iterable[str], explain: str = "") -> Reader:
             return value
         bare = " (YAML reads a bare yes/no/on/off as a boolean: quote the name)" if isinstance(value, bool) else ""
         explained = f" ({explain})" if explain else ""
-        _refuse(f"{name} is {_shown(value)}{bare}; here: {', '.join(choices)}{explained}; set one of them")
+        refuse(f"{name} is {shown(value)}{bare}; here: {', '.join(choices)}{explained}; set one of them")
 
     return read
 
@@ -157,27 +155,27 @@ def _names(name: str, value: Any) -> str | list[str]:
     """One name or a list of names (TRL's list[str] fields, which take a single string too), as given."""
     if _text_in(value) or (isinstance(value, list) and all(_text_in(item) for item in value)):
         return value
-    _refuse(f"{name} is {_shown(value)}; give a name or a list of names ({name}: [a, b]), each as text")
+    refuse(f"{name} is {shown(value)}; give a name or a list of names ({name}: [a, b]), each as text")
 
 
 def _text(name: str, value: Any) -> str:
     """A path or a name (TRL's str)."""
     if _text_in(value):
         return value
-    _refuse(f"{name} is {_shown(value)}; give it as text (a path or a name), quoted where YAML reads it otherwise")
+    refuse(f"{name} is {shown(value)}; give it as text (a path or a name), quoted where YAML reads it otherwise")
 
 
 def _mapping(name: str, value: Any) -> dict:
     """A mapping of names to values (TRL's dict fields)."""
     if isinstance(value, dict) and all(isinstance(key, str) for key in value):
         return value
-    _refuse(f"{name} is {_shown(value)}; give a mapping of names to values ({name}: {{key: value}}), or drop it")
+    refuse(f"{name} is {shown(value)}; give a mapping of names to values ({name}: {{key: value}}), or drop it")
 
 
 def _numbers(name: str, value: Any) -> list:
     """A list of numbers >= 0 (TRL's list[float]), each read as `_number` reads one."""
     if not isinstance(value, list):
-        _refuse(f"{name} is {_shown(value)}; give a list of numbers >= 0 ({name}: [1.0, 0.5])")
+        refuse(f"{name} is {shown(value)}; give a list of numbers >= 0 ({name}: [1.0, 0.5])")
     return [_number(0)(f"{name}[{index}]", item) for index, item in enumerate(value)]
 
 
@@ -215,7 +213,7 @@ def _ratio_of_steps(name: str, ratio: float, ctx: Context, key: str) -> int:
     """TrainingArguments' ratio of the run's steps: ceil(max_steps x ratio)."""
     steps = _max_steps(ctx)
     if steps is None:
-        _refuse(
+        refuse(
             f"{name} is {ratio}, a ratio of the run's steps, but max_steps is not set, so the step count is "
             f"known only when the run plans its epochs; give {name} as a number of steps ({key})"
         )
@@ -227,7 +225,7 @@ def _steps_or_ratio(name: str, value: float, ctx: Context, key: str) -> int:
     if 0 < value < 1:
         return _ratio_of_steps(name, value, ctx, key)
     if value != int(value):
-        _refuse(
+        refuse(
             f"{name} is {value}; a value in (0, 1) is a ratio of the run's steps, any other a whole number of "
             f"steps ({key}); set one of them"
         )
@@ -241,7 +239,7 @@ def _pairs_per_step(value: Any, ctx: Context) -> dict:
 
 def _epochs(value: float, ctx: Context) -> dict:
     if value != int(value):
-        _refuse(
+        refuse(
             f"num_train_epochs is {value}; here train.epochs counts whole epochs: give a whole number, or set "
             "max_steps (the run then goes on through the epochs that takes)"
         )
@@ -270,7 +268,7 @@ def _warmup_ratio(value: float, ctx: Context) -> dict:
 
 def _warm_up(name: str, value: float, steps: int, ctx: Context) -> dict:
     if steps and ctx.trl["lr_scheduler_type"] == "constant":
-        _refuse(
+        refuse(
             f"{name} is {value}, but lr_scheduler_type is constant, which in transformers takes no warm-up "
             "(it ignores the warm-up steps); set lr_scheduler_type: constant_with_warmup to warm up, or drop "
             f"{name}"
@@ -315,7 +313,7 @@ def _keep_last(value: int | None, ctx: Context) -> dict:
 
 def _precision(value: Any, ctx: Context) -> dict:
     if ctx.trl["fp16"]:
-        _refuse("fp16 is true; this toolkit has no fp16 (no loss scaling): set bf16: true (train.precision: bf16)")
+        refuse("fp16 is true; this toolkit has no fp16 (no loss scaling): set bf16: true (train.precision: bf16)")
     bf16 = ctx.trl["bf16"]
     return {"train.precision": "auto" if bf16 is None else "bf16" if bf16 else "fp32"}
 
@@ -325,7 +323,7 @@ def _report_to(value: str | list[str] | None, ctx: Context) -> dict:
     sinks = [sink for sink in sinks if sink != "none"]
     other = [sink for sink in sinks if sink != "tensorboard"]
     if other:
-        _refuse(
+        refuse(
             f"report_to names {', '.join(other)}; here only tensorboard (train.report_to: [tensorboard]) "
             "besides OUTPUT/metrics.jsonl, which is always written; drop the others"
         )
@@ -358,13 +356,13 @@ def _loss_type(value: str | list[str], ctx: Context) -> dict:
     names = [value] if isinstance(value, str) else value
     unknown = [name for name in names if name not in LOSSES]
     if unknown:
-        _refuse(
+        refuse(
             f"loss_type names {', '.join(map(repr, unknown))}; here (TRL 1.16's names, docs/objective.md): "
             f"{', '.join(LOSSES)}; use one of them"
         )
     smoothing = ctx.trl["label_smoothing"]
     if "sigmoid" in names and smoothing:
-        _refuse(
+        refuse(
             f"loss_type lists sigmoid and label_smoothing is {smoothing}: TRL 1.16's sigmoid reads no "
             "label_smoothing (it trains plain DPO), and here sigmoid applies it (conservative DPO); set "
             "label_smoothing: 0 for TRL's behaviour, or write the loss section by hand for conservative DPO"
@@ -388,7 +386,7 @@ def _init_kwargs(value: dict | None, ctx: Context) -> dict:
     other = sorted(set(value) - {"attn_implementation", "dtype", "torch_dtype"})
     dtype = value.get("dtype", value.get("torch_dtype", "float32"))
     if other or dtype not in ("float32", None):
-        _refuse(
+        refuse(
             f"model_init_kwargs has {', '.join(other + ([f'dtype {dtype}'] if dtype not in ('float32', None) else []))}"
             ", which this toolkit does not take: weights load and train in fp32 (bf16: true gives bf16 compute, "
             "train.export_dtype the exported dtype); only attn_implementation maps (model.attention)"
@@ -401,7 +399,7 @@ def _lora(value: bool, ctx: Context) -> dict:
         return {}
     targets = ctx.trl["lora_target_modules"]
     if targets is None:
-        _refuse(
+        refuse(
             "use_peft is true and lora_target_modules is not set: PEFT then picks modules per architecture "
             "([q_proj, v_proj] for Llama); name them (lora_target_modules: [q_proj, v_proj], or all-linear)"
         )
@@ -418,7 +416,7 @@ def _dataset(value: str | None, ctx: Context) -> dict:
         return {}
     if (Path(value) / "manifest.json").is_file():  # already a dataset built by dpo-data build
         return {"data.path": value}
-    _refuse(
+    refuse(
         f"dataset_name is {value!r}; here data.path is a dataset built by dpo-data build (tokenized, attested): "
         f"build it (dpo-data build RAW_FILES --tokenizer MODEL_DIR --out DIR; a Hub dataset's split as "
         f"hf://datasets/{value}/GLOB) and pass --set data.path=DIR"
@@ -445,7 +443,7 @@ TABLE: dict[str, Row] = {
         default=None,
         read=_optional(_mapping),
     ),
-    "trust_remote_code": Row("", "transformers' own model classes only", harmless=(False,), read=_boolean),
+    "trust_remote_code": Row("", "transformers' own model classes only", harmless=(False,), read=boolean),
     "router_aux_loss_coef": Row(
         "loss.router_aux_coef",
         "null: the model config's",
@@ -454,7 +452,7 @@ TABLE: dict[str, Row] = {
         read=_optional(_number(0)),
     ),
     "disable_dropout": Row(
-        "", "dropout is always off here (policy and reference score a pair alike)", harmless=(True,), read=_boolean
+        "", "dropout is always off here (policy and reference score a pair alike)", harmless=(True,), read=boolean
     ),
     "dataset_num_proc": Row("", _build_time("--num-proc N"), harmless=(None,)),
     "max_length": Row(
@@ -463,14 +461,14 @@ TABLE: dict[str, Row] = {
     "truncation_mode": Row(
         "", _build_time("--overlength reject|truncate-prompt") + "; a completion is never truncated here"
     ),
-    "padding_free": Row("", "packing is always on here", harmless=(False, True), read=_boolean),
+    "padding_free": Row("", "packing is always on here", harmless=(False, True), read=boolean),
     "pad_to_multiple_of": Row("", "packed rows are not padded", harmless=("auto", None)),
     "precompute_ref_log_probs": Row(
         "reference.mode, reference.path",
         "true: precomputed, sidecar OUTPUT_DIR-reference; create it with `dpo-train CONFIG --precompute-reference`",
         _reference,
         default=False,
-        read=_boolean,
+        read=boolean,
     ),
     "precompute_ref_batch_size": Row(
         "", "the sidecar is scored in the run's micro-batches; " + _UNUSED, harmless=(None,)
@@ -496,17 +494,17 @@ TABLE: dict[str, Row] = {
         read=_number(0),
     ),
     "beta": Row("loss.beta", "", _to("loss.beta"), default=0.1, read=_number(0, open_low=True)),
-    "use_weighting": Row("loss.use_weighting", "", _to("loss.use_weighting"), default=False, read=_boolean),
+    "use_weighting": Row("loss.use_weighting", "", _to("loss.use_weighting"), default=False, read=boolean),
     "discopop_tau": Row(
         "loss.discopop_tau", "", _to("loss.discopop_tau"), default=0.05, read=_number(0, open_low=True)
     ),
-    "activation_offloading": Row("", "no CPU offload of activations here", harmless=(False,), read=_boolean),
+    "activation_offloading": Row("", "no CPU offload of activations here", harmless=(False,), read=boolean),
     "sync_ref_model": Row(
         "reference.sync_ref_model",
         "TR-DPO (docs/objective.md)",
         _to("reference.sync_ref_model"),
         default=False,
-        read=_boolean,
+        read=boolean,
     ),
     "ref_model_mixup_alpha": Row(
         "reference.ref_model_mixup_alpha", "", _to("reference.ref_model_mixup_alpha"), default=0.6, read=_number(0, 1)
@@ -596,7 +594,7 @@ TABLE: dict[str, Row] = {
         default=10,
         read=_number(0, open_low=True),
     ),
-    "logging_first_step": Row("", "", harmless=(False,), read=_boolean),
+    "logging_first_step": Row("", "", harmless=(False,), read=boolean),
     "save_strategy": Row(
         "train.save_every",
         "steps, or no: save_every 0",
@@ -619,7 +617,7 @@ TABLE: dict[str, Row] = {
         read=_optional(_count(1)),
     ),
     "save_only_model": Row(
-        "", "a checkpoint here always holds what exact resume needs", harmless=(False,), read=_boolean
+        "", "a checkpoint here always holds what exact resume needs", harmless=(False,), read=boolean
     ),
     "resume_from_checkpoint": Row(
         "train.resume",
@@ -633,15 +631,15 @@ TABLE: dict[str, Row] = {
         "true: bf16; false: fp32; null (TRL's default): auto",
         _precision,
         default=None,
-        read=_optional(_boolean),
+        read=_optional(boolean),
     ),
-    "fp16": Row("train.precision", "true refused: no fp16 here", _precision, default=False, read=_boolean),
+    "fp16": Row("train.precision", "true refused: no fp16 here", _precision, default=False, read=boolean),
     "gradient_checkpointing": Row(
         "train.activation_checkpointing",
         "TRL's default true",
         _to("train.activation_checkpointing"),
         default=True,
-        read=_boolean,
+        read=boolean,
     ),
     "gradient_checkpointing_kwargs": Row(
         "", "always non-reentrant here", harmless=(None, {}, {"use_reentrant": False})
@@ -666,17 +664,17 @@ TABLE: dict[str, Row] = {
     "per_device_eval_batch_size": Row("", "evaluation is packed like training; " + _UNUSED, harmless=(8,)),
     "dataloader_num_workers": Row("data.num_workers", "", _to("data.num_workers"), default=0, read=_count(0)),
     "dataloader_drop_last": Row(
-        "", "no pair is dropped here (the last step may be short)", harmless=(False,), read=_boolean
+        "", "no pair is dropped here (the last step may be short)", harmless=(False,), read=boolean
     ),
     "use_cpu": Row(
         "distributed.device",
         "true: cpu",
         lambda v, ctx: {"distributed.device": "cpu"} if v else {},
         default=False,
-        read=_boolean,
+        read=boolean,
     ),
     "run_name": Row("", "the run is named by train.output_dir; " + _UNUSED, harmless=(None,)),
-    "use_liger_kernel": Row("", "no Liger kernels here", harmless=(False,), read=_boolean),
+    "use_liger_kernel": Row("", "no Liger kernels here", harmless=(False,), read=boolean),
     # older TRL names
     "rpo_alpha": Row(
         "loss.nll_weight",
@@ -700,7 +698,7 @@ TABLE: dict[str, Row] = {
         "model.attention", "flash_attention_2, sdpa, eager; null: auto", _attention, default=None, read=_attention_name
     ),
     "use_peft": Row(
-        "model.lora", "true: {r, alpha, dropout, target_modules} from lora_*", _lora, default=False, read=_boolean
+        "model.lora", "true: {r, alpha, dropout, target_modules} from lora_*", _lora, default=False, read=boolean
     ),
     "lora_r": Row("model.lora.r", "with use_peft", _read_elsewhere, default=16, read=_count(1)),
     "lora_alpha": Row("model.lora.alpha", "with use_peft", _read_elsewhere, default=32, read=_number(0, open_low=True)),
@@ -717,12 +715,12 @@ TABLE: dict[str, Row] = {
     "lora_target_parameters": Row("", "LoRA on linear modules only", harmless=(None,)),
     "lora_modules_to_save": Row("", "no extra trained modules with LoRA here", harmless=(None,)),
     "lora_task_type": Row("", "causal LMs only", harmless=("CAUSAL_LM",)),
-    "use_rslora": Row("", "plain LoRA scaling only", harmless=(False,), read=_boolean),
-    "use_dora": Row("", "no DoRA here", harmless=(False,), read=_boolean),
-    "load_in_8bit": Row("", "no quantized training here", harmless=(False,), read=_boolean),
-    "load_in_4bit": Row("", "no quantized training here", harmless=(False,), read=_boolean),
+    "use_rslora": Row("", "plain LoRA scaling only", harmless=(False,), read=boolean),
+    "use_dora": Row("", "no DoRA here", harmless=(False,), read=boolean),
+    "load_in_8bit": Row("", "no quantized training here", harmless=(False,), read=boolean),
+    "load_in_4bit": Row("", "no quantized training here", harmless=(False,), read=boolean),
     "bnb_4bit_quant_type": Row("", "no quantized training here", harmless=("nf4",)),
-    "use_bnb_nested_quant": Row("", "no quantized training here", harmless=(False,), read=_boolean),
+    "use_bnb_nested_quant": Row("", "no quantized training here", harmless=(False,), read=boolean),
     "bnb_4bit_quant_storage": Row("", "no quantized training here", harmless=(None,)),
     "dataset_name": Row(
         "data.path",
@@ -738,8 +736,8 @@ TABLE: dict[str, Row] = {
     "dataset_test_split": Row(
         "", "a built dataset is one split: build each, eval.path for held-out", harmless=("test",)
     ),
-    "dataset_streaming": Row("", "built datasets are memory-mapped", harmless=(False,), read=_boolean),
-    "ignore_bias_buffers": Row("", _UNUSED, harmless=(False,), read=_boolean),
+    "dataset_streaming": Row("", "built datasets are memory-mapped", harmless=(False,), read=boolean),
+    "ignore_bias_buffers": Row("", _UNUSED, harmless=(False,), read=boolean),
 }
 """Every TRL name this toolkit knows: what it maps to, or why it is refused. The only place TRL names live;
 docs/train-config.md's table is `markdown_table()` (tests/test_trl_config.py checks both)."""
@@ -755,164 +753,11 @@ def hint(name: str) -> str | None:
     return f"{name} is TRL's name; this toolkit has no counterpart: {row.note}"
 
 
-def translate(trl: dict, world: int = 1, overrides: list[str] = ()) -> tuple[dict, list[str]]:
-    """A flat TRL config -> (this toolkit's config as sections, notes for the user); every field that does
-    not translate is named in one ConfigError. Each value is read as TRL's parser reads it (its row's reader);
-    TRL's default is translated for each mapped field the file omits, so the config trains as TRL would;
-    `overrides` (--set) apply last."""
-    overridden = frozenset(item.partition("=")[0].strip() for item in overrides)
-    read, refused = _read_fields(trl)
-    filled = {name: row.default for name, row in TABLE.items() if row.convert and row.default is not _UNSET}
-    ctx = Context({**filled, **read}, world, overridden)
-    keys, problems, unused = {}, [], []
-    for name in [*trl, *(name for name in filled if name not in trl)]:  # the file's order, then TRL's defaults
-        if name in refused:
-            problems.append(refused[name])
-            continue
-        try:
-            for key, out in _translate_one(name, ctx.trl[name], ctx, unused).items():
-                if key in keys and keys[key][0] != out:
-                    problems.append(
-                        f"{name} sets {key} to {out!r}, and {keys[key][1]} to {keys[key][0]!r}; make them agree"
-                    )
-                keys[key] = (out, name)
-        except Untranslatable as error:
-            problems.append(str(error))
-    problems = list(dict.fromkeys(problems))  # bf16 and fp16 share one converter
-    if problems:
-        raise ConfigError(
-            'the TRL config does not translate (docs/train-config.md, "From TRL"):\n  - ' + "\n  - ".join(problems)
-        )
-    sections: dict = {}
-    for key, (value, _) in keys.items():
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = value
-    for item in overrides:
-        _apply_override(sections, item)
-    _load(sections, read, overridden)
-    return {"format_version": 1, **{s: sections[s] for s in SECTIONS if s in sections}}, _notes(sections, unused)
-
-
-def _read_fields(trl: dict) -> tuple[dict, dict]:
-    """The file's fields as TRL's parser reads them, each through its row's reader, and {key: why} for each
-    key that is not a name (`1:`, `true:`, `null:`) or value its reader refuses. A refused field is left out of
-    the first: the others then read its TRL default, so that every problem is named at once."""
-    read, refused = {}, {}
-    for name, value in trl.items():
-        if not isinstance(name, str):
-            refused[name] = (
-                f"the key {name!r} is not a field name (YAML reads it as {_kind(name)}); TRL's fields are names "
-                "such as learning_rate: write the field's name, or drop the line"
-            )
-            continue
-        row = TABLE.get(name)
-        try:
-            read[name] = row.read(name, value) if row is not None and row.read is not None else value
-        except Untranslatable as error:
-            refused[name] = str(error)
-    return read, refused
-
-
-def _kind(key: Any) -> str:
-    """What YAML made of a key that is not text: `null:`, `true:`, `1:`, `2024-01-01:`."""
-    if key is None:
-        return "null"
-    if isinstance(key, bool):
-        return "a boolean"
-    return "a number" if isinstance(key, (int, float)) else f"a {type(key).__name__}"
-
-
-def _load(sections: dict, read: dict, overridden: frozenset) -> None:
-    """The translation is a config this toolkit accepts, or load_config's problems are named, with the TRL
-    fields of the file behind each key they name (a key set by --set is the user's own)."""
-    try:
-        load_config(sections)
-    except ConfigError as error:
-        message = str(error)
-        behind = [
-            f"{key} from {', '.join(f'{name} {_shown(read[name])}' for name in names)}"
-            for key, names in _setters(read).items()
-            if not any(key == done or key.startswith(done + ".") for done in overridden)
-            and re.search(re.escape(key).replace(r"\.", "[./]") + r"\b", message)
-        ]
-        raise ConfigError(message + (f"\n  (from the TRL config: {'; '.join(behind)})" if behind else "")) from None
-
-
-def _setters(read: dict) -> dict[str, list[str]]:
-    """Each key here -> the fields of the file whose row sets it (optim.betas[0] is optim.betas)."""
-    setters: dict[str, list[str]] = {}
-    for name in read:
-        row = TABLE.get(name)
-        for key in row.here.split(", ") if row is not None and row.here else ():
-            setters.setdefault(re.sub(r"\[\d+\]$", "", key), []).append(name)
-    return setters
-
-
-def _translate_one(name: str, value: Any, ctx: Context, unused: list[str]) -> dict:
-    row = TABLE.get(name)
-    if row is None:
-        return _unknown(name, value, unused)
-    if row.convert is not None:
-        return row.convert(value, ctx)
-    if value in row.harmless and type(value) is type(row.harmless[row.harmless.index(value)]):
-        unused.append(name)
-        return {}
-    _refuse(f"{name} is {_shown(value)}; this toolkit has no counterpart: {row.note}; drop it")
-
-
-def _unknown(name: str, value: Any, unused: list[str]) -> dict:
-    """A field outside the table: a TrainingArguments field at its default changes nothing (a boolean read as
-    TRL reads one); any other value, and any other name, is refused by name."""
-    from transformers import TrainingArguments  # only a TRL config needs it
-
-    defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
-    if name not in defaults:
-        _refuse(
-            f"{name} is not a field of TRL 1.16's DPOConfig, TrainingArguments, ModelConfig or ScriptArguments"
-            + _suggest(name, list(TABLE) + list(defaults))
-        )
-    if isinstance(defaults[name], bool):
-        value = _boolean(name, value)
-    if value == defaults[name]:
-        unused.append(name)
-        return {}
-    _refuse(f"{name} is {_shown(value)}: a transformers TrainingArguments field with no counterpart here; drop it")
-
-
-def _notes(sections: dict, unused: list[str]) -> list[str]:
-    """What the user still has to do before the translated config trains, and what was accepted unused."""
-    notes = []
-    if not sections.get("data", {}).get("path"):
-        notes.append(
-            "data.path is empty: build the dataset (dpo-data build ...) and set data.path (--set data.path=DIR)"
-        )
-    if not sections.get("model", {}).get("path"):
-        notes.append(
-            "model.path is empty: set it to a local model directory (model_name_or_path, or --set model.path=DIR)"
-        )
-    if sections.get("reference", {}).get("mode") == "precomputed":
-        notes.append(
-            f"reference.path is {sections['reference']['path']}: create the sidecar first with "
-            "`dpo-train CONFIG --precompute-reference`"
-        )
-    if unused:
-        notes.append(f"accepted, changing nothing here: {', '.join(unused)}")
-    return notes
-
-
-def read_trl(path: str | Path) -> dict:
-    """A TRL YAML config (flat fields, as TrlParser reads them), read strictly as every config is."""
-    raw = read_yaml_file(Path(path)) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"TRL config {path} must hold a mapping of fields, got {type(raw).__name__}")
-    return raw
-
-
 def markdown_table() -> str:
     """docs/train-config.md's mapping table, from TABLE."""
     lines = ["| TRL field | TRL default (when omitted) | here | notes |", "|---|---|---|---|"]
     for name, row in TABLE.items():
-        default = "" if row.default is _UNSET else f"`{row.default!r}`"
+        default = "" if row.default is UNSET else f"`{row.default!r}`"
         here = f"`{row.here}`" if row.here else f"none: accepted at {_values(row.harmless)}" if row.harmless else "none"
         lines.append(f"| `{name}` | {default} | {here} | {row.note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from dpo_train.metrics import SUMS
 from dpo_train.parallel import collectives
+from dpo_train.step.metrics import SUMS
 
 CHECKED = {"loss": "loss", "chosen_logp": "logps/chosen", "rejected_logp": "logps/rejected"}
 """Step sums whose non-finite value stops the step, and their metric names."""

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dpo_train.loss import LossConfig, loss_type
 from dpo_train.parallel import collectives
+from dpo_train.step.loss import LossConfig, loss_type
 
 
 @dataclass
@@ -64,7 +64,7 @@ def partners_in_sorts(columns: torch.Tensor, ties: torch.Tensor) -> torch.Tensor
 
 
 def form_partners(name: str, columns: torch.Tensor, partners: torch.Tensor) -> torch.Tensor:
-    """The partners as `name`'s form reads them (dpo_train/loss.py): aot the shift y - y_(rank of x) of its
+    """The partners as `name`'s form reads them (dpo_train/step/loss.py): aot the shift y - y_(rank of x) of its
     margin, aot_unpaired the partners themselves."""
     if name == "aot":
         return torch.stack([columns[:, 1] - partners[:, 0], torch.zeros_like(partners[:, 0])], dim=1)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpo_data.dataset.store import PairStore
-from dpo_train.config import TrainConfig
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
-from dpo_train.initial_policy import initial_policy
 from dpo_train.parallel import collectives
 from dpo_train.reference.scoring import score_pairs
 from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, write_sidecar
-from dpo_train.run_setup import setup_run
+from dpo_train.run.initial_policy import initial_policy
+from dpo_train.run.setup import setup_run
 
 
 def precompute_reference(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:

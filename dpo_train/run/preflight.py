@@ -9,7 +9,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.dataset.verify import shard_problems
 from dpo_data.errors import DataError
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
-from dpo_train.config import TrainConfig
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
 from dpo_train.parallel import collectives
 
@@ -101,7 +101,7 @@ def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str
 
 def check_vocabulary(model: Any, stores: dict[str, PairStore]) -> None:
     """Refuse (ConfigError) a model with fewer embedding rows than a dataset's largest token id + 1."""
-    from dpo_train.model import embedding_rows
+    from dpo_train.model.policy import embedding_rows
 
     rows = embedding_rows(model)
     for key, store in stores.items():

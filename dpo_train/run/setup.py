@@ -10,11 +10,12 @@ from dpo_data.dataset.manifest import template_origin
 from dpo_data.dataset.store import PairStore
 from dpo_state.attestation import attestation_mismatch
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
-from dpo_train.config import TrainConfig, check_config
+from dpo_train.config.rules import check_config
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
-from dpo_train.model import check_model_paths
+from dpo_train.model.policy import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
-from dpo_train.preflight import (
+from dpo_train.run.preflight import (
     apply_dataset_template,
     check_data,
     check_tokenizer,

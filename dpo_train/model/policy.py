@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dpo_train.config import ModelConfig
+from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 
 
@@ -33,13 +33,13 @@ def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
             ) from None
     if not config.init or "config" not in config.init:
         raise ConfigError("model needs path: DIR, or init: {config: FILE_OR_MAPPING, seed: 0}")
-    hf_config = _init_config(config.init["config"])
+    hf_config = init_config(config.init["config"])
     hf_config._attn_implementation = attention
     torch.manual_seed(int(config.init.get("seed", 0)))
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
-def _init_config(spec: str | dict) -> Any:
+def init_config(spec: str | dict) -> Any:
     """The transformers config `model.init.config` describes; one transformers refuses is a ConfigError."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dpo_state.run_logs import step_scalars
 from dpo_train.errors import ConfigError, WriteError
-from dpo_train.wandb_sink import WandbRun, wandb_root
+from dpo_train.run.wandb_sink import WandbRun, wandb_root
 
 REPORT_TO = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"

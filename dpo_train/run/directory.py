@@ -12,7 +12,7 @@ import yaml
 from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, STAGING_SUFFIX
 from dpo_data.dataset.shards import SHARD_DIR
 from dpo_state.lock import DirectoryLock
-from dpo_train.config import TrainConfig
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError, WriteError
 
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")

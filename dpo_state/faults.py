@@ -1,0 +1,66 @@
+"""Fault injection for the crash and abort tests: every testing hook read from the environment, one function each.
+
+Production code calls these by name where a fault may be injected; nothing else reads the variables.
+Unset (the normal case), each function does nothing.
+
+- `DPO_TRAIN_KILL` (`train_kill_point`): `after-save:STEP`, `in-save:STEP:PHASE` (PHASE: `after-dcp`,
+  `after-rank-files`, `after-state`, `after-commit`) or `in-export:NAME` (`in-export:final`) SIGKILLs the
+  trainer's process group there.
+- `DPO_TRAIN_SAVE_FAULT` (`save_fault`, `commit_fault`): `RANK:STEP` makes that rank's save of that step
+  raise an OSError (abort-on-all tests); `commit:STEP` makes rank 0's commit of that step raise one.
+- `DPO_TRAIN_FAULT` (`step_fault`): `RANK:STEP` makes that rank fail reading that training step (an OSError).
+- `DPO_DATA_KILL` (`data_kill_point`): `before-swap`, `after-swap` or `after-delete` SIGKILLs the build
+  process there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+TRAIN_KILL_ENV = "DPO_TRAIN_KILL"
+SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
+STEP_FAULT_ENV = "DPO_TRAIN_FAULT"
+DATA_KILL_ENV = "DPO_DATA_KILL"
+
+
+def train_kill_point(name: str) -> None:
+    """SIGKILL this process group if `DPO_TRAIN_KILL` names this point."""
+    if os.environ.get(TRAIN_KILL_ENV) == name:
+        sys.stderr.flush()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def save_fault(rank: int, step: int) -> None:
+    """Raise an OSError if `DPO_TRAIN_SAVE_FAULT` is RANK:STEP for this rank's save of this step."""
+    if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
+        raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
+
+
+def commit_fault(step: int) -> None:
+    """Raise an OSError if `DPO_TRAIN_SAVE_FAULT` is commit:STEP for rank 0's commit of this step."""
+    if os.environ.get(SAVE_FAULT_ENV) == f"commit:{step}":
+        raise OSError(f"injected commit fault ({SAVE_FAULT_ENV})")
+
+
+def step_fault(rank: int) -> Callable[[int], None]:
+    """The check a rank runs before reading each step: raises where `DPO_TRAIN_FAULT` is RANK:STEP."""
+    spec = os.environ.get(STEP_FAULT_ENV, "")
+    if not spec:
+        return lambda step: None
+    fault_rank, fault_step = (int(x) for x in spec.split(":"))
+
+    def check(step: int) -> None:
+        if rank == fault_rank and step == fault_step:
+            raise OSError(f"injected fault ({STEP_FAULT_ENV}={spec}): rank {rank} failed reading step {step}")
+
+    return check
+
+
+def data_kill_point(name: str) -> None:
+    """SIGKILL this process if `DPO_DATA_KILL` names this point."""
+    if os.environ.get(DATA_KILL_ENV) == name:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,229 @@
+"""The config's sections: one frozen dataclass per YAML section (`data` takes its loader keys from
+`LoaderConfig`), and `TrainConfig`, the whole."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dpo_data.loading.config import LoaderConfig
+from dpo_train.step.loss import LossConfig
+
+CONFIG_SCHEMA = "train-config"
+CONFIG_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """A local Hugging Face causal LM directory."""
+    init: dict | None = None
+    """Random initialization instead of `path`: {config: FILE_OR_MAPPING, seed: 0} (for tests)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+    attention: str = "auto"
+    """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, the layout is separate and the
+    model needs no chunked attention or sinks, else segments) | segments (attention once per packed
+    segment, no row-by-row mask; every window, chunk, softcap and sink applied) | sdpa (transformers'
+    sdpa over the row with a mask per layer kind; no softcap, no sinks) | eager (the model's own
+    attention with the same masks) | flash_attention_2 | unpacked (no packing: each sequence alone in a
+    right-padded batch through the model's own sdpa or eager attention; exact for every model, it costs the
+    padding; auto picks it, saying so, for a model with convolution, linear-attention or Mamba layers, or
+    ALiBi). A path that cannot express the model's attention is refused by name (docs/train-config.md,
+    "Supported architectures")."""
+    lora: dict | None = None
+    """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
+    (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the
+    live reference is the same model with its adapters disabled. null: full fine-tuning."""
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    mode: str = "live"
+    """live (a frozen copy) | precomputed (a sidecar of reference log-probs) | none (reference-free losses)."""
+    path: str | None = None
+    """precomputed: the sidecar directory."""
+    sync_ref_model: bool = False
+    """TR-DPO (TRL's): after every `ref_model_sync_steps`-th optimizer step the live reference moves toward the
+    policy, ref = (1 - ref_model_mixup_alpha) ref + ref_model_mixup_alpha policy. Needs reference.mode live,
+    a loss that reads a reference, and full fine-tuning (no model.lora)."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO: the policy's share in each move, in [0, 1] (TRL's default)."""
+    ref_model_sync_steps: int = 512
+    """TR-DPO: move after every this many optimizer steps, counted from 1 (TRL's default)."""
+
+
+LOADER_KEYS = (
+    "batching",
+    "pairs_per_step",
+    "max_tokens_per_microbatch",
+    "microbatches_per_step",
+    "num_workers",
+    "seed",
+    "weights",
+    "layout",
+)
+"""The `data` keys that configure the loader: their types, defaults and docs are `LoaderConfig`'s own."""
+
+
+_LOADER = LoaderConfig()
+"""LoaderConfig's defaults: `DataConfig` takes its loader keys' defaults from here, never writing one twice."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The `data:` section: dataset directories, how their shards are checked before use, and the loader's
+    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/test_config.py checks the two agree)."""
+
+    path: str | list[str] = ""
+    """A dataset directory written by `dpo-data build`, or a list of them (a mixture, with `weights`)."""
+    verify: str = "full"
+    """full (size and sha256 of every shard, the default) | size."""
+    batching: str = _LOADER.batching
+    pairs_per_step: int | None = _LOADER.pairs_per_step
+    max_tokens_per_microbatch: int = _LOADER.max_tokens_per_microbatch
+    microbatches_per_step: int = _LOADER.microbatches_per_step
+    num_workers: int = _LOADER.num_workers
+    seed: int = _LOADER.seed
+    weights: list[float] | None = None
+    layout: str = _LOADER.layout
+
+    @property
+    def paths(self) -> list[str]:
+        """`path` as a list of dataset directories (one, or a mixture)."""
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    def loader_config(self, rank: int, world_size: int) -> LoaderConfig:
+        """The loader config of one rank: these `data` keys plus where the rank sits."""
+        values = {key: getattr(self, key) for key in LOADER_KEYS}
+        values["weights"] = tuple(self.weights) if self.weights else None
+        return LoaderConfig(**values, rank=rank, world_size=world_size)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    """adamw | sgd (plain SGD: its parameters follow the gradient linearly, which the invariance tests use)."""
+    lr: float = 1.0e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: the moment decay rates."""
+    eps: float = 1.0e-8
+    """adamw: added to the root of the second moment."""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    scheduler: str = "constant"
+    """constant | linear | cosine."""
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    output_dir: str = "runs/train"
+    max_steps: int | None = 10
+    """Optimizer steps to train; wins over `epochs` when set (as TRL's). null: train `epochs` whole epochs."""
+    epochs: int = 1
+    """Epochs of the data when `max_steps` is null; with `max_steps` set, the run goes past them (and says so)."""
+    save_every: int = 0
+    keep_last: int = 3
+    log_every: int = 1
+    seed: int = 0
+    resume: str = "auto"
+    """auto (the newest committed checkpoint that verifies, else a fresh start) | never | PATH of a checkpoint."""
+    resume_strict: bool = False
+    """auto: fail on a committed checkpoint that does not verify, instead of reporting and skipping it."""
+    weights_from: str | None = None
+    """Start a new run from a checkpoint's model weights alone (they also become the reference)."""
+    precision: str = "auto"
+    """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    check_microbatches: bool = True
+    """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
+    feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""
+    probe_packing: bool = True
+    """Before step 1, score a packed row of synthetic pairs and the same sequences unpacked through the
+    model's eager attention; refuse the run (exit 2) if any pair differs by more than 1e-5 relative
+    (docs/train-config.md, "Supported architectures"). A few ms on a tiny model, about three forwards of
+    48 tokens on a large one, on CPU before the model moves to its device."""
+    parity_guard: bool = True
+    """During step 1, while the policy is still the reference (a live reference, LoRA adapters at zero), every
+    micro-batch's per-pair log-probs from the policy's training forward must equal the reference's, which
+    scores the same pairs packed in another order; a difference stops the run (exit 2) before the optimizer
+    steps (docs/train-config.md, "Step 1's parity guard"). It costs nothing: both are computed anyway."""
+    on_nonfinite: str = "stop"
+    """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
+    before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave
+    the optimizer and scheduler as they were)."""
+    export: str = "adapter"
+    """With model.lora, what OUTPUT/final/ holds: adapter (a PEFT adapter directory) | merged (a plain HF
+    model with the adapters merged in) | both (the adapter in final/, the merged model in final-merged/).
+    Without model.lora, final/ is always the whole model."""
+    export_dtype: str = "model"
+    """The dtype of the exported weights: model (the model's own dtype as loaded: its config's dtype,
+    fp32 without one) | fp32 | bf16. Training keeps fp32 master weights whatever this says."""
+    report_to: list = field(default_factory=list)
+    """Where the step metrics also go, besides OUTPUT/metrics.jsonl, written by rank 0: tensorboard (event
+    files under OUTPUT/tensorboard/; needs the `report` extra) and/or wandb (a W&B run, set up by the WANDB_*
+    environment variables; needs the `wandb` extra)."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    strategy: str = "fsdp"
+    """fsdp (FSDP2 fully_shard) | ddp."""
+    device: str = "auto"
+    """auto (cuda, else npu through torch-npu when installed, else cpu) | cpu | cuda | npu."""
+    sequence_parallel: dict | None = None
+    """Split each packed row over ulysses x context ranks: {ulysses: U, context: C} (each defaults to 1).
+    The world is dp x C x U; each group of U x C ranks shares one row, pairs stay whole (docs/objective.md)."""
+
+    @property
+    def sequence_sizes(self) -> tuple[int, int]:
+        """(ulysses, context)."""
+        sp = self.sequence_parallel or {}
+        return int(sp.get("ulysses", 1)), int(sp.get("context", 1))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    path: str | None = None
+    """A built held-out dataset: preference accuracy before training and after (OUTPUT/eval.jsonl)."""
+    every: int = 0
+    """Also evaluate every N optimizer steps (0: only before and after)."""
+    early_stopping_metric: str | None = None
+    """Stop the run when this eval.jsonl metric (loss, nll, accuracy, margin, logp_accuracy) has not improved
+    for `early_stopping_patience` evaluations (dpo_train/step/early_stopping.py); null: never."""
+    early_stopping_patience: int = 3
+    """Evaluations in a row without a gain that end the run (HF's `early_stopping_patience`)."""
+    early_stopping_threshold: float = 0.0
+    """A gain is more than this (HF's `early_stopping_threshold`), in the metric's units."""
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "reference": ReferenceConfig,
+    "data": DataConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "train": TrainSection,
+    "distributed": DistributedConfig,
+    "eval": EvalConfig,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole config, one typed section per top-level key."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def resolved(self) -> dict[str, Any]:
+        """Every setting, defaults included: what is written to OUTPUT/config.resolved.yaml."""
+        return {"format_version": CONFIG_FORMAT_VERSION, **{name: asdict(getattr(self, name)) for name in SECTIONS}}

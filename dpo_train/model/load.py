@@ -1,0 +1,88 @@
+"""Loading the policy with the attention path `attention.choice` picks for it, packed or unpacked, checked by
+`fit_model`; transformers' refusals become named ConfigErrors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpo_state.errors import ToolkitError
+from dpo_train.attention import segments, unpacked
+from dpo_train.attention.choice import attention_for, first_line, fit_model, packing_refused
+from dpo_train.errors import ConfigError
+from dpo_train.model.policy import init_config, load_policy
+
+
+def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> Any:
+    """The policy loaded with the path `attention_for` picks, checked by `fit_model`. transformers'
+    own refusal of an attention (sdpa for Gemma2 or GPT-OSS) becomes a named ConfigError; under auto a
+    refused flash-attention falls back to the segment attention. A model packing cannot serve (its
+    config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
+    arch, why = _unpacked_reason(spec)
+    if requested == unpacked.ATTENTION or why and requested == "auto":
+        return _load_unpacked(spec, mesh, arch, why)
+    if why:  # before transformers' own refusal of sdpa (Bloom), which would name packed paths as the fix
+        raise packing_refused(arch, why, requested, layout)
+    attention = attention_for(requested, place, mesh, layout)
+    try:
+        model = load_policy(spec, attention)
+    except ToolkitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model class that cannot take this path: named, not a traceback
+        if "attention implementation" not in str(e):
+            raise ConfigError(
+                f"model.attention {requested}: transformers cannot build this model with attention {attention} "
+                f"({type(e).__name__}: {first_line(e)}): its class does not go through transformers' attention "
+                "registry, so no packing path can keep its segments apart; use model.attention unpacked (each "
+                "sequence alone in a padded batch; docs/train-config.md, supported architectures)"
+            ) from None
+        if requested == "auto" and attention == "flash_attention_2":
+            segments.register()
+            model = load_policy(spec, segments.ATTENTION)
+        else:
+            raise ConfigError(
+                f"model.attention {requested}: transformers refuses it for this model ({first_line(e)}); use "
+                "model.attention auto or segments (which apply softcapping and sinks), or eager"
+            ) from None
+    fit_model(model, requested, layout)
+    return model
+
+
+def _unpacked_reason(spec: Any) -> tuple[str, str | None]:
+    """The class transformers builds for `spec`, and why it needs the unpacked path (None: it packs), read
+    from its config before any weights load."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        if spec.path:
+            config = AutoConfig.from_pretrained(spec.path)
+        elif spec.init and "config" in spec.init:
+            config = init_config(spec.init["config"])
+        else:
+            return "the model", None
+    except (OSError, ValueError, ConfigError):  # unreadable: load_policy names the problem, fit_model checks
+        return "the model", None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type), unpacked.reason(config)
+
+
+def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:
+    """The policy with transformers' own attention (sdpa, or eager where transformers has no sdpa for
+    it), marked to run unpacked. Sequence parallelism splits one row over ranks, which a padded batch of
+    whole sequences cannot follow: refused by name."""
+    if mesh is not None and mesh.active:
+        cause = f": {why}, so packing is off for it" if why else ""
+        raise ConfigError(
+            f"{arch} trains unpacked (model.attention unpacked{cause}), and the unpacked path cannot "
+            "split a sequence over ranks: remove distributed.sequence_parallel (data parallelism and "
+            "FSDP still apply)"
+        )
+    try:
+        model = load_policy(spec, "sdpa")
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        model = load_policy(spec, "eager")  # Bloom, MPT: transformers has no sdpa for them
+    unpacked.mark(model)
+    unpacked.note(model, why or "model.attention unpacked asked for it")
+    return model
