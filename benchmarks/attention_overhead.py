@@ -28,10 +28,17 @@ def child(root: str, layout: str, data: str) -> float:
 
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.config.sections import ModelConfig
-    from dpo_train.model.bundled import materialize_smollm2
-    from dpo_train.model.policy import load_policy, prepare_for_training
+
+    try:  # dpo_train in rooms (issue 34)
+        from dpo_train.attention.logps import pair_logps
+        from dpo_train.config.sections import ModelConfig
+        from dpo_train.model.bundled import materialize_smollm2
+        from dpo_train.model.policy import load_policy, prepare_for_training
+    except ModuleNotFoundError:  # before them
+        from dpo_train.bundled_model import materialize_smollm2
+        from dpo_train.config import ModelConfig
+        from dpo_train.logps import pair_logps
+        from dpo_train.model import load_policy, prepare_for_training
 
     if (Path(root) / "dpo_train" / "parallel").is_dir():
         from dpo_train.parallel.device import placement

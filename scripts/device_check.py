@@ -11,8 +11,8 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
    after step 2 and resumed; `dpo-state diff --values` compares the two bitwise;
 4. tokens/s from metrics.jsonl and model FLOPs utilization against this device's measured matmul peak in
    the training precision (bf16 on the GPU, fp32 on the CPU);
-5. the architecture zoo (tests/architectures.py) on the device in fp32: every path and layout against
-   eager unpacked, per pair, as tests/test_architectures.py checks on CPU.
+5. the architecture zoo (tests/architectures/zoo.py) on the device in fp32: every path and layout against
+   eager unpacked, per pair, as tests/architectures/test_architectures.py checks on CPU.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
 
 def check_architectures(device: str) -> dict:
     """The zoo on this device's kernels (fp32): the worst pair's relative error per architecture, or its refusal."""
-    from tests.architectures import ZOO
-    from tests.test_architectures import TOLERANCE, path_results
+    from tests.architectures.test_architectures import TOLERANCE, path_results
+    from tests.architectures.zoo import ZOO
 
     results = {model_type: path_results(model_type, device) for model_type in sorted(ZOO)}
     worst = max((v for r in results.values() for v in r.values() if not isinstance(v, str)), default=0.0)

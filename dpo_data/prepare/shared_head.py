@@ -9,7 +9,7 @@ tails are encoded three times: as many tokens as rendering and encoding prompt a
 The rule is used only where it provably holds: boundary tokens that are special, not normalized, with
 no lstrip / rstrip / single_word, and no position-dependent pre-tokenization ("prepend_scheme":
 "first"). A self-check at construction compares it with whole-text encoding and disables it on any
-difference. tests/test_tokenize.py compares it with whole-text encoding on every row it covers.
+difference. tests/data/test_tokenize.py compares it with whole-text encoding on every row it covers.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class ChatRenderer:
     need none of it, so for them the template is rendered directly with the variables transformers passes
     (messages, tools, documents, add_generation_prompt, the special-token map). Anything else (tool calls,
     other message keys, a `tools` list) goes through `apply_chat_template` itself, after the same rendering
-    under the budget (so the work transformers then does is known to fit). tests/test_template.py pins the
+    under the budget (so the work transformers then does is known to fit). tests/data/test_template.py pins the
     equality.
 
     The budget of a row (`row()`, or one rendering alone): `RENDER_SECONDS` of CPU time in all, `chars`

@@ -74,7 +74,7 @@ def probe(model: Any, layout: str) -> float:
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
-    the attention path itself is the zoo test's (tests/test_architectures.py). A model on the unpacked
+    the attention path itself is the zoo test's (tests/architectures/test_architectures.py). A model on the unpacked
     path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch. A
     refusal names only the paths this probe found exact for the model; a model whose own code fails on
     the row is a ConfigError too, never a traceback."""

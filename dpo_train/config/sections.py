@@ -73,7 +73,7 @@ _LOADER = LoaderConfig()
 @dataclass(frozen=True)
 class DataConfig:
     """The `data:` section: dataset directories, how their shards are checked before use, and the loader's
-    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/test_config.py checks the two agree)."""
+    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/train/test_config.py checks the two agree)."""
 
     path: str | list[str] = ""
     """A dataset directory written by `dpo-data build`, or a list of them (a mixture, with `weights`)."""

@@ -740,7 +740,7 @@ TABLE: dict[str, Row] = {
     "ignore_bias_buffers": Row("", _UNUSED, harmless=(False,), read=boolean),
 }
 """Every TRL name this toolkit knows: what it maps to, or why it is refused. The only place TRL names live;
-docs/train-config.md's table is `markdown_table()` (tests/test_trl_config.py checks both)."""
+docs/train-config.md's table is `markdown_table()` (tests/trl/test_trl_config.py checks both)."""
 
 
 def hint(name: str) -> str | None:

@@ -12,7 +12,7 @@ from dpo_train.errors import ParityError
 TOLERANCE = {"fp32": (2e-6, 1e-4), "bf16": (5e-3, 5e-2)}
 """precision -> (relative, absolute nats) a pair's summed log-prob may differ between the policy's training
 forward and the reference's forward of the same pairs packed in another order. Exact paths agree to about
-1e-8 relative in fp32 (tests/test_parity_guard.py; bitwise for SmolLM2-135M on CPU, fp32 and bf16); an
+1e-8 relative in fp32 (tests/architectures/test_parity_guard.py; bitwise for SmolLM2-135M on CPU, fp32 and bf16); an
 attention dropout of 0.1 moves SmolLM2-135M's pair log-probs by 1e-2 relative, a segment scaled by its
 row position a tiny random Llama 4's by 1e-5."""
 

@@ -13,9 +13,9 @@ token counts, the log-ratios x_c = c - c0 and x_r = r - r0, f the score of `loss
 `LOSSES` is the family: one `LossType` per `loss.type` name, and the only list of them. The per-pair
 computation, `LossConfig.needs_reference` and the config's rules (dpo_train/config/rules.py) all read it.
 Adding a loss type is one entry here (its closed form in the function's docstring) plus its row in the
-docs/objective.md table (tests/test_loss.py checks the table's facts against the entries) and its name
+docs/objective.md table (tests/train/test_loss.py checks the table's facts against the entries) and its name
 in the `loss_type` enum (`$defs`) of schemas/train-config.schema.json, which is for editors and must list the
-same names in the same order (tests/test_config.py checks it). `loss.type` may also be a list of names,
+same names in the same order (tests/train/test_config.py checks it). `loss.type` may also be a list of names,
 combined per pair as sum_k w_k L_k with `loss.weights`, as TRL 1.16 combines its `loss_type` list.
 """
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "make_sample.py"
 SAMPLE = ROOT / "examples" / "sample"
 SPLITS = {"train": SAMPLE, "heldout": SAMPLE / "heldout"}

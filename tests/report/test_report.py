@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.harness import state_here
-from tests.test_checkpoint import config, train
+from tests.state.test_checkpoint import config, train
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from dpo_train.step.objective import microbatch_loss, router_aux_coef
-from tests.architectures import model_spec, pairs
+from tests.architectures.zoo import model_spec, pairs
 
 
 def _model(model_type: str, attention: str = "segments"):
@@ -108,7 +108,7 @@ def test_a_moe_run_logs_its_router_loss(tmp_path, small_dataset, smollm2_dir):
     import yaml
 
     from dpo_cli.train import main
-    from tests.architectures import BASE
+    from tests.architectures.zoo import BASE
 
     spec = {**model_spec("mixtral"), "vocab_size": 49152}
     assert BASE["vocab_size"] != spec["vocab_size"]

@@ -10,7 +10,7 @@ from dpo_train.attention.probe import TOLERANCE, probe
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from dpo_train.model.policy import load_policy
-from tests.architectures import model_spec
+from tests.architectures.zoo import model_spec
 from tests.harness import train_here, write_yaml
 
 
@@ -85,7 +85,7 @@ def test_an_attention_keyword_that_is_not_inert_reaches_an_error_not_a_silent_dr
     model = _raw("llama")
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.logps import pair_logps
-    from tests.architectures import pairs
+    from tests.architectures.zoo import pairs
 
     with pytest.raises(Exception, match="returns no attention weights"):
         with torch.no_grad():

@@ -16,10 +16,10 @@ from dpo_train.config.loading import load_config
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, train_cli, train_here
-from tests.test_checkpoint import config
-from tests.test_hostile_run import small_tmpfs
+from tests.hostile.test_hostile_run import small_tmpfs
+from tests.state.test_checkpoint import config
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 ANYWHERE = {"data": {"path": "x"}}  # load_config alone never opens the dataset
 
 

@@ -15,7 +15,7 @@ from dpo_train.config.trl_names import KEEP_ALL, TABLE, markdown_table
 from dpo_train.errors import ConfigError
 from tests.harness import cli_argv, run_process
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 
 SAMPLES = {
     "model_init_kwargs": ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model.attention", "sdpa"),

@@ -13,9 +13,9 @@ import torch
 
 from dpo_train.parallel import collectives
 from tests.harness import join_gloo, spawn
-from tests.test_trainer import write_config
+from tests.train.test_trainer import write_config
 
-GUARD = Path(__file__).with_name("collective_guard.py")
+GUARD = Path(__file__).parents[1] / "collective_guard.py"
 
 
 _HCCL = """
@@ -68,7 +68,7 @@ def _to_meta_and_back(self, where, *args, **kwargs):
 
 def test_no_module_calls_a_collective_directly():
     """The static half of the guard below: only dpo_train/parallel/collectives.py names dist.<collective>."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     offenders = []
     for package in ("dpo_train", "dpo_data", "dpo_state", "cli"):
         for path in (root / package).rglob("*.py"):
@@ -197,7 +197,7 @@ def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) 
     from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
-    from tests.test_invariance import MODEL
+    from tests.train.test_invariance import MODEL
 
     join_gloo(rank, world, port)
     config = load_config(

@@ -358,7 +358,7 @@ def test_the_slurm_array_example_builds_parts_and_merges_them(inputs, single, sm
     log = tmp_path / "sbatch.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env["FAKE_SBATCH_LOG"] = str(log)
-    script = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "build_array.sbatch"
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "build_array.sbatch"
     out = tmp_path / "data" / "train"
     command = ["bash", str(script), "3", str(out), str(smollm2_dir), *inputs, "--max-length", "256"]
     command += ["--pairs-per-shard", str(SPAN)]

@@ -11,7 +11,7 @@ from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from tests.architectures import (
+from tests.architectures.zoo import (
     COLUMNS,
     END,
     PATH_REFUSED,
@@ -32,7 +32,7 @@ from tests.harness import join_gloo, spawn
 PATHS = ("auto", "segments", "sdpa", "eager", "unpacked")
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "train-config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 
 
 def _load(model_type: str, path: str, layout: str, mesh=None):
@@ -216,12 +216,14 @@ def write_docs_table(table: str) -> None:
 def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path):
     """Ulysses 2 and context 2 (two gloo processes, every architecture inside them); then the docs'
     supported-architectures table must be what this module measured (regenerate it with
-    `python -m tests.test_architectures`)."""
+    `python -m tests.architectures.test_architectures`)."""
     spawn(_sp_worker, 2, str(tmp_path / "out.pt"))
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for model_type in ZOO:
         _expect({k.split(" ", 1)[1]: v for k, v in results.items() if k.startswith(model_type + " ")}, model_type)
-    assert docs_table() == render_table(table_rows(results)), "regenerate: python -m tests.test_architectures"
+    assert docs_table() == render_table(table_rows(results)), (
+        "regenerate: python -m tests.architectures.test_architectures"
+    )
 
 
 if __name__ == "__main__":  # regenerate the docs table from a fresh run of every check above

@@ -12,7 +12,7 @@ from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ParityError
 from dpo_train.reference.guard import check_parity, reordered
-from tests.architectures import model_spec, pairs, relative_error
+from tests.architectures.zoo import model_spec, pairs, relative_error
 from tests.harness import train_here, write_yaml
 
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}

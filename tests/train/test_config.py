@@ -588,7 +588,7 @@ def test_each_per_token_rule_refuses_its_case_by_name(overrides, message):
 def test_the_edges_of_each_per_token_rule_load(overrides):
     """A reference-free type reads no sidecar, so ld_alpha passes with one configured; WPO's weights are the
     policy's alone, so a sidecar is fine with them; both run under sequence parallelism
-    (tests/test_logps.py checks them on a 2-rank mesh)."""
+    (tests/train/test_logps.py checks them on a 2-rank mesh)."""
     load_config({}, overrides)
 
 
@@ -667,7 +667,7 @@ def test_each_sorted_rule_refuses_its_case_by_name(overrides, message):
 )
 def test_the_edges_of_each_sorted_rule_load(overrides):
     """AOT reads the reference's plain (or LD) sums like any type, from a sidecar too, and its partners are
-    found over sequence-parallel groups (tests/test_step_sort.py)."""
+    found over sequence-parallel groups (tests/train/test_step_sort.py)."""
     load_config({}, overrides)
 
 

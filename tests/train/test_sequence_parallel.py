@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.harness import join_gloo, spawn, state_here, train_here
-from tests.test_checkpoint import config, metrics, train
+from tests.state.test_checkpoint import config, metrics, train
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
     "model_type": "llama",
@@ -172,7 +172,7 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
     assert "ranks of sequence-parallel group 0 hold different rows" in got["different rows"]
 
 
-RTOL = 2e-6  # the invariance suite's tolerance (tests/test_invariance.py)
+RTOL = 2e-6  # the invariance suite's tolerance (tests/train/test_invariance.py)
 LAYOUTS = {  # name -> (world, ulysses, context, strategy)
     "dp1 x U2": (2, 2, 1, "fsdp"),
     "dp1 x C2": (2, 1, 2, "ddp"),

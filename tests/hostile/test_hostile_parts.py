@@ -19,8 +19,8 @@ from dpo_train.config.loading import load_config
 from dpo_train.errors import ConfigError
 from dpo_train.run.directory import check_output_dir
 from tests.conftest import chat, write_jsonl
+from tests.data.test_build_parts import _copies, _edit_part, _parts
 from tests.harness import tiny_config
-from tests.test_build_parts import _copies, _edit_part, _parts
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_the_part_schema_bounds_n_as_the_cli_does(two_parts, tmp_path):
     _edit_part(parts[0], lambda doc: (doc["part"].update(count=10**6), doc["plan"].update(parts=10**6)))
     with pytest.raises(DataError, match=r"does not match schemas/dataset-part.schema.json:\n  - .*greater than"):
         merge(parts[:1], tmp_path / "ds")
-    schema = json.loads((Path(__file__).parents[1] / "schemas" / "dataset-part.schema.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "schemas" / "dataset-part.schema.json").read_text())
     assert schema["$defs"]["parts"]["maximum"] == MAX_PARTS
 
 

@@ -16,7 +16,7 @@ from dpo_train.attention.logps import pair_logps
 from dpo_train.attention.probe import eager_unpacked, probe
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from tests.architectures import model_spec, pairs, relative_error
+from tests.architectures.zoo import model_spec, pairs, relative_error
 
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5
@@ -70,7 +70,7 @@ def test_the_router_loss_of_an_unpacked_row_is_trls_padded_one():
     """Jamba (experts behind Mamba and attention layers): the padded batch is TRL's own, so its
     load-balancing loss is the one TRL adds; and the trainer's coefficient check lets it through."""
     from dpo_train.step.objective import router_aux_coef
-    from tests.test_moe import _padded_aux
+    from tests.architectures.test_moe import _padded_aux
 
     model = _load("jamba")
     with torch.no_grad():

@@ -150,7 +150,7 @@ RESUME_CHILD = """
 import json, sys
 from dpo_data.loading.loader import DPOLoader
 from dpo_data import LoaderConfig
-from tests.test_loader import key
+from tests.data.test_loader import key
 dataset, config, state_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 loader = DPOLoader([dataset], LoaderConfig(**config), max_epochs=2)
 loader.load_state_dict(json.load(open(state_path)))
@@ -305,7 +305,7 @@ def test_loader_state_matches_its_schema(sample_dataset):
 def test_the_plain_pytorch_example_trains_without_dpo_train(sample_dataset):
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "plain_torch_loop.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "plain_torch_loop.py"
     out = run_process([sys.executable, script, sample_dataset, "--steps", "2"])
     assert "step 0: loss 0.6931 over 8 pairs" in out.stdout  # policy == reference at step 0
     assert "dpo_train" not in out.stderr

@@ -4,7 +4,7 @@ rejected by name where the template would drop them; malformed shapes are named 
 SmolLM2's template ignores both, so its rows with tool data are rejected. Token-id parity with TRL needs a template
 that renders them: `TOOL_TEMPLATE` (Qwen2.5's tool-calling ChatML template, which uses SmolLM2's own <|im_start|> /
 <|im_end|> tokens) is set on a copy of the SmolLM2 tokenizer, our build writes shards with it, and a real
-`DPOTrainer` prepares the same rows (see tests/test_trl_parity.py for why a real trainer).
+`DPOTrainer` prepares the same rows (see tests/trl/test_trl_parity.py for why a real trainer).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dpo_data.prepare.rows import RowReject, normalize_row
 from dpo_data.prepare.tokenize import EncodedPair, PairEncoder, TokenizeOptions
 from dpo_state.schema import load_schema, schema_problems
 from tests.conftest import write_jsonl
-from tests.test_trl_parity import assistant, describe, system, tool, trl_prepare, user
+from tests.trl.test_trl_parity import assistant, describe, system, tool, trl_prepare, user
 
 TOOL_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"

@@ -47,7 +47,7 @@ def test_training_in_bf16_learns(sample_dataset):
     from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
     from dpo_train.trainer import Trainer
-    from tests.test_invariance import MODEL
+    from tests.train.test_invariance import MODEL
 
     config = load_config(
         {

@@ -17,8 +17,8 @@ from dpo_cli.data import main as dpo_data
 from dpo_data.errors import InputFileError
 from dpo_data.prepare.inputs import OversizedLine, iter_rows, open_input
 from tests.conftest import SAMPLE, chat, write_jsonl
+from tests.data.test_build import build
 from tests.harness import cli_argv, data_cli, run_process
-from tests.test_build import build
 
 MIB = 1 << 20
 GOOD = [chat(f"What is {i} + {i}?", f"It is {2 * i}.", f"It is {2 * i + 1}.") for i in range(3)]

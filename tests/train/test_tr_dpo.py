@@ -15,7 +15,7 @@ import torch
 
 from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn, state_here, tiny_config, train_here, write_yaml
 
-RTOL = 2e-6  # ||a - b|| / ||a|| per tensor across world sizes, fp32 on CPU (as tests/test_invariance.py)
+RTOL = 2e-6  # ||a - b|| / ||a|| per tensor across world sizes, fp32 on CPU (as tests/train/test_invariance.py)
 TIMING = ("pairs/s", "tokens/s", "time")
 
 

@@ -1,0 +1,1 @@
+"""dpo-state report: a run's summary, series and charts."""

@@ -1,0 +1,1 @@
+"""Checkpoint state, attestations and the dpo-state commands."""
