@@ -16,11 +16,10 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import harness
-from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer
+from trl_peer import HYPER, PAIRS_PER_STEP, train_timed, trl_trainer
 
 METHODS = ("ours-precomputed", "ours-live", "trl-precomputed", "trl")
 MICRO = 4
@@ -80,8 +79,6 @@ def run_ours(model: str, data: str, work: Path, steps: int, precomputed: bool) -
 
 
 def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) -> dict:
-    from transformers import TrainerCallback
-
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([data])
@@ -90,15 +87,7 @@ def run_trl(model: str, data: str, work: Path, steps: int, precomputed: bool) ->
     trainer = trl_trainer(model, pairs, work, MICRO, steps, precomputed)
     ids = trainer.train_dataset
     first = _trl_first_microbatch_logps(trainer, ids)
-    stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-
-    trainer.add_callback(Clock())
-    trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    stamps, logs = train_timed(trainer)
     timed = stamps[-1] - stamps[0]
     return {
         "pairs_per_s": PAIRS_PER_STEP * (len(stamps) - 1) / timed,

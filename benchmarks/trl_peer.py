@@ -60,3 +60,22 @@ def trl_trainer(model: str, pairs: list, work: Path, micro: int, steps: int, pre
         ids = trainer._precompute_ref_logps(ids, "train", micro)
     trainer.train_dataset = ids
     return trainer
+
+
+def train_timed(trainer) -> tuple[list[float], list[dict]]:
+    """Train `trainer`; the wall-clock time at each optimizer step's end, and its logged steps (the summary
+    entry left out)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    return stamps, logs

@@ -32,12 +32,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness
 from train_throughput import _config, _step_pairs
-from trl_peer import PAIRS_PER_STEP, trl_trainer
+from trl_peer import PAIRS_PER_STEP, train_timed, trl_trainer
 from unpacked import LAYERS, SIZE
 
 METHODS = ("ours", "trl")
@@ -98,22 +97,12 @@ def run_ours(model: str, data: str, work: Path, steps: int) -> dict:
 def run_trl(model: str, data: str, work: str, steps: int) -> dict:
     """TRL's DPOTrainer on our loader's pairs, in order; step times between `on_step_end` calls. Run in a
     fresh interpreter (`harness.call`)."""
-    from transformers import TrainerCallback
-
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([data])
     pairs = [store.pair(i) for step in _step_pairs(data, steps) for i in step]
     trainer = trl_trainer(model, pairs, Path(work), MICRO, steps, precomputed=False)
-    stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-
-    trainer.add_callback(Clock())
-    trainer.train()
-    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    stamps, logs = train_timed(trainer)
     return {
         "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])],
         "losses": [e["loss"] for e in logs],
