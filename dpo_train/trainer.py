@@ -21,6 +21,7 @@ from dpo_train.attention.inputs import row_inputs
 from dpo_train.attention.logps import pair_logps
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
 from dpo_train.checkpoint.identity import run_identity
+from dpo_train.checkpoint.manager import Checkpoints
 from dpo_train.checkpoint.parts import (
     Checkpointable,
     ModelAndOptimizer,
@@ -28,10 +29,7 @@ from dpo_train.checkpoint.parts import (
     RNGState,
     RunContext,
     TrainState,
-    new_lineage,
 )
-from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
-from dpo_train.checkpoint.save import save
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
@@ -315,27 +313,19 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
     held_out = setup.check_dataset("eval.path", PairStore([config.eval.path])) if config.eval.path else None
     trainer = Trainer(config, setup.place, rank, world, loader.stream.store, setup.mesh)
     setup.check_model(trainer.policy)
-    parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, out)
-    lineage = new_lineage()
-    resume_from = find_resume(config, out, rank)
-    # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
+    ctx = trainer.run_context(loader, out)
     shown = progress and rank == 0  # long stages say what they do
+    checkpoints = Checkpoints(config, trainer.checkpointable(loader), ctx, shown)
+    # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
     evaluator = Evaluator(held_out, trainer.reference.initial, setup, shown) if held_out else None
-    if resume_from is not None:
-        state = restore(parts, ctx, resume_from)
-        abandon_later(out, resume_from, rank, world)
-        lineage = {**state["lineage"], "parent": resume_from.name, "resumed_from": str(resume_from)}
-        if rank == 0:
-            print(f"resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr, flush=True)
+    checkpoints.resume()
     fault, epochs_note = step_fault(rank), _epochs_note(config, rank)
-    saved_step = trainer.state.step  # 0 on a fresh start, else the checkpoint's step
-    resumed_at = trainer.state.step if resume_from else None
     with (
-        RunLog(out, rank, config.train.report_to, config.train.log_every, resumed_at) as log,
+        RunLog(out, rank, config.train.report_to, config.train.log_every, checkpoints.resumed_at) as log,
         Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
     ):
         watch = trainer.state.early_stopping
-        if evaluator and resume_from is None:
+        if evaluator and checkpoints.resumed_at is None:
             _evaluate(evaluator, trainer, log, watch)
         if _stopped(watch) and rank == 0:  # resumed from the checkpoint where it stopped
             print(watch.reason(), file=sys.stderr, flush=True)
@@ -353,24 +343,16 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
                 if stopped and rank == 0:
                     print(watch.reason(), file=sys.stderr, flush=True)
             done = trainer.state.step >= config.train.max_steps or _stopped(watch)
-            if config.train.save_every and (trainer.state.step % config.train.save_every == 0 or done):
-                lineage = {**lineage, "parent": _save(parts, ctx, lineage, shown).name}
-                saved_step = trainer.state.step
+            checkpoints.after_step(done)
             if done:
                 break
-        if config.train.save_every and trainer.state.step != saved_step:
-            _save(parts, ctx, lineage, shown)  # the data ran out before max_steps: keep the last step
+        checkpoints.finish()  # the data ran out before max_steps: keep the last step
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
-    facts = run_facts(ctx.identity, lineage, trainer.state.step, loader.stream.store, out)
+    facts = run_facts(ctx.identity, checkpoints.lineage, trainer.state.step, loader.stream.store, out)
     with Stage(f"export {out / 'final'}", enabled=shown):
         export(trainer.policy, config, setup.tokenizer, out, rank, facts)
     return out
-
-
-def _save(parts, ctx: RunContext, lineage: dict, shown: bool) -> Path:
-    with Stage(f"checkpoint at step {parts.train.step}", enabled=shown):
-        return save(parts, ctx, lineage)
 
 
 def _evaluate(evaluator: Evaluator, trainer: Trainer, log: RunLog, watch: EarlyStopping | None) -> bool:

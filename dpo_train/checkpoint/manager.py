@@ -1,0 +1,55 @@
+"""A run's checkpoints: where it resumes from, when it saves, and the lineage every save records."""
+
+from __future__ import annotations
+
+import sys
+
+from dpo_data.progress import Stage
+from dpo_train.checkpoint.parts import Checkpointable, RunContext, new_lineage
+from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
+from dpo_train.checkpoint.save import save
+from dpo_train.config.sections import TrainConfig
+
+
+class Checkpoints:
+    """The one owner of a run's checkpoints: it finds the checkpoint to resume from (`train.resume`), restores it
+    and abandons the ones after it, saves every `train.save_every` steps and at the end, and carries the lineage
+    (run id, parent checkpoint, where the run resumed from) from one save to the next."""
+
+    def __init__(self, config: TrainConfig, parts: Checkpointable, ctx: RunContext, shown: bool):
+        self.parts, self.ctx, self.shown = parts, ctx, shown
+        self.every = config.train.save_every
+        self.lineage = new_lineage()
+        self.resume_from = find_resume(config, ctx.out, ctx.rank)
+        """The checkpoint this run continues, or None for a fresh start; found before the first step."""
+        self.resumed_at: int | None = None
+        """The step the run resumed at, or None for a fresh start."""
+        self._saved_step = 0
+
+    def resume(self) -> None:
+        """Load the checkpoint found at construction into the run's parts (nothing on a fresh start)."""
+        if self.resume_from is None:
+            return
+        state = restore(self.parts, self.ctx, self.resume_from)
+        abandon_later(self.ctx.out, self.resume_from, self.ctx.rank, self.ctx.world)
+        self.lineage = {**state["lineage"], "parent": self.resume_from.name, "resumed_from": str(self.resume_from)}
+        self.resumed_at = self._saved_step = self.parts.train.step
+        if self.ctx.rank == 0:
+            print(f"resumed from {self.resume_from} at step {self.resumed_at}", file=sys.stderr, flush=True)
+
+    def after_step(self, done: bool) -> None:
+        """Save when the step just taken is on the cadence, or is the run's last."""
+        step = self.parts.train.step
+        if self.every and (step % self.every == 0 or done):
+            self._save()
+
+    def finish(self) -> None:
+        """Save the last step when the data ran out before `max_steps`, off the cadence."""
+        if self.every and self.parts.train.step != self._saved_step:
+            self._save()
+
+    def _save(self) -> None:
+        with Stage(f"checkpoint at step {self.parts.train.step}", enabled=self.shown):
+            directory = save(self.parts, self.ctx, self.lineage)
+        self.lineage = {**self.lineage, "parent": directory.name}
+        self._saved_step = self.parts.train.step
