@@ -1,4 +1,5 @@
-"""What tests share: tiny model and run configs, the CLIs in a process of their own, a free port, gloo groups."""
+"""What tests share: tiny model and run configs, an in-process Trainer, the CLIs in a process of their own, a free
+port, gloo groups."""
 
 from __future__ import annotations
 
@@ -36,6 +37,34 @@ def tiny_config(dataset: Path, tokenizer: Path, output_dir: Path, **train: Any) 
         "optim": {"lr": 1.0e-3},
         "train": {"output_dir": str(output_dir), **train},
     }
+
+
+def tiny_trainer(
+    config: Any,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    store: Any = None,
+    mesh: Any = None,
+    device: str = "cpu",
+    precision: str | None = None,
+) -> Any:
+    """The real `Trainer` of rank `rank` of `world`, built in this process as the tests build it: `config` a
+    TrainConfig, or a dict or YAML path that `load_config` reads; placed on `device` (CPU unless asked) at
+    `precision` (None: the config's `train.precision`, whose `auto` is fp32 on CPU); over `store` (None: a new
+    PairStore of `data.paths`) and `mesh` (None: the Trainer's own `run_mesh`). A process group, where `world`
+    > 1, is the caller's (`join_gloo`). The config, placement and store are `trainer.config`, `.place`, `.store`."""
+    from dpo_data.dataset.store import PairStore
+    from dpo_train.config.loading import load_config
+    from dpo_train.config.sections import TrainConfig
+    from dpo_train.parallel.device import placement
+    from dpo_train.trainer import Trainer
+
+    if not isinstance(config, TrainConfig):
+        config = load_config(config)
+    place = placement(device, config.train.precision if precision is None else precision)
+    store = PairStore(config.data.paths) if store is None else store
+    return Trainer(config, place, rank, world, store, mesh)
 
 
 def write_yaml(path: Path, document: dict) -> Path:

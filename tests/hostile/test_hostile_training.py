@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from tests.harness import TINY_LLAMA, tiny_config, train_cli, write_yaml
+from tests.harness import TINY_LLAMA, tiny_config, tiny_trainer, train_cli, write_yaml
 
 
 def _blowup(sample_dataset, smollm2_dir, out, *extra, code):
@@ -113,21 +113,15 @@ def test_each_kind_of_malformed_micro_batch_is_named(kind):
 
 
 def test_the_trainer_refuses_a_malformed_micro_batch_before_its_forward(sample_dataset):
-    from dpo_data import PairStore
     from dpo_data.errors import DataError
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
 
-    config = load_config(
-        {
-            "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
-            "data": {"path": str(sample_dataset)},
-            "optim": {"name": "sgd", "lr": 1.0},
-            "distributed": {"device": "cpu"},
-        }
-    )
-    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, PairStore([sample_dataset]))
+    config = {
+        "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
+        "data": {"path": str(sample_dataset)},
+        "optim": {"name": "sgd", "lr": 1.0},
+        "distributed": {"device": "cpu"},
+    }
+    trainer = tiny_trainer(config)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     with pytest.raises(
         DataError, match=r"(?s)micro-batch 0 of step 0 on rank 0 breaks the micro-batch contract.*2 chosen"

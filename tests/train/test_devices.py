@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpo_train.parallel import collectives
-from tests.harness import join_gloo, spawn
+from tests.harness import join_gloo, spawn, tiny_trainer
 from tests.train.test_trainer import write_config
 
 GUARD = Path(__file__).parents[1] / "collective_guard.py"
@@ -193,21 +193,15 @@ def _reference_worker(rank: int, world: int, port: int, dataset: str, out: str) 
     """One of 2 FSDP2 ranks: build the Trainer with a live reference and describe both models' parameters."""
     import torch.distributed as dist
 
-    from dpo_data.dataset.store import PairStore
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
     from tests.train.test_invariance import MODEL
 
     join_gloo(rank, world, port)
-    config = load_config(
-        {
-            "model": {"init": {"config": MODEL, "seed": 0}},
-            "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
-            "distributed": {"strategy": "fsdp", "device": "cpu"},
-        }
-    )
-    trainer = Trainer(config, placement("cpu", "fp32"), rank, 2, PairStore([dataset]))
+    config = {
+        "model": {"init": {"config": MODEL, "seed": 0}},
+        "data": {"path": dataset, "batching": "pairs", "pairs_per_step": 4, "max_tokens_per_microbatch": 400},
+        "distributed": {"strategy": "fsdp", "device": "cpu"},
+    }
+    trainer = tiny_trainer(config, rank=rank, world=2)
 
     def describe(model):
         params = list(model.parameters())

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from tests.harness import TINY_LLAMA
+from tests.harness import TINY_LLAMA, tiny_trainer
 
 CONFIGS = [
     # a list with a sorted type (its sorts over the whole set), LD-DPO's sums and the NLL term
@@ -16,27 +16,15 @@ CONFIGS = [
 ]
 
 
-def _trainer(dataset, loss: dict):
-    from dpo_data.dataset.store import PairStore
-    from dpo_train.attention.sequence_parallel import run_mesh
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
-
-    config = load_config(
-        {
-            "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
-            "data": {"path": str(dataset), "max_tokens_per_microbatch": 300},
-            "loss": loss,
-            "optim": {"lr": 0.05},  # two steps that move the policy well away from the reference
-            "train": {"output_dir": "unused"},
-            "distributed": {"device": "cpu"},
-        }
-    )
-    place = placement("cpu", "fp32")
-    store = PairStore([str(dataset)])
-    setup = types.SimpleNamespace(config=config, place=place, mesh=run_mesh(config, 0, 1))
-    return Trainer(config, place, 0, 1, store), store, setup
+def _config(dataset, loss: dict) -> dict:
+    return {
+        "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
+        "data": {"path": str(dataset), "max_tokens_per_microbatch": 300},
+        "loss": loss,
+        "optim": {"lr": 0.05},  # two steps that move the policy well away from the reference
+        "train": {"output_dir": "unused"},
+        "distributed": {"device": "cpu"},
+    }
 
 
 def _packed(pairs: list) -> dict:
@@ -68,7 +56,9 @@ def test_the_held_out_loss_is_the_step_objective_on_those_pairs(small_dataset, l
     objective at policy = reference."""
     from dpo_train.evaluation import Evaluator
 
-    trainer, store, setup = _trainer(small_dataset, loss)
+    trainer = tiny_trainer(_config(small_dataset, loss))
+    store = trainer.store
+    setup = types.SimpleNamespace(config=trainer.config, place=trainer.place, mesh=trainer.mesh)
     pairs = [store.pair(i) for i in range(store.num_pairs)]
     evaluator = Evaluator(store, trainer.reference.initial, setup)
     before = evaluator.run(trainer.model, step=0)

@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn
+from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn, tiny_trainer
 
 RTOL = 2e-6  # ||a - b|| / ||a|| per tensor, for gradients and parameters, fp32 on CPU (measured: up to 1.25e-6)
 
@@ -92,16 +92,12 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     """Train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader; rank 0 saves
     the parameters and both step gradients to `result`."""
     import dpo_train.trainer as trainer_module
-    from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
 
     if reduction == "mean_of_means":
         trainer_module.microbatch_loss = _mean_of_means
-    cfg = load_config(config)
-    store = PairStore([cfg.data.path])
-    trainer = trainer_module.Trainer(cfg, placement("cpu", "fp32"), rank, world, store)
+    trainer = tiny_trainer(config, rank=rank, world=world)
+    cfg, store = trainer.config, trainer.store
     grads = []
     if use_loader:
         loader = trainer_module.DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)

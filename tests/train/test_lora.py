@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import state_here, train_here
+from tests.harness import state_here, tiny_trainer, train_here
 from tests.state.test_checkpoint import config, metrics, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -61,15 +61,11 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(single):
 
 
 def test_only_adapters_get_gradients_and_optimizer_state(small_dataset, smollm2_dir, tmp_path):  # noqa: F811
-    from dpo_data.dataset.store import PairStore
     from dpo_data.loading.loader import DPOLoader
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
 
     path, _ = lora_config(tmp_path, small_dataset, smollm2_dir, "grads")
-    cfg = load_config(path)
-    trainer = Trainer(cfg, placement("cpu", "fp32"), 0, 1, PairStore([str(small_dataset)]))
+    trainer = tiny_trainer(path)
+    cfg = trainer.config
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     batch = next(iter(DPOLoader(cfg.data.paths, cfg.data.loader_config(0, 1), pad_to_multiple_of=8)))
     trainer.microbatch(batch)

@@ -351,25 +351,20 @@ def test_the_trainer_gives_sft_in_a_list_to_the_nll_term(sample_dataset):
     the gradient of sigmoid with nll_weight 0.7, and not sigmoid's alone."""
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
-    from tests.harness import TINY_LLAMA
+    from tests.harness import TINY_LLAMA, tiny_trainer
 
     store = PairStore([str(sample_dataset)])
     pairs = [store.pair(i) for i in range(4)]
 
     def gradient(**loss):
-        config = load_config(
-            {
-                "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
-                "data": {"path": str(sample_dataset)},
-                "loss": loss,
-                "train": {"output_dir": "unused"},
-                "distributed": {"device": "cpu"},
-            }
-        )
-        trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, store)
+        config = {
+            "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
+            "data": {"path": str(sample_dataset)},
+            "loss": loss,
+            "train": {"output_dir": "unused"},
+            "distributed": {"device": "cpu"},
+        }
+        trainer = tiny_trainer(config, store=store)
         batch = pack_microbatch(pairs, pad_to_multiple_of=8)
         batch.update(
             microbatch=0, microbatches_in_step=1, step_pairs=4, step_chosen_tokens=sum(len(p.chosen) for p in pairs)
@@ -479,10 +474,7 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
     from dpo_data.dataset.store import PairIds, PairStore
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.logps import pair_logps
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
-    from tests.harness import TINY_LLAMA
+    from tests.harness import TINY_LLAMA, tiny_trainer
 
     store = PairStore([str(sample_dataset)])
     cut = [store.pair(i) for i in range(4)]  # the sample's completions are equally long: cut chosen's short
@@ -497,16 +489,14 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
     )
 
     def trainer_for(**loss):
-        config = load_config(
-            {
-                "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
-                "data": {"path": str(sample_dataset)},
-                "loss": {"beta": 0.5, **loss},
-                "train": {"output_dir": "unused"},
-                "distributed": {"device": "cpu"},
-            }
-        )
-        return Trainer(config, placement("cpu", "fp32"), 0, 1, store)
+        config = {
+            "model": {"init": {"config": TINY_LLAMA, "seed": 0}},
+            "data": {"path": str(sample_dataset)},
+            "loss": {"beta": 0.5, **loss},
+            "train": {"output_dir": "unused"},
+            "distributed": {"device": "cpu"},
+        }
+        return tiny_trainer(config, store=store)
 
     def gradient(trainer):
         return torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])

@@ -44,22 +44,18 @@ def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir
 def test_training_in_bf16_learns(sample_dataset):
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
+    from tests.harness import tiny_trainer
     from tests.train.test_invariance import MODEL
 
-    config = load_config(
-        {
-            "model": {"init": {"config": MODEL, "seed": 0}},
-            "data": {"path": str(sample_dataset), "pairs_per_step": 8, "max_tokens_per_microbatch": 1024},
-            "optim": {"lr": 1.0e-2},
-            "train": {"precision": "bf16"},
-            "distributed": {"device": "cpu"},
-        }
-    )
+    config = {
+        "model": {"init": {"config": MODEL, "seed": 0}},
+        "data": {"path": str(sample_dataset), "pairs_per_step": 8, "max_tokens_per_microbatch": 1024},
+        "optim": {"lr": 1.0e-2},
+        "train": {"precision": "bf16"},
+        "distributed": {"device": "cpu"},
+    }
     store = PairStore([str(sample_dataset)])
-    trainer = Trainer(config, placement("cpu", "bf16"), 0, 1, store)
+    trainer = tiny_trainer(config, store=store)  # placed at the config's bf16
     pairs = [store.pair(i) for i in range(8)]
     losses = []
     for _ in range(6):  # the same 8 pairs each step: the loss must fall

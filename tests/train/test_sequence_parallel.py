@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import join_gloo, spawn, state_here, train_here
+from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
 from tests.state.test_checkpoint import config, metrics, train
 
 MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
@@ -217,8 +217,7 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
     from dpo_train.attention.sequence_parallel import run_mesh
     from dpo_train.config.loading import load_config
     from dpo_train.parallel import collectives
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import DPOLoader, Trainer
+    from dpo_train.trainer import DPOLoader
 
     exact = collectives.sum_same_loss
     if mutant:  # each rank's partial sums counted as if they were the group's: a pair once per group rank
@@ -228,7 +227,7 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
     cfg = load_config(config)
     mesh = run_mesh(cfg, rank, world)
     loader = DPOLoader([cfg.data.path], cfg.data.loader_config(mesh.dp_rank, mesh.dp_size), pad_to_multiple_of=8)
-    trainer = Trainer(cfg, placement("cpu", "fp32"), rank, world, loader.stream.store, mesh)
+    trainer = tiny_trainer(cfg, rank=rank, world=world, store=loader.stream.store, mesh=mesh)
     records = []
     for batch in loader:
         trainer.microbatch(batch)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dpo_train.step.loss import LossConfig, pair_losses
 from dpo_train.step.objective import microbatch_loss
 from dpo_train.step.sort import SortScores, step_partners
-from tests.harness import join_gloo, spawn
+from tests.harness import TINY_LLAMA, join_gloo, spawn, tiny_trainer
 
 PAIRS = 7
 SPLIT = [1, 0, 4, 2]
@@ -127,25 +127,15 @@ def test_ranks_find_the_partners_one_process_finds():
     spawn(_ranks_worker, 2, expected)
 
 
-def _trainer(dataset, **model):
-    from dpo_data.dataset.store import PairStore
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
-    from tests.harness import TINY_LLAMA
-
-    config = load_config(
-        {
-            "model": {"init": {"config": TINY_LLAMA, "seed": 0}, **model},
-            "data": {"path": str(dataset)},
-            "loss": {"type": ["aot", "aot_unpaired"], "beta": 2.0},
-            "optim": {"lr": 0.05},  # a step that reorders the pairs' log-ratios
-            "train": {"output_dir": "unused"},
-            "distributed": {"device": "cpu"},
-        }
-    )
-    store = PairStore([str(dataset)])
-    return Trainer(config, placement("cpu", "fp32"), 0, 1, store), store
+def _config(dataset, **model) -> dict:
+    return {
+        "model": {"init": {"config": TINY_LLAMA, "seed": 0}, **model},
+        "data": {"path": str(dataset)},
+        "loss": {"type": ["aot", "aot_unpaired"], "beta": 2.0},
+        "optim": {"lr": 0.05},  # a step that reorders the pairs' log-ratios
+        "train": {"output_dir": "unused"},
+        "distributed": {"device": "cpu"},
+    }
 
 
 def _step(trainer, pairs: list, split: list[int]) -> None:
@@ -164,8 +154,8 @@ def test_the_trainer_sorts_over_its_steps_micro_batches(sample_dataset, monkeypa
     """A trained step (the policy no longer orders pairs as the reference) of [aot, aot_unpaired] gives the
     same next gradient as one micro-batch or three; and the pass without gradient leaves the RNG where it
     was, so that LoRA dropout draws the step's masks as it would without the pass."""
-    trainer, store = _trainer(sample_dataset)
-    pairs = [store.pair(i) for i in range(6)]
+    trainer = tiny_trainer(_config(sample_dataset))
+    pairs = [trainer.store.pair(i) for i in range(6)]
     for _ in range(2):
         _step(trainer, pairs, [6])
         trainer.step()  # now the policy orders the pairs' margins otherwise than the reference
@@ -186,7 +176,7 @@ def test_the_trainer_sorts_over_its_steps_micro_batches(sample_dataset, monkeypa
     monkeypatch.setattr(dpo_train.trainer, "step_partners", alone)
     assert (gradient([2, 3, 1]) - whole).abs().max() > 100 * 1e-6, "the check cannot tell"
 
-    lora, store = _trainer(sample_dataset, lora={"r": 4, "dropout": 0.5})
+    lora = tiny_trainer(_config(sample_dataset, lora={"r": 4, "dropout": 0.5}))
     before = torch.get_rng_state()
     scores = lora._step_partners([_packed(pairs)])
     assert torch.equal(torch.get_rng_state(), before) and len(scores) == 1

@@ -13,7 +13,17 @@ import shutil
 import pytest
 import torch
 
-from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn, state_here, tiny_config, train_here, write_yaml
+from tests.harness import (
+    TINY_LLAMA,
+    free_port,
+    join_gloo,
+    spawn,
+    state_here,
+    tiny_config,
+    tiny_trainer,
+    train_here,
+    write_yaml,
+)
 
 RTOL = 2e-6  # ||a - b|| / ||a|| per tensor across world sizes, fp32 on CPU (as tests/train/test_invariance.py)
 TIMING = ("pairs/s", "tokens/s", "time")
@@ -32,17 +42,12 @@ def _config(dataset, strategy: str = "ddp", **reference) -> dict:
     }
 
 
-def _trainer(config: dict, rank: int = 0, world: int = 1):
-    """A real Trainer and the real loader's batches for this rank."""
-    from dpo_data.dataset.store import PairStore
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import DPOLoader, Trainer
+def _loader(trainer):
+    """The real loader's batches for the trainer's rank."""
+    from dpo_train.trainer import DPOLoader
 
-    cfg = load_config(config)
-    trainer = Trainer(cfg, placement("cpu", "fp32"), rank, world, PairStore([cfg.data.path]))
-    loader = DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)
-    return trainer, loader
+    cfg = trainer.config
+    return DPOLoader([cfg.data.path], cfg.data.loader_config(trainer.rank, trainer.world), pad_to_multiple_of=8)
 
 
 def _step(trainer, batches) -> dict:
@@ -71,9 +76,10 @@ def test_the_reference_moves_by_trls_mixup_rule_after_every_kth_step_only(small_
     policy after it, bitwise; after steps 1 and 3 it is untouched, bitwise."""
     from trl.trainer.callbacks import SyncRefModelCallback
 
-    trainer, loader = _trainer(
+    trainer = tiny_trainer(
         _config(small_dataset, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
     )
+    loader = _loader(trainer)
     batches, reference = iter(loader), trainer.reference.initial
     for step in range(1, 5):
         before = copy.deepcopy(reference)
@@ -95,7 +101,8 @@ def test_a_skipped_step_still_counts_toward_the_move(small_dataset, monkeypatch)
 
     config = _config(small_dataset, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
     config["train"]["on_nonfinite"] = "skip_step"
-    trainer, loader = _trainer(config)
+    trainer = tiny_trainer(config)
+    loader = _loader(trainer)
     batches, reference = iter(loader), trainer.reference.initial
     _step(trainer, batches)
     policy, before = _weights(trainer.policy), copy.deepcopy(reference)
@@ -262,7 +269,8 @@ def _worker(rank: int, world: int, port: int, jobs: list) -> None:
     if world > 1:
         join_gloo(rank, world, port)
     for config, result, out in jobs:
-        trainer, loader = _trainer(config, rank, world)
+        trainer = tiny_trainer(config, rank=rank, world=world)
+        loader = _loader(trainer)
         batches = iter(loader)
         for _ in range(3):
             _step(trainer, batches)
@@ -296,7 +304,8 @@ def _check_restore(trainer, loader, out, config, rank: int, world: int) -> None:
     from dpo_train.checkpoint.save import save
 
     path = save(trainer.checkpointable(loader), trainer.run_context(loader, Path(out)), new_lineage())
-    fresh, fresh_loader = _trainer(config, rank, world)
+    fresh = tiny_trainer(config, rank=rank, world=world)
+    fresh_loader = _loader(fresh)
     before = _local(fresh.reference.initial)
     restore(fresh.checkpointable(fresh_loader), fresh.run_context(fresh_loader, Path(out)), path)
     trained, restored = _local(trainer.reference.initial), _local(fresh.reference.initial)

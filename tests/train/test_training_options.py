@@ -7,25 +7,19 @@ import torch
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.microbatch import pack_microbatch
-from tests.harness import TINY_LLAMA
+from tests.harness import TINY_LLAMA, tiny_trainer
 
 MODEL = TINY_LLAMA
 
 
-def _trainer(dataset, **train):
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
-
-    config = load_config(
-        {
-            "model": {"init": {"config": MODEL, "seed": 0}},
-            "data": {"path": str(dataset)},
-            "train": {"output_dir": "unused", **train},
-            "distributed": {"device": "cpu"},
-        }
-    )
-    return Trainer(config, placement("cpu", config.train.precision), 0, 1, PairStore([str(dataset)]))
+def _config(dataset, **train) -> dict:
+    """TINY_LLAMA on `dataset` with the config's defaults; `train` adds to the train section."""
+    return {
+        "model": {"init": {"config": MODEL, "seed": 0}},
+        "data": {"path": str(dataset)},
+        "train": {"output_dir": "unused", **train},
+        "distributed": {"device": "cpu"},
+    }
 
 
 def _one_step(trainer, store):
@@ -41,8 +35,8 @@ def _one_step(trainer, store):
 
 def test_activation_checkpointing_recomputes_the_same_gradient(sample_dataset):
     store = PairStore([str(sample_dataset)])
-    plain, _ = _one_step(_trainer(sample_dataset), store)
-    checkpointed_trainer = _trainer(sample_dataset, activation_checkpointing=True)
+    plain, _ = _one_step(tiny_trainer(_config(sample_dataset)), store)
+    checkpointed_trainer = tiny_trainer(_config(sample_dataset, activation_checkpointing=True))
     policy = checkpointed_trainer.policy
     assert getattr(policy, "is_activation_checkpointing", None) or policy.is_gradient_checkpointing
     checkpointed, _ = _one_step(checkpointed_trainer, store)
@@ -52,8 +46,8 @@ def test_activation_checkpointing_recomputes_the_same_gradient(sample_dataset):
 
 def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(sample_dataset):
     store = PairStore([str(sample_dataset)])
-    fp32 = _trainer(sample_dataset, precision="fp32")
-    bf16 = _trainer(sample_dataset, precision="bf16")
+    fp32 = tiny_trainer(_config(sample_dataset, precision="fp32"))
+    bf16 = tiny_trainer(_config(sample_dataset, precision="bf16"))
     assert bf16.place.precision == "bf16" and fp32.place.precision == "fp32"
     grads32, rec32 = _one_step(fp32, store)
     grads16, rec16 = _one_step(bf16, store)
