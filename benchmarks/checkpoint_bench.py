@@ -42,6 +42,7 @@ def _trainer(data: str, out: Path):
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.config.loading import load_config
     from dpo_train.parallel.device import placement
+    from dpo_train.run.setup import local_run
     from dpo_train.trainer import Trainer
 
     config = load_config(
@@ -55,7 +56,7 @@ def _trainer(data: str, out: Path):
         }
     )
     loader = DPOLoader([data], config.data.loader_config(0, 1), pad_to_multiple_of=8)
-    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
+    trainer = Trainer(local_run(config, placement("cpu", "fp32"), loader.stream.store, out=out))
     it = iter(loader)
     while True:  # one optimizer step, so the optimizer has its moments
         batch = next(it)
@@ -89,7 +90,7 @@ def main() -> None:
     try:
         data = harness.smollm2_and_sample(work)[1]
         trainer, loader = _trainer(data, work / "run")
-        parts, ctx = trainer.checkpointable(loader), trainer.run_context(loader, work / "run")
+        parts, identity = trainer.checkpointable(loader), trainer.identity()
         model_sd, optim_sd = trainer.policy.state_dict(), trainer.optimizer.state_dict()
         times: dict[str, list[float]] = {
             k: [] for k in ("save", "torch.save", "torch.save+fsync", "load", "torch.load", "inspect", "diff")
@@ -106,7 +107,7 @@ def main() -> None:
             )
             durable.unlink()
             trainer.state.step = i + 1
-            times["save"].append(harness.seconds(lambda: save(parts, ctx, new_lineage())))
+            times["save"].append(harness.seconds(lambda: save(parts, trainer.run, identity, new_lineage())))
 
             def plain_load():
                 state = torch.load(plain, weights_only=True)
@@ -114,7 +115,9 @@ def main() -> None:
                 trainer.optimizer.load_state_dict(state["optim"])
 
             times["torch.load"].append(harness.seconds(plain_load))
-            times["load"].append(harness.seconds(lambda: restore(parts, ctx, step_dir(work / "run", i + 1))))
+            times["load"].append(
+                harness.seconds(lambda: restore(parts, trainer.run, identity, step_dir(work / "run", i + 1)))
+            )
             cli = [sys.executable, "-m", "dpo_cli.state"]
             a, b = step_dir(work / "run", i + 1), step_dir(work / "run", max(1, i))
             times["inspect"].append(

@@ -7,10 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpo_data.dataset.store import PairStore
-from dpo_train.reference.scoring import Scores, score_pairs
-from dpo_train.step.loss import LossConfig, pair_losses
-from dpo_train.step.sort import SortScores, set_partners, sorted_types
+from dpo_train.reference import Scores, score_pairs
+from dpo_train.run import Run
+from dpo_train.step import LossConfig, SortScores, pair_losses, set_partners, sorted_types
 
 EVAL_FORMAT_VERSION = 2
 """Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added."""
@@ -24,22 +23,30 @@ class Evaluator:
     objective over the held-out pairs (`held_out_loss`).
     """
 
-    def __init__(self, store: PairStore, initial: Any, setup: Any, progress: bool = False):
-        """`setup` (a RunSetup) gives the placement's autocast, the sequence mesh, the data layout and the loss;
-        `progress`: show each scoring as a stage (on rank 0, not --quiet)."""
-        self.store, self.setup, self.layout = store, setup, setup.config.data.layout
-        self.loss, self.progress = setup.config.loss, progress
+    def __init__(self, run: Run, initial: Any):
+        """`run.held_out`: the pairs; `run` also gives the placement's autocast, the sequence mesh, the data
+        layout, the loss, and whether each scoring is shown as a stage (`run.shown`)."""
+        store = self.store = run.held_out
+        self.place, self.mesh, self.shown = run.place, run.mesh, run.shown
+        self.layout, self.loss = run.config.data.layout, run.config.loss
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
-            setup.config.data.max_tokens_per_microbatch,
+            run.config.data.max_tokens_per_microbatch,
             int(store.segment_tokens(np.arange(store.num_pairs), self.layout).max(initial=0)),
         )
         self.reference = self._score(initial, weighting=False, stage="eval: the reference scores the held-out set")
 
     def _score(self, model: Any, weighting: bool, stage: str) -> Scores:
-        place, mesh, ld_alpha = self.setup.place, self.setup.mesh, self.loss.ld_alpha
-        shown = stage if self.progress else None
+        shown = stage if self.shown else None
         return score_pairs(
-            model, self.store, self.budget, place.autocast, mesh, self.layout, ld_alpha, weighting, shown
+            model,
+            self.store,
+            self.budget,
+            self.place.autocast,
+            self.mesh,
+            self.layout,
+            self.loss.ld_alpha,
+            weighting,
+            shown,
         )
 
     def run(self, model: Any, step: int) -> dict:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpo_data.dataset.store import PairStore
-from dpo_train.config.sections import TrainConfig
+from dpo_train.config import TrainConfig
 from dpo_train.errors import ConfigError
-from dpo_train.parallel import collectives
-from dpo_train.reference.scoring import score_pairs
-from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, write_sidecar
-from dpo_train.run.initial_policy import initial_policy
-from dpo_train.run.setup import setup_run
+from dpo_train.parallel import barrier
+from dpo_train.reference import SIDECAR_DOCUMENT, score_pairs, write_sidecar
+from dpo_train.run import load_initial_policy, precompute_run
 
 
 def precompute_reference(config: TrainConfig, overwrite: bool = False, progress: bool = True) -> Path:
@@ -28,17 +25,16 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False, progress:
             f"reference.path {config.reference.path} already holds a sidecar ({existing.name}); a run may be "
             "bound to it. Pass --overwrite to replace it, or set reference.path to a new directory"
         )
-    setup = setup_run(config)
-    store = setup.check_dataset("data.path", PairStore(config.data.paths))
-    model, weights = initial_policy(config, setup.place, setup.mesh)  # the trainer's own: weights_from included
-    setup.check_model(model)
-    model.to(setup.place.device)
-    layout, place = config.data.layout, setup.place
-    shown = "precompute: the reference scores every training pair" if progress and setup.rank == 0 else None
+    run = precompute_run(config, progress)
+    store, place, layout = run.data, run.place, config.data.layout
+    model, weights = load_initial_policy(config, place, run.mesh)  # the trainer's own: weights_from included
+    run.check_model(model)
+    model.to(place.device)
+    shown = "precompute: the reference scores every training pair" if run.shown else None
     budget = config.data.max_tokens_per_microbatch
-    scores = score_pairs(model, store, budget, place.autocast, setup.mesh, layout, progress=shown)
+    scores = score_pairs(model, store, budget, place.autocast, run.mesh, layout, progress=shown)
     path = Path(config.reference.path)
-    if setup.rank == 0:
+    if run.rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")
-    collectives.barrier()
+    barrier()
     return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -11,48 +10,45 @@ from pathlib import Path
 
 import torch
 
-from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
-from dpo_data.loading.loader import DPOLoader
 from dpo_data.progress import Stage
 from dpo_state.faults import step_fault
-from dpo_train.attention.inputs import row_inputs
-from dpo_train.attention.logps import pair_logps
-from dpo_train.attention.sequence_parallel import SequenceMesh, check_same_row, run_mesh
-from dpo_train.checkpoint.identity import run_identity
-from dpo_train.checkpoint.manager import Checkpoints
-from dpo_train.checkpoint.parts import (
+from dpo_train.attention import check_same_row, pair_logps, row_inputs
+from dpo_train.checkpoint import (
     Checkpointable,
+    Checkpoints,
     ModelAndOptimizer,
     ReferenceWeights,
     RNGState,
-    RunContext,
     TrainState,
+    run_identity,
 )
-from dpo_train.config.sections import TrainConfig
+from dpo_train.config import TrainConfig
 from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
-from dpo_train.export.final import export
-from dpo_train.export.model_card import run_facts
-from dpo_train.model.lora import apply_lora
-from dpo_train.model.policy import embedding_rows
-from dpo_train.parallel import collectives
-from dpo_train.parallel.device import Placement
-from dpo_train.parallel.wrapping import no_sync, wrap
-from dpo_train.reference.choice import build_reference
-from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
-from dpo_train.run.initial_policy import initial_policy
-from dpo_train.run.log import RunLog
-from dpo_train.run.progress import Progress
-from dpo_train.run.setup import RunSetup, setup_run
-from dpo_train.run.sinks import check_report_to, check_sinks
-from dpo_train.step.early_stopping import EarlyStopping, early_stopping
-from dpo_train.step.loss import pair_losses
-from dpo_train.step.metrics import add_pairs, new_sums, step_record
-from dpo_train.step.nonfinite import agree, local_nonfinite, step_sources
-from dpo_train.step.objective import microbatch_loss, router_aux_coef
-from dpo_train.step.sort import SortScores, sorted_types, step_partners, unmoved_rng
+from dpo_train.export import export, run_facts
+from dpo_train.model import apply_lora, embedding_rows
+from dpo_train.parallel import all_reduce, no_sync, wrap
+from dpo_train.reference import build_reference
+from dpo_train.run import Progress, Run, RunLog, load_initial_policy, training_run
+from dpo_train.step import (
+    EarlyStopping,
+    SortScores,
+    add_pairs,
+    agree,
+    early_stopping_watch,
+    local_nonfinite,
+    microbatch_loss,
+    new_sums,
+    pair_losses,
+    router_aux_coef,
+    sorted_types,
+    step_partners,
+    step_record,
+    step_sources,
+    unmoved_rng,
+)
 
 
 class Trainer:
@@ -62,21 +58,14 @@ class Trainer:
     `step()` clips, steps the optimizer and scheduler and returns the step's metrics over all ranks.
     """
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        place: Placement,
-        rank: int,
-        world: int,
-        store: PairStore,
-        mesh: SequenceMesh | None = None,
-    ):
-        self.config, self.place, self.rank, self.world, self.store = config, place, rank, world, store
-        self.mesh = mesh or run_mesh(config, rank, world)
-        self.sources, self.tokenizer_fingerprint = store.sources, store.tokenizer_fingerprint
+    def __init__(self, run: Run):
+        """`run`: what setup resolved (`run.setup`); the trainer reads it and never changes it."""
+        config, place, rank, world, store = run.config, run.place, run.rank, run.world, run.data
+        self.run, self.config, self.place, self.rank, self.world, self.store = run, config, place, rank, world, store
+        self.mesh, self.sources = run.mesh, store.sources
         torch.manual_seed(config.train.seed)
         # the initial policy: the reference's weights, as --precompute-reference builds them
-        policy, self.weights = initial_policy(config, place, self.mesh, config.train.activation_checkpointing)
+        policy, self.weights = load_initial_policy(config, place, self.mesh, config.train.activation_checkpointing)
         arch = type(policy).__name__
         self.router_aux_coef = router_aux_coef(
             config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
@@ -89,7 +78,7 @@ class Trainer:
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.vocab_rows = embedding_rows(policy)
-        self.state = TrainState(early_stopping=early_stopping(config.eval))
+        self.state = TrainState(early_stopping=early_stopping_watch(config.eval))
         self.skipped_steps = 0
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
@@ -128,29 +117,10 @@ class Trainer:
             ReferenceWeights(self.reference.initial) if self.reference.moves else None,
         )
 
-    def run_context(self, loader: DPOLoader, out: Path) -> RunContext:
-        """Where this rank sits and the identity a checkpoint of this run records."""
-        identity = run_identity(
-            self.config,
-            self.store,
-            loader.config,
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            self.weights,
-            self.reference.sidecar_sha256,
-            self.place,
-            self.router_aux_coef,
-        )
-        return RunContext(
-            out,
-            self.rank,
-            self.world,
-            self.config.train.keep_last,
-            self.config.resolved(),
-            identity,
-            loader.config.batching,
-        )
+    def identity(self) -> dict:
+        """What a checkpoint of this run records and a resume must share (`checkpoint.identity`)."""
+        reference = self.weights, self.reference.sidecar_sha256
+        return run_identity(self.run, self.policy, self.optimizer, self.scheduler, reference, self.router_aux_coef)
 
     def microbatch(self, batch: dict) -> None:
         """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward
@@ -252,7 +222,7 @@ class Trainer:
                 "every rank, must carry the step's total pair count (docs/loader.md)"
             )
         # every rank of a sequence-parallel group holds the same pairs: one of them reports them
-        self.sums = collectives.all_reduce(self.sums if self.mesh.counts_pairs else torch.zeros_like(self.sums))
+        self.sums = all_reduce(self.sums if self.mesh.counts_pairs else torch.zeros_like(self.sums))
         if bad_ranks and self.config.train.on_nonfinite == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -290,39 +260,22 @@ class Trainer:
 
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train until `train.max_steps` (or the data's epochs end); return the output directory."""
-    setup = setup_run(config)
-    check_report_to(config.train.report_to)
-    out = check_output_dir(config)
-    with run_lock(out, setup.rank):
-        if setup.rank == 0:
-            start_run_dir(out, config)
-            check_sinks(config.train.report_to, out)
-        return _run(setup, out, progress)
+    with training_run(config, progress) as run:
+        return _run(run)
 
 
-def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
-    config, rank, world = setup.config, setup.rank, setup.world
-    loader = DPOLoader(  # asked for data-parallel ranks: a sequence-parallel group shares its rows
-        config.data.paths,
-        config.data.loader_config(setup.mesh.dp_rank, setup.mesh.dp_size),
-        max_epochs=None if config.train.max_steps is not None else config.train.epochs,
-        pad_to_multiple_of=8,
-    )
-    config = setup.config = _with_total_steps(config, loader)
-    setup.check_dataset("data.path", loader.stream.store)
-    held_out = setup.check_dataset("eval.path", PairStore([config.eval.path])) if config.eval.path else None
-    trainer = Trainer(config, setup.place, rank, world, loader.stream.store, setup.mesh)
-    setup.check_model(trainer.policy)
-    ctx = trainer.run_context(loader, out)
-    shown = progress and rank == 0  # long stages say what they do
-    checkpoints = Checkpoints(config, trainer.checkpointable(loader), ctx, shown)
+def _run(run: Run) -> Path:
+    config, rank, loader, out = run.config, run.rank, run.loader, run.out
+    trainer = Trainer(run)
+    run.check_model(trainer.policy)
+    checkpoints = Checkpoints(run, trainer.checkpointable(loader), trainer.identity())
     # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
-    evaluator = Evaluator(held_out, trainer.reference.initial, setup, shown) if held_out else None
+    evaluator = Evaluator(run, trainer.reference.initial) if run.held_out else None
     checkpoints.resume()
     fault, epochs_note = step_fault(rank), _epochs_note(config, rank)
     with (
-        RunLog(out, rank, config.train.report_to, config.train.log_every, checkpoints.resumed_at) as log,
-        Progress(config.train.max_steps, enabled=progress and rank == 0, start=trainer.state.step) as bar,
+        RunLog(run, checkpoints.resumed_at) as log,
+        Progress(config.train.max_steps, enabled=run.shown, start=trainer.state.step) as bar,
     ):
         watch = trainer.state.early_stopping
         if evaluator and checkpoints.resumed_at is None:
@@ -349,9 +302,9 @@ def _run(setup: RunSetup, out: Path, progress: bool) -> Path:
         checkpoints.finish()  # the data ran out before max_steps: keep the last step
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
-    facts = run_facts(ctx.identity, checkpoints.lineage, trainer.state.step, loader.stream.store, out)
-    with Stage(f"export {out / 'final'}", enabled=shown):
-        export(trainer.policy, config, setup.tokenizer, out, rank, facts)
+    facts = run_facts(checkpoints.identity, checkpoints.lineage, trainer.state.step, run.data, out)
+    with Stage(f"export {out / 'final'}", enabled=run.shown):
+        export(trainer.policy, config, run.tokenizer, out, rank, facts)
     return out
 
 
@@ -374,15 +327,6 @@ def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
-    """`train.max_steps` wins when set, as TRL's does; `max_steps: null` trains `train.epochs` epochs, whose
-    steps are counted from the loader's own plan (the scheduler and the progress line need the total)."""
-    if config.train.max_steps is not None:
-        return config
-    total = loader.stream.schedule.steps_in(config.train.epochs)
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=total))
 
 
 def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:

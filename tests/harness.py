@@ -4,6 +4,7 @@ port, gloo groups."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import signal
@@ -58,13 +59,15 @@ def tiny_trainer(
     from dpo_train.config.loading import load_config
     from dpo_train.config.sections import TrainConfig
     from dpo_train.parallel.device import placement
+    from dpo_train.run.setup import local_run
     from dpo_train.trainer import Trainer
 
     if not isinstance(config, TrainConfig):
         config = load_config(config)
     place = placement(device, config.train.precision if precision is None else precision)
     store = PairStore(config.data.paths) if store is None else store
-    return Trainer(config, place, rank, world, store, mesh)
+    run = local_run(config, place, store, rank=rank, world=world)
+    return Trainer(run if mesh is None else dataclasses.replace(run, mesh=mesh))
 
 
 def write_yaml(path: Path, document: dict) -> Path:

@@ -4,6 +4,7 @@ the public facades resolve, torch_npu stays optional."""
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -63,26 +64,31 @@ def test_dependencies_point_one_way(part):
     assert wrong == {}
 
 
-# dpo_train's rooms and what each may use of the rest of dpo_train (another room, or `errors`), lowest first:
+# What every room may use: `errors` (the trainer's errors) and `front` (how a room's front door is made).
+EVERY_ROOM = {"errors", "front"}
+# dpo_train's rooms and what each may use of the rest of dpo_train (another room, or EVERY_ROOM), lowest first:
 # the ranks' plumbing knows nothing of models or losses; how a row is attended knows nothing of steps,
 # configs or checkpoints; the step's arithmetic knows no config; the reference is built from the config and the
 # attention, never from the loop, its checkpoints or its logs; no room imports the top floor (TOP_FLOOR).
 ROOMS = {
-    "parallel": {"errors"},
-    "attention": {"errors", "parallel"},
-    "step": {"errors", "parallel", "attention"},
-    "config": {"errors", "step"},
-    "model": {"errors", "config", "attention"},
-    "reference": {"errors", "config", "parallel", "attention"},
-    "checkpoint": {"errors", "config", "step", "parallel", "model", "reference"},
-    "export": {"errors", "config", "model", "parallel"},
-    "run": {"errors", "config", "parallel", "attention", "model", "reference", "checkpoint"},
+    "parallel": {*EVERY_ROOM},
+    "attention": {*EVERY_ROOM, "parallel"},
+    "step": {*EVERY_ROOM, "parallel", "attention"},
+    "config": {*EVERY_ROOM, "step"},
+    "model": {*EVERY_ROOM, "config", "attention"},
+    "reference": {*EVERY_ROOM, "config", "parallel", "attention"},
+    "checkpoint": {*EVERY_ROOM, "config", "step", "parallel", "model", "reference"},
+    "export": {*EVERY_ROOM, "config", "model", "parallel"},
+    "run": {*EVERY_ROOM, "config", "parallel", "attention", "model", "reference", "checkpoint"},
 }
 # The top floor: the entry points (`trainer.train`, `precompute.precompute`), the held-out evaluation the trainer
-# and its tests call, and `errors`, which every room shares and which imports nothing of dpo_train.
-TOP_FLOOR = {"__init__", "errors", "trainer", "evaluation", "precompute"}
+# and its tests call, and EVERY_ROOM, which every room shares and which imports nothing of dpo_train.
+TOP_FLOOR = {"__init__", "trainer", "evaluation", "precompute", *EVERY_ROOM}
+ENTRY_FLOOR = ("trainer", "precompute", "evaluation")
+"""The top floor's modules that enter rooms: only through a room's front door (`from dpo_train.ROOM import name`)."""
 TRAINER_FAN_OUT = 11
-"""At most this many rooms and top-floor modules imported by the trainer (a room counts once): 25 before rooms."""
+"""At most this many modules of dpo_train imported by the trainer: 33 before rooms (25 rooms and flat modules),
+30 in 11 rooms after them and before the front doors, 11 since (9 fronts, errors, evaluation)."""
 
 
 def dpo_train_uses(path: Path) -> set[str]:
@@ -104,7 +110,7 @@ def dpo_train_uses(path: Path) -> set[str]:
 def room_graph() -> dict[str, set[str]]:
     """room -> the rooms its modules import (lazy imports included), as the code stands."""
     return {
-        room: set().union(*(dpo_train_uses(p) for p in (ROOT / "dpo_train" / room).rglob("*.py"))) - {room, "errors"}
+        room: set().union(*(dpo_train_uses(p) for p in (ROOT / "dpo_train" / room).rglob("*.py"))) - {room, *EVERY_ROOM}
         for room in ROOMS
     }
 
@@ -144,19 +150,62 @@ def test_each_room_uses_only_what_its_rule_allows(room):
     assert wrong == {}
 
 
-def test_errors_imports_nothing_of_dpo_train():
-    assert dpo_train_uses(ROOT / "dpo_train" / "errors.py") == set()
+@pytest.mark.parametrize("shared", sorted(EVERY_ROOM))
+def test_what_every_room_shares_imports_nothing_of_dpo_train(shared):
+    assert dpo_train_uses(ROOT / "dpo_train" / f"{shared}.py") == set()
 
 
 def test_no_circle_between_rooms():
     """Neither the rules nor the imports as they stand (lazy ones too) let a room reach itself through others."""
-    assert circle({room: allowed - {"errors"} for room, allowed in ROOMS.items()}) is None
+    assert circle({room: allowed - EVERY_ROOM for room, allowed in ROOMS.items()}) is None
     assert circle(room_graph()) is None
 
 
-def test_the_trainer_imports_few_rooms():
-    used = dpo_train_uses(ROOT / "dpo_train" / "trainer.py")
+def dpo_train_modules(path: Path) -> set[str]:
+    """The modules of dpo_train that a file imports, as written (`dpo_train.step`, `dpo_train.step.loss`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} if node.module != "dpo_train" else {f"dpo_train.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {name for name in found if name.startswith("dpo_train.")}
+
+
+def test_the_trainer_imports_few_modules():
+    used = dpo_train_modules(ROOT / "dpo_train" / "trainer.py")
     assert len(used) <= TRAINER_FAN_OUT, sorted(used)
+
+
+@pytest.mark.parametrize("entry", ENTRY_FLOOR)
+def test_the_top_floor_enters_rooms_by_their_front_doors(entry):
+    """trainer, precompute and evaluation name a room, never a module inside it: what they use of a room is
+    its front door's list, in one place."""
+    behind = {m for m in dpo_train_modules(ROOT / "dpo_train" / f"{entry}.py") if m.split(".")[1] in ROOMS}
+    assert behind and {m for m in behind if m.count(".") > 1} == set()
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_front_door_lends_names_its_modules_define(room):
+    """Every name of a front door is defined by the module it names, and none is also a module of the room
+    (once that module is imported, the package attribute would be the module, not the name)."""
+    package = importlib.import_module(f"dpo_train.{room}")
+    modules = {p.stem for p in (ROOT / "dpo_train" / room).glob("*.py")}
+    assert package.__all__ and set(package.__all__).isdisjoint(modules)
+    for name in package.__all__:
+        assert getattr(package, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        package.nothing_here  # noqa: B018
+
+
+def test_importing_one_module_of_a_room_leaves_the_rest_unimported():
+    """The front doors are lazy: the CLI's `model.bundled` and `export.hub` come without torch."""
+    code = (
+        "import sys; import dpo_train.model.bundled, dpo_train.export.hub; "
+        "print(sorted(m for m in ('torch', 'transformers', 'dpo_train.model.policy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]"
 
 
 def test_the_room_rule_walk_catches_a_forbidden_import(tmp_path):

@@ -9,3 +9,15 @@
 - `choice`: the path a run takes, and the refusals of paths that cannot express a model (`model.load` loads it);
 - `probe`: packed vs unpacked log-probs on a synthetic row before step 1.
 """
+
+from dpo_train.front import front
+
+# the front door: what the top floor (trainer, precompute, evaluation) takes from this room
+__all__, __getattr__ = front(
+    __name__,
+    {
+        "inputs": ("row_inputs",),
+        "logps": ("pair_logps",),
+        "sequence_parallel": ("check_same_row",),
+    },
+)

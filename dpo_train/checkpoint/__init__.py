@@ -10,6 +10,19 @@ is ever read. DCP holds tensors only; every non-tensor value of the model and op
 (`dpo_state.dcp_io`), so no general unpickler ever runs on a checkpoint file (docs/security.md).
 
 The checkpointer never sees the trainer: it receives `Checkpointable`, a typed set of `Stateful`
-objects (as torchtitan's CheckpointManager does), and a `RunContext` saying where the rank sits and
-what identity the run has.
+objects (as torchtitan's CheckpointManager does), the run (`RunView`: where the rank sits, its output
+directory and config) and the identity a checkpoint of the run records (`identity`). `Checkpoints`
+(`manager`) owns them for a run.
 """
+
+from dpo_train.front import front
+
+# the front door: what the top floor (trainer, precompute, evaluation) takes from this room
+__all__, __getattr__ = front(
+    __name__,
+    {
+        "identity": ("run_identity",),
+        "manager": ("Checkpoints",),
+        "parts": ("Checkpointable", "ModelAndOptimizer", "ReferenceWeights", "RNGState", "TrainState"),
+    },
+)

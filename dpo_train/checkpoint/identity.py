@@ -6,12 +6,10 @@ from typing import Any
 
 import torch
 
-from dpo_data.dataset.store import PairStore
-from dpo_data.loading.config import LoaderConfig
 from dpo_state.state import normalized
+from dpo_train.checkpoint.parts import RunView
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.lora import lora_settings
-from dpo_train.parallel.device import Placement
 from dpo_train.reference.choice import reference_mode
 from dpo_train.step.loss import LossConfig
 
@@ -57,20 +55,19 @@ def _reference(config: TrainConfig, weights: str, sidecar_sha256: str | None) ->
 
 
 def run_identity(
-    config: TrainConfig,
-    store: PairStore,
-    geometry: LoaderConfig,
+    run: RunView,
     policy: Any,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    weights: str,
-    sidecar_sha256: str | None,
-    place: Placement,
+    reference: tuple[str, str | None],
     router_aux_coef: float = 0.0,
 ) -> dict:
     """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
     objective, optimizer (its trainable parameters), model (LoRA settings), scheduler and layout
-    (whose ELASTIC_KEYS may change in pairs batching)."""
+    (whose ELASTIC_KEYS may change in pairs batching). `reference`: the initial policy's weights fingerprint
+    and the precomputed table's sha256 (None for a live reference)."""
+    config, store, place, geometry = run.config, run.data, run.place, run.geometry
+    weights, sidecar_sha256 = reference
     return normalized(
         {
             "dataset": {

@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 
 from dpo_data.progress import Stage
-from dpo_train.checkpoint.parts import Checkpointable, RunContext, new_lineage
+from dpo_train.checkpoint.parts import Checkpointable, RunView, new_lineage
 from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
 from dpo_train.checkpoint.save import save
-from dpo_train.config.sections import TrainConfig
 
 
 class Checkpoints:
@@ -16,11 +15,12 @@ class Checkpoints:
     and abandons the ones after it, saves every `train.save_every` steps and at the end, and carries the lineage
     (run id, parent checkpoint, where the run resumed from) from one save to the next."""
 
-    def __init__(self, config: TrainConfig, parts: Checkpointable, ctx: RunContext, shown: bool):
-        self.parts, self.ctx, self.shown = parts, ctx, shown
-        self.every = config.train.save_every
+    def __init__(self, run: RunView, parts: Checkpointable, identity: dict):
+        """`identity`: what a checkpoint of this run records and a resume must share (`checkpoint.identity`)."""
+        self.run, self.parts, self.identity = run, parts, identity
+        self.every = run.config.train.save_every
         self.lineage = new_lineage()
-        self.resume_from = find_resume(config, ctx.out, ctx.rank)
+        self.resume_from = find_resume(run.config, run.out, run.rank)
         """The checkpoint this run continues, or None for a fresh start; found before the first step."""
         self.resumed_at: int | None = None
         """The step the run resumed at, or None for a fresh start."""
@@ -30,11 +30,11 @@ class Checkpoints:
         """Load the checkpoint found at construction into the run's parts (nothing on a fresh start)."""
         if self.resume_from is None:
             return
-        state = restore(self.parts, self.ctx, self.resume_from)
-        abandon_later(self.ctx.out, self.resume_from, self.ctx.rank, self.ctx.world)
+        state = restore(self.parts, self.run, self.identity, self.resume_from)
+        abandon_later(self.run.out, self.resume_from, self.run.rank, self.run.world)
         self.lineage = {**state["lineage"], "parent": self.resume_from.name, "resumed_from": str(self.resume_from)}
         self.resumed_at = self._saved_step = self.parts.train.step
-        if self.ctx.rank == 0:
+        if self.run.rank == 0:
             print(f"resumed from {self.resume_from} at step {self.resumed_at}", file=sys.stderr, flush=True)
 
     def after_step(self, done: bool) -> None:
@@ -49,7 +49,7 @@ class Checkpoints:
             self._save()
 
     def _save(self) -> None:
-        with Stage(f"checkpoint at step {self.parts.train.step}", enabled=self.shown):
-            directory = save(self.parts, self.ctx, self.lineage)
+        with Stage(f"checkpoint at step {self.parts.train.step}", enabled=self.run.shown):
+            directory = save(self.parts, self.run, self.identity, self.lineage)
         self.lineage = {**self.lineage, "parent": directory.name}
         self._saved_step = self.parts.train.step

@@ -1,5 +1,5 @@
-"""What a checkpoint holds: the `Stateful` parts of a run (`Checkpointable`), the `RunContext` saying where the
-rank sits, and a lineage."""
+"""What a checkpoint holds: the `Stateful` parts of a run (`Checkpointable`), what the room reads of the run
+(`RunView`), and a lineage."""
 
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ from typing import Any, Protocol
 
 import torch
 
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.config import LoaderConfig
 from dpo_state.dcp_io import (
     merge_tensors,
     split_tensors,
 )
+from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ResumeError
+from dpo_train.parallel.device import Placement
 from dpo_train.step.early_stopping import EarlyStopping
 
 
@@ -151,19 +155,24 @@ class Checkpointable:
     rebuilt on resume and checked by the reference weights fingerprint."""
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """What the checkpointer needs to know of the run, beyond its state."""
+class RunView(Protocol):
+    """What this room reads of a run: a `dpo_train.run.setup.Run`, which it cannot import (the run room is
+    above it). Its config gives `train.keep_last`, `train.save_every`, `train.resume` and the resolved config
+    state.json records."""
 
-    out: Path
+    config: TrainConfig
+    place: Placement
     rank: int
     world: int
-    keep_last: int
-    config: dict
-    """The resolved config (recorded in state.json)."""
-    identity: dict
-    """What a checkpoint must share with a run that resumes it (see `dpo_train.checkpoint.identity`)."""
-    batching: str
+    data: PairStore
+    """The training data, whose fingerprints the identity records."""
+    out: Path | None
+    shown: bool
+    """This rank says what long stages do: a save is one."""
+
+    @property
+    def geometry(self) -> LoaderConfig:
+        """This rank's loader config, as the identity's layout records it."""
 
 
 def new_lineage() -> dict:

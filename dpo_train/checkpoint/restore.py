@@ -22,7 +22,7 @@ from dpo_state.state import (
     read_state,
     read_state_tree,
 )
-from dpo_train.checkpoint.parts import Checkpointable, RunContext, dcp_tensors, warn
+from dpo_train.checkpoint.parts import Checkpointable, RunView, dcp_tensors, warn
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ResumeError
 from dpo_train.parallel import collectives
@@ -94,15 +94,16 @@ def abandon_later(out: Path, resumed: Path, rank: int, world: int) -> None:
     collectives.barrier()
 
 
-def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
-    """Check identity (fail closed), then load model, optimizer, scheduler, loader, RNG and train state."""
+def restore(parts: Checkpointable, run: RunView, identity: dict, path: Path) -> dict:
+    """Check the checkpoint's identity against this run's `identity` (fail closed), then load model,
+    optimizer, scheduler, loader, RNG and train state."""
     import torch.distributed.checkpoint as dcp
 
     try:
         state = read_state(path)
     except DocumentError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
-    mismatches, elastic = identity_mismatches(state["identity"], ctx.identity)
+    mismatches, elastic = identity_mismatches(state["identity"], identity)
     if mismatches:
         raise ResumeError(
             f"checkpoint {path} was made by a different run; refusing to resume into it:\n  - "
@@ -112,7 +113,7 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
             "output directory"
         )
     for line in elastic:
-        warn(ctx.rank, f"elastic resume ({line}): the same steps, re-dealt; not bitwise identical")
+        warn(run.rank, f"elastic resume ({line}): the same steps, re-dealt; not bitwise identical")
     try:
         tree = read_state_tree(path)
     except DocumentError as e:
@@ -120,7 +121,7 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
     tensors = dcp_tensors(parts, parts.model.state_dict())  # the shapes and shards to load into
     try:
         with reading_tensors(path / DCP_DIR):
-            dcp.load(tensors, storage_reader=safe_reader(path / DCP_DIR), no_dist=ctx.world == 1)
+            dcp.load(tensors, storage_reader=safe_reader(path / DCP_DIR), no_dist=run.world == 1)
     except StateError as e:
         raise ResumeError(f"checkpoint {path}: {e}") from None
     parts.model.load_state_dict({"tensors": tensors, "tree": tree})
@@ -128,7 +129,7 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
         parts.reference.load_state_dict(tensors["reference"])
     parts.scheduler.load_state_dict(state["scheduler_state"])
     saved_world = len(state["ranks"])
-    source_rank = ctx.rank if saved_world == ctx.world else 0  # elastic: positions are equal on all ranks
+    source_rank = run.rank if saved_world == run.world else 0  # elastic: positions are equal on all ranks
     try:
         rank_state = read_rank_state(path / rank_files(source_rank)[0])
     except DocumentError as e:
@@ -140,10 +141,10 @@ def restore(parts: Checkpointable, ctx: RunContext, path: Path) -> dict:
             f"differs from the one state.json records ({recorded})"
         )
     parts.loader.load_state_dict(rank_state["loader"])
-    if saved_world == ctx.world:
+    if saved_world == run.world:
         from safetensors.torch import load_file
 
-        parts.rng.load_state_dict(load_file(str(path / rank_files(ctx.rank)[1])))
+        parts.rng.load_state_dict(load_file(str(path / rank_files(run.rank)[1])))
     parts.train.load_state_dict(
         {"step": state["step"], "consumed": state["consumed"], "early_stopping": state.get("early_stopping")}
     )

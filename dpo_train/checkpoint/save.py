@@ -33,29 +33,30 @@ from dpo_state.state import (
     normalized,
     rank_files,
 )
-from dpo_train.checkpoint.parts import Checkpointable, RunContext, Stateful, dcp_tensors, warn
+from dpo_train.checkpoint.parts import Checkpointable, RunView, Stateful, dcp_tensors, warn
 from dpo_train.errors import CheckpointError
 from dpo_train.parallel import collectives
 
 
-def save(parts: Checkpointable, ctx: RunContext, lineage: dict) -> Path:
+def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> Path:
     """Save after optimizer step `parts.train.step` on every rank; commit on rank 0 once all succeeded.
+    `identity`: what a run that resumes the checkpoint must share with this one (`checkpoint.identity`).
 
     A failure on any rank, in the writes or in the commit, is a `CheckpointError` on every rank after
     rank 0 has removed the partial directory: the previous commit stays the latest and the disk is not
     left holding half a checkpoint.
     """
-    rank, step = ctx.rank, parts.train.step
+    rank, step = run.rank, parts.train.step
     _agree(step)  # every rank is at the same step before anyone writes
-    directory = step_dir(ctx.out, step)
+    directory = step_dir(run.out, step)
     if rank == 0:
-        _clear_for(directory, ctx.out, step)
+        _clear_for(directory, run.out, step)
     collectives.barrier()
-    written, failure = _guarded(rank, lambda: _write_this_rank(parts, ctx, directory))
+    written, failure = _guarded(rank, lambda: _write_this_rank(parts, run, directory))
     failures = collectives.gather_failures(failure)
     positions = collectives.gather_objects(written["position"] if not failures else None)
     if not failures and rank == 0:
-        _, failure = _guarded(rank, lambda: _commit(parts, ctx, directory, positions, written, lineage))
+        _, failure = _guarded(rank, lambda: _commit(parts, run, identity, directory, (positions, written), lineage))
     failures = failures or collectives.gather_failures(failure)
     if failures:
         _abandon(directory, rank, step, failures)
@@ -123,17 +124,17 @@ _WRITER_JOIN_S = 120.0
 """How long a failed save waits for DCP's writer threads to end (each writes one file at a time)."""
 
 
-def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) -> dict:
+def _write_this_rank(parts: Checkpointable, run: RunView, directory: Path) -> dict:
     """This rank's share: its DCP shards, loader state and RNG; returns what the commit needs of it."""
     import torch.distributed.checkpoint as dcp
 
-    rank, step = ctx.rank, parts.train.step
+    rank, step = run.rank, parts.train.step
     model_state = parts.model.state_dict()
     tensors = dcp_tensors(parts, model_state)
     with quiet_single_process_dcp(), _writer_threads_checked():
         # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
         writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
-        dcp.save(tensors, storage_writer=writer, no_dist=ctx.world == 1)
+        dcp.save(tensors, storage_writer=writer, no_dist=run.world == 1)
     train_kill_point(f"in-save:{step}:after-dcp")
     save_fault(rank, step)
     loader_state = parts.loader.state_dict()
@@ -144,19 +145,20 @@ def _write_this_rank(parts: Checkpointable, ctx: RunContext, directory: Path) ->
 
 
 def _commit(
-    parts: Checkpointable, ctx: RunContext, directory: Path, positions: list, written: dict, lineage: dict
+    parts: Checkpointable, run: RunView, identity: dict, directory: Path, ranks: tuple[list, dict], lineage: dict
 ) -> None:
-    """Rank 0: the global documents, then the commit record (from here the checkpoint exists), then retention."""
-    step = parts.train.step
+    """Rank 0: the global documents, then the commit record (from here the checkpoint exists), then retention.
+    `ranks`: every rank's loader position, and what this rank wrote."""
+    step, (positions, written) = parts.train.step, ranks
     commit_fault(step)
     tree = {"format_version": TREE_FORMAT_VERSION, **written["tree"]}
     write_json_atomic(directory / TREE_FILE, tree, schema=TREE_SCHEMA)
-    document = _state_document(parts, ctx, positions, written["tensors"], lineage)
+    document = _state_document(parts, run, identity, positions, written["tensors"], lineage)
     write_json_atomic(directory / STATE_FILE, document, schema=STATE_SCHEMA)
     train_kill_point(f"in-save:{step}:after-state")
     write_commit(directory, step)
     train_kill_point(f"in-save:{step}:after-commit")
-    retain(ctx.out, ctx.keep_last, lineage["run_id"], writing=directory)
+    retain(run.out, run.config.train.keep_last, lineage["run_id"], writing=directory)
 
 
 def _abandon(directory: Path, rank: int, step: int, failures: list[str]) -> None:
@@ -182,28 +184,30 @@ def _write_rank_files(directory: Path, rank: int, loader_state: dict, rng: State
     save_file(rng.state_dict(), str(directory / rng_name))
 
 
-def _state_document(parts: Checkpointable, ctx: RunContext, positions: list, tensors: dict, lineage: dict) -> dict:
+def _state_document(
+    parts: Checkpointable, run: RunView, identity: dict, positions: list, tensors: dict, lineage: dict
+) -> dict:
     """state.json: rank 0's position is the run's; every rank's own position is recorded beside its files."""
     from dpo_data import __version__
 
-    train, position = parts.train.state_dict(), positions[0]
+    train, position, config = parts.train.state_dict(), positions[0], run.config.resolved()
     return normalized(
         {
             "format_version": CHECKPOINT_FORMAT_VERSION,
             "step": train["step"],
             "epoch": position["epoch"],
-            "loader": {"position": position, "batching": ctx.batching},
+            "loader": {"position": position, "batching": run.config.data.batching},
             "consumed": train["consumed"],
             **({"early_stopping": train["early_stopping"]} if "early_stopping" in train else {}),
-            "config": ctx.config,
-            "config_sha256": DIGEST_PREFIX + sha256_json(ctx.config),
-            "identity": ctx.identity,
+            "config": config,
+            "config_sha256": DIGEST_PREFIX + sha256_json(config),
+            "identity": identity,
             "scheduler_state": parts.scheduler.state_dict(),
             "rng": {"format": "safetensors", "keys": parts.rng.kinds},
             "tensors": tensors,
             "ranks": [
                 {"rank": r, "state": rank_files(r)[0], "rng": rank_files(r)[1], "position": positions[r]}
-                for r in range(ctx.world)
+                for r in range(run.world)
             ],
             "package": {"name": "dpo-toolkit", "version": __version__},
             "lineage": lineage,

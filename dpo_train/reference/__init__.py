@@ -8,3 +8,15 @@
 - `guard`: step 1's parity guard;
 - `scoring`: every pair of a dataset scored without gradients, packed (sidecars and held-out eval).
 """
+
+from dpo_train.front import front
+
+# the front door: what the top floor (trainer, precompute, evaluation) takes from this room
+__all__, __getattr__ = front(
+    __name__,
+    {
+        "choice": ("build_reference",),
+        "scoring": ("Scores", "score_pairs"),
+        "sidecar": ("SIDECAR_DOCUMENT", "write_sidecar"),
+    },
+)

@@ -1,2 +1,15 @@
 """The run room: one setup for training, precompute and evaluation, the preflight checks, the run directory,
 the initial policy, and the run's logs and sinks."""
+
+from dpo_train.front import front
+
+# the front door: what the top floor (trainer, precompute, evaluation) takes from this room
+__all__, __getattr__ = front(
+    __name__,
+    {
+        "initial_policy": ("load_initial_policy",),
+        "log": ("RunLog",),
+        "progress": ("Progress",),
+        "setup": ("Run", "precompute_run", "training_run"),
+    },
+)

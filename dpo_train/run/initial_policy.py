@@ -14,7 +14,7 @@ from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 
 
-def initial_policy(
+def load_initial_policy(
     config: TrainConfig, place: Placement, mesh: SequenceMesh, activation_checkpointing: bool = False
 ) -> tuple[Any, str]:
     """The model as step 1 starts from it, on the CPU, and its weights' fingerprint: loaded through the

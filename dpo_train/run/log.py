@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
+from dpo_train.run.setup import Run
 from dpo_train.run.sinks import MetricSinks
 
 
@@ -17,9 +18,10 @@ class RunLog:
     """Rank 0 writes; every other rank's RunLog does nothing. `resumed_at` is the checkpoint's step, or
     None on a fresh start (whose directory may still hold an earlier run's logs: they are replaced)."""
 
-    def __init__(self, out: Path, rank: int, report_to: list[str], log_every: int, resumed_at: int | None):
-        self.out, self.rank, self.report_to = out, rank, report_to
-        self.writes, self.log_every, self.resumed_at = rank == 0, log_every, resumed_at
+    def __init__(self, run: Run, resumed_at: int | None):
+        """`run` gives the output directory, this rank and `train.report_to` / `train.log_every`."""
+        self.out, self.rank, self.report_to = run.out, run.rank, run.config.train.report_to
+        self.writes, self.log_every, self.resumed_at = run.rank == 0, run.config.train.log_every, resumed_at
         self._stack, self._metrics, self.sinks = contextlib.ExitStack(), None, None
 
     def __enter__(self) -> RunLog:

@@ -1,13 +1,20 @@
-"""One run setup for training, precompute and held-out evaluation: the config checked, this rank placed and
-joined, its sequence mesh, the run's tokenizer, and every dataset checked against them."""
+"""The one run object: what setup resolves for this rank (the checked config, placement, mesh, tokenizer and
+datasets; for training also the output directory under its lock, the sinks and the loader's plan), handed to
+training, precompute and held-out evaluation alike. Nothing after setup changes it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dpo_data.dataset.manifest import template_origin
 from dpo_data.dataset.store import PairStore
+from dpo_data.loading.config import LoaderConfig
+from dpo_data.loading.loader import DPOLoader
 from dpo_state.attestation import attestation_mismatch
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
 from dpo_train.config.rules import check_config
@@ -15,6 +22,7 @@ from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
 from dpo_train.model.policy import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
+from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
 from dpo_train.run.preflight import (
     apply_dataset_template,
     check_data,
@@ -22,36 +30,123 @@ from dpo_train.run.preflight import (
     check_vocabulary,
     load_run_tokenizer,
 )
+from dpo_train.run.sinks import check_report_to, check_sinks
 
 
-@dataclass
-class RunSetup:
-    """Where this rank runs and what every dataset of the run is checked against."""
+@dataclass(frozen=True)
+class Run:
+    """One rank's run as setup resolved it: the entry points get theirs from `training_run` or `precompute_run`,
+    a loop of the caller's own from `local_run`."""
 
     config: TrainConfig
+    """Checked; a run set by epochs (`train.max_steps: null`) has its step count here, from the loader's plan."""
     place: Placement
     rank: int
     world: int
     mesh: SequenceMesh
-    tokenizer: Any
-    datasets: dict[str, PairStore] = field(default_factory=dict)
-    """Config key (data.path, eval.path) -> its checked store."""
+    data: PairStore
+    """data.path, checked against its manifests and the run's tokenizer."""
+    held_out: PairStore | None = None
+    """eval.path, checked like data.path; None without one."""
+    tokenizer: Any = None
+    """The run's tokenizer, with a dataset's attested chat template applied; None for a random init."""
+    out: Path | None = None
+    """The output directory, locked by rank 0 while the run holds it (training only)."""
+    loader: DPOLoader | None = None
+    """The training data's loader, asked for this rank's data-parallel share (training only)."""
+    shown: bool = False
+    """This rank says what long stages do (rank 0, unless --quiet)."""
 
-    def check_dataset(self, key: str, store: PairStore) -> PairStore:
-        """Refuse a dataset whose shards differ from their manifests, built with another tokenizer than
-        the run's, or than the run's other datasets (a random init has no tokenizer to compare)."""
-        first = next(iter(self.datasets.items()), None)
-        if first and store.tokenizer_fingerprint != first[1].tokenizer_fingerprint:
-            raise ConfigError(_two_tokenizers(key, store, *first))
-        check_data({key: store}, self.config.data.verify, self.rank, self.world)
-        apply_dataset_template(self.tokenizer, self.config, key, store, self.rank)
-        check_tokenizer(self.tokenizer, self.config, {key: store})
-        self.datasets[key] = store
-        return store
+    @property
+    def geometry(self) -> LoaderConfig:
+        """This rank's loader config: its data-parallel share (a sequence-parallel group shares its rows)."""
+        return _geometry(self.config, self.mesh)
 
     def check_model(self, model: Any) -> None:
         """Refuse a model that cannot embed every token id of the run's datasets."""
-        check_vocabulary(model, self.datasets)
+        check_vocabulary(model, _named(self.data, self.held_out))
+
+
+@contextlib.contextmanager
+def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
+    """The run `dpo-train` trains: set up, its output directory started and locked for the whole run (rank 0),
+    its sinks checked, the loader's plan read and every dataset checked."""
+    config, place, rank, world, mesh, tokenizer = _placed(config)
+    check_report_to(config.train.report_to)
+    out = check_output_dir(config)
+    with run_lock(out, rank):
+        if rank == 0:
+            start_run_dir(out, config)
+            check_sinks(config.train.report_to, out)
+        loader = DPOLoader(
+            config.data.paths,
+            _geometry(config, mesh),
+            max_epochs=None if config.train.max_steps is not None else config.train.epochs,
+            pad_to_multiple_of=8,
+        )
+        config = _with_total_steps(config, loader)
+        held_out = PairStore([config.eval.path]) if config.eval.path else None
+        _check_datasets(config, tokenizer, rank, world, loader.stream.store, held_out)
+        shown = progress and rank == 0
+        yield Run(config, place, rank, world, mesh, loader.stream.store, held_out, tokenizer, out, loader, shown)
+
+
+def precompute_run(config: TrainConfig, progress: bool = True) -> Run:
+    """The run `--precompute-reference` scores: set up, with data.path checked (it writes no run directory)."""
+    config, place, rank, world, mesh, tokenizer = _placed(config)
+    data = PairStore(config.data.paths)
+    _check_datasets(config, tokenizer, rank, world, data, None)
+    return Run(config, place, rank, world, mesh, data, tokenizer=tokenizer, shown=progress and rank == 0)
+
+
+def local_run(
+    config: TrainConfig, place: Placement, data: PairStore, *, rank: int = 0, world: int = 1, out: Path | None = None
+) -> Run:
+    """A run for a `Trainer` driven by the caller's own loop (tests, benchmarks, another trainer's harness): no
+    process group joined (a `world` > 1 is the caller's), no directory locked, no dataset checked; the caller
+    answers for those. Its mesh is the config's, as `training_run` builds it."""
+    return Run(config, place, rank, world, run_mesh(config, rank, world), data, out=out)
+
+
+def _placed(config: TrainConfig) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
+    """Check the config and the model paths, place this rank, join the process group torchrun describes, and
+    load the run's tokenizer: where every run starts."""
+    check_config(config)
+    check_model_paths(config.model)
+    place = placement(config.distributed.device, config.train.precision)
+    rank, world = init_distributed(place)
+    return config, place, rank, world, run_mesh(config, rank, world), load_run_tokenizer(config)
+
+
+def _geometry(config: TrainConfig, mesh: SequenceMesh) -> LoaderConfig:
+    return config.data.loader_config(mesh.dp_rank, mesh.dp_size)
+
+
+def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
+    """`train.max_steps` wins when set, as TRL's does; `max_steps: null` trains `train.epochs` epochs, whose
+    steps are counted from the loader's own plan (the scheduler and the progress line need the total)."""
+    if config.train.max_steps is not None:
+        return config
+    total = loader.stream.schedule.steps_in(config.train.epochs)
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=total))
+
+
+def _check_datasets(
+    config: TrainConfig, tokenizer: Any, rank: int, world: int, data: PairStore, held_out: PairStore | None
+) -> None:
+    """Refuse a dataset whose shards differ from their manifests, built with another tokenizer than the run's,
+    or than the run's other dataset (a random init has no tokenizer to compare)."""
+    for key, store in _named(data, held_out).items():
+        if store.tokenizer_fingerprint != data.tokenizer_fingerprint:
+            raise ConfigError(_two_tokenizers(key, store, "data.path", data))
+        check_data({key: store}, config.data.verify, rank, world)
+        apply_dataset_template(tokenizer, config, key, store, rank)
+        check_tokenizer(tokenizer, config, {key: store})
+
+
+def _named(data: PairStore, held_out: PairStore | None) -> dict[str, PairStore]:
+    """Config key -> its store, as errors name them."""
+    return {"data.path": data, **({"eval.path": held_out} if held_out is not None else {})}
 
 
 def _two_tokenizers(key: str, store: PairStore, first_key: str, first: PairStore) -> str:
@@ -66,13 +161,3 @@ def _two_tokenizers(key: str, store: PairStore, first_key: str, first: PairStore
         f"{template_origin(first.chat_template)}. Fix: build both with the same tokenizer and the same "
         "--chat-template (or none)"
     )
-
-
-def setup_run(config: TrainConfig) -> RunSetup:
-    """Check the config and the model paths, place this rank, join the process group torchrun describes,
-    and load the run's tokenizer: what training, precompute and evaluation all start from."""
-    check_config(config)
-    check_model_paths(config.model)
-    place = placement(config.distributed.device, config.train.precision)
-    rank, world = init_distributed(place)
-    return RunSetup(config, place, rank, world, run_mesh(config, rank, world), load_run_tokenizer(config))

@@ -1,2 +1,17 @@
 """The step room: one step's arithmetic: the loss family, the step objective, metrics, the non-finite vote,
 AOT's sorts and early stopping."""
+
+from dpo_train.front import front
+
+# the front door: what the top floor (trainer, precompute, evaluation) takes from this room
+__all__, __getattr__ = front(
+    __name__,
+    {
+        "early_stopping": ("EarlyStopping", "early_stopping_watch"),
+        "loss": ("LossConfig", "pair_losses"),
+        "metrics": ("add_pairs", "new_sums", "step_record"),
+        "nonfinite": ("agree", "local_nonfinite", "step_sources"),
+        "objective": ("microbatch_loss", "router_aux_coef"),
+        "sort": ("SortScores", "set_partners", "sorted_types", "step_partners", "unmoved_rng"),
+    },
+)

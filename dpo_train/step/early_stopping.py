@@ -60,7 +60,7 @@ class EarlyStopping:
         self.evals_without_gain, self.stopped = int(state["evals_without_gain"]), bool(state["stopped"])
 
 
-def early_stopping(eval_config: Any) -> EarlyStopping | None:
+def early_stopping_watch(eval_config: Any) -> EarlyStopping | None:
     """The run's watch, or None without `eval.early_stopping_metric`."""
     if eval_config.early_stopping_metric is None:
         return None

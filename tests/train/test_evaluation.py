@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import types
+import dataclasses
 
 import pytest
 
@@ -58,9 +58,8 @@ def test_the_held_out_loss_is_the_step_objective_on_those_pairs(small_dataset, l
 
     trainer = tiny_trainer(_config(small_dataset, loss))
     store = trainer.store
-    setup = types.SimpleNamespace(config=trainer.config, place=trainer.place, mesh=trainer.mesh)
     pairs = [store.pair(i) for i in range(store.num_pairs)]
-    evaluator = Evaluator(store, trainer.reference.initial, setup)
+    evaluator = Evaluator(dataclasses.replace(trainer.run, held_out=store), trainer.reference.initial)
     before = evaluator.run(trainer.model, step=0)
     step = _objective(trainer, pairs)
     sft = trainer.config.loss.sft_weight

@@ -3,9 +3,12 @@ a resume drops the lines of steps to be trained again, a fresh start replaces an
 
 from __future__ import annotations
 
+import types
+
 import orjson
 
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG
+from dpo_train.config.sections import TrainConfig, TrainSection
 from dpo_train.evaluation import EVAL_FORMAT_VERSION
 from dpo_train.run.log import RunLog
 from dpo_train.step.metrics import new_sums, step_record
@@ -26,7 +29,9 @@ def _lines(path):
 
 
 def _write(out, rank=0, log_every=1, resumed_at=None, steps=range(4), evals=()):
-    with RunLog(out, rank, [], log_every, resumed_at) as log:
+    # what RunLog reads of a run: its output directory, this rank and the train section
+    run = types.SimpleNamespace(out=out, rank=rank, config=TrainConfig(train=TrainSection(log_every=log_every)))
+    with RunLog(run, resumed_at) as log:
         for step in steps:
             log.step(_step(step))
         for step in evals:

@@ -214,10 +214,10 @@ def _train_worker(rank: int, world: int, port: int, jobs: list) -> None:
 def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from dpo_data.loading.loader import DPOLoader
     from dpo_train.attention.sequence_parallel import run_mesh
     from dpo_train.config.loading import load_config
     from dpo_train.parallel import collectives
-    from dpo_train.trainer import DPOLoader
 
     exact = collectives.sum_same_loss
     if mutant:  # each rank's partial sums counted as if they were the group's: a pair once per group rank

@@ -44,7 +44,7 @@ def _config(dataset, strategy: str = "ddp", **reference) -> dict:
 
 def _loader(trainer):
     """The real loader's batches for the trainer's rank."""
-    from dpo_train.trainer import DPOLoader
+    from dpo_data.loading.loader import DPOLoader
 
     cfg = trainer.config
     return DPOLoader([cfg.data.path], cfg.data.loader_config(trainer.rank, trainer.world), pad_to_multiple_of=8)
@@ -297,17 +297,19 @@ def _full(model) -> dict:
 def _check_restore(trainer, loader, out, config, rank: int, world: int) -> None:
     """Save after step 3 through `checkpoint.save.save`, restore into a fresh trainer: its reference's local
     shards are the trained ones, bitwise, and differ from the initial reference's."""
+    import dataclasses
     from pathlib import Path
 
     from dpo_train.checkpoint.parts import new_lineage
     from dpo_train.checkpoint.restore import restore
     from dpo_train.checkpoint.save import save
 
-    path = save(trainer.checkpointable(loader), trainer.run_context(loader, Path(out)), new_lineage())
+    run = dataclasses.replace(trainer.run, out=Path(out))
+    path = save(trainer.checkpointable(loader), run, trainer.identity(), new_lineage())
     fresh = tiny_trainer(config, rank=rank, world=world)
     fresh_loader = _loader(fresh)
     before = _local(fresh.reference.initial)
-    restore(fresh.checkpointable(fresh_loader), fresh.run_context(fresh_loader, Path(out)), path)
+    restore(fresh.checkpointable(fresh_loader), dataclasses.replace(fresh.run, out=Path(out)), fresh.identity(), path)
     trained, restored = _local(trainer.reference.initial), _local(fresh.reference.initial)
     assert _bitwise(restored, trained) and not _bitwise(before, trained), f"rank {rank}"
 
