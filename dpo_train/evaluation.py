@@ -24,30 +24,20 @@ class Evaluator:
     """
 
     def __init__(self, run: Run, initial: Any):
-        """`run.held_out`: the pairs; `run` also gives the placement's autocast, the sequence mesh, the data
-        layout, the loss, and whether each scoring is shown as a stage (`run.shown`)."""
-        store = self.store = run.held_out
-        self.place, self.mesh, self.shown = run.place, run.mesh, run.shown
-        self.layout, self.loss = run.config.data.layout, run.config.loss
+        """`run.held_out`: the pairs; `run` (kept as `setting`: `run` is this class's verb) also gives the
+        placement's autocast, the sequence mesh, the data layout, the loss, and whether each scoring is shown
+        as a stage (`run.shown`)."""
+        store, self.setting, self.loss = run.held_out, run, run.config.loss
+        self.store = store
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
             run.config.data.max_tokens_per_microbatch,
-            int(store.segment_tokens(np.arange(store.num_pairs), self.layout).max(initial=0)),
+            int(store.segment_tokens(np.arange(store.num_pairs), run.config.data.layout).max(initial=0)),
         )
         self.reference = self._score(initial, weighting=False, stage="eval: the reference scores the held-out set")
 
     def _score(self, model: Any, weighting: bool, stage: str) -> Scores:
-        shown = stage if self.shown else None
-        return score_pairs(
-            model,
-            self.store,
-            self.budget,
-            self.place.autocast,
-            self.mesh,
-            self.layout,
-            self.loss.ld_alpha,
-            weighting,
-            shown,
-        )
+        shown = stage if self.setting.shown else None
+        return score_pairs(model, self.store, self.setting, self.budget, weighting, shown)
 
     def run(self, model: Any, step: int) -> dict:
         """The eval.jsonl record of `model` after `step` optimizer steps (step 0: the reference itself)."""

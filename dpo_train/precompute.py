@@ -32,7 +32,7 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False, progress:
     model.to(place.device)
     shown = "precompute: the reference scores every training pair" if run.shown else None
     budget = config.data.max_tokens_per_microbatch
-    scores = score_pairs(model, store, budget, place.autocast, run.mesh, layout, progress=shown)
+    scores = score_pairs(model, store, run, budget, progress=shown)
     path = Path(config.reference.path)
     if run.rank == 0:
         write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")

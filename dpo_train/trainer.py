@@ -73,7 +73,7 @@ class Trainer:
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)
-        self.reference = build_reference(config, policy, place, world, self.mesh, store, self.weights)
+        self.reference = build_reference(run, policy, self.weights)
         self.policy, self.model = policy, wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))

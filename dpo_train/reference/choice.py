@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from dpo_data.dataset.store import PairStore
 from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import TrainConfig
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.guard import check_parity, reordered
 from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into
+from dpo_train.reference.run_view import RunView
 from dpo_train.reference.sidecar import ReferenceTable, load_sidecar
 
 
@@ -94,10 +94,10 @@ class Reference:
             check_parity(policy.scored, reference, batch, {**facts, "precision": self.place.precision})
 
 
-def build_reference(
-    config: TrainConfig, policy: Any, place: Placement, world: int, mesh: Any, store: PairStore, weights: str
-) -> Reference:
-    """The run's reference, from the initial policy before it is wrapped (a live copy is sharded like it)."""
+def build_reference(run: RunView, policy: Any, weights: str) -> Reference:
+    """The run's reference, from the initial policy before it is wrapped (a live copy is sharded like it);
+    `weights`: the initial policy's fingerprint, which a precomputed table must be bound to."""
+    config, place, world, mesh, store = run.config, run.place, run.world, run.mesh, run.data
     mode = reference_mode(config)
     initial = None
     if mode == "live" or config.eval.path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.attention.logps import pair_logps
 from dpo_train.parallel import collectives
+from dpo_train.reference.run_view import RunView
 
 
 @dataclass
@@ -39,24 +39,18 @@ class Scores:
 
 
 def score_pairs(
-    model: Any,
-    store: PairStore,
-    max_tokens: int,
-    autocast=None,
-    mesh: Any = None,
-    layout: str = "separate",
-    ld_alpha: float | None = None,
-    weighting: bool = False,
-    progress: str | None = None,
+    model: Any, store: PairStore, run: RunView, max_tokens: int, weighting: bool = False, progress: str | None = None
 ) -> Scores:
-    """Forward every pair of `store` once, packed in `layout` into micro-batches of at most `max_tokens`
-    (`ld_alpha`, `weighting`: also LD-DPO's sums and WPO's weights, as `pair_logps` takes them).
-    `progress`: the stage's name to show it under (`Stage`, on the caller's rank 0), None: silent.
+    """Forward every pair of `store` once, packed in the run's `data.layout` into micro-batches of at most
+    `max_tokens`, under the run's autocast and sequence mesh; also LD-DPO's sums where the run's loss sets
+    `ld_alpha`, and with `weighting` WPO's weights (as `pair_logps` takes them). `progress`: the stage's name
+    to show it under (`Stage`, on the caller's rank 0), None: silent.
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
     that counts pairs), so every rank returns the whole table.
     """
+    layout, ld_alpha, mesh = run.config.data.layout, run.config.loss.ld_alpha, run.mesh
     sizes = store.segment_tokens(np.arange(store.num_pairs), layout)
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     too_long = np.flatnonzero(sizes > max_tokens)
@@ -80,7 +74,7 @@ def score_pairs(
     def score(members: list) -> None:
         batch = pack([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with (autocast or contextlib.nullcontext)():
+        with run.place.autocast():
             if not members:
                 model(**row_inputs(batch, mesh, model)[0])
                 return
