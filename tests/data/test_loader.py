@@ -151,27 +151,45 @@ import json, sys
 from dpo_data.loading.loader import DPOLoader
 from dpo_data import LoaderConfig
 from tests.data.test_loader import key
-dataset, config, state_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-loader = DPOLoader([dataset], LoaderConfig(**config), max_epochs=2)
-loader.load_state_dict(json.load(open(state_path)))
-print(json.dumps([repr(key(b)) for b in loader]))
+dataset, jobs = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for config, state_path in jobs:  # each resume from its own state file, in a loader of its own
+    loader = DPOLoader([dataset], LoaderConfig(**config), max_epochs=2)
+    loader.load_state_dict(json.load(open(state_path)))
+    out.append([repr(key(b)) for b in loader])
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [PAIRS, TOKENS], ids=["pairs", "tokens"])
-def test_resume_with_two_workers_in_a_fresh_process(sample_dataset, config, tmp_path):
-    config = {**config, "num_workers": 2, "world_size": 2, "rank": 1}
-    full = stream(sample_dataset, 2, **config)
-    for k in (1, len(full) // 3, len(full) // 2 + 1):
+def test_resume_with_two_workers_in_a_fresh_process(sample_dataset, tmp_path):
+    """Pairs and tokens mode over 2 epochs with 2 workers: the state saved after the first batch, a third in and
+    just into the second epoch, as a run saves it and goes on, then restored by loaders with 2 workers in another
+    process, gives the rest of the uninterrupted stream. Starting workers costs seconds per loader: one loader per
+    mode runs the whole stream, saving on the way, and one process restores all six states (each into a loader
+    of its own, from its file alone)."""
+    jobs, expected = [], []
+    for mode, base in (("pairs", PAIRS), ("tokens", TOKENS)):
+        config = {**base, "num_workers": 2, "world_size": 2, "rank": 1}
+        total = len(stream(sample_dataset, 2, **{**config, "num_workers": 0}))  # only where to save
+        cuts = (1, total // 3, total // 2 + 1)
         loader = DPOLoader([sample_dataset], LoaderConfig(**config), max_epochs=2)
-        it = iter(loader)
-        head = [key(next(it)) for _ in range(k)]
-        (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
-        del it, loader
-        child = [sys.executable, "-c", RESUME_CHILD, sample_dataset, json.dumps(config), tmp_path / "state.json"]
-        out = run_process(child, timeout=300)
-        assert [repr(x) for x in head] + json.loads(out.stdout) == [repr(x) for x in full]
+        full = []
+        for batch in loader:
+            full.append(repr(key(batch)))
+            if len(full) in cuts:
+                state_path = tmp_path / f"state-{mode}-{len(full)}.json"
+                state_path.write_text(json.dumps(loader.state_dict()))
+                jobs.append((config, str(state_path)))
+                expected.append((mode, len(full), full))
+        del loader
+        assert len(full) == total
+    assert len(jobs) == 6
+    out = run_process([sys.executable, "-c", RESUME_CHILD, sample_dataset, json.dumps(jobs)], timeout=300)
+    rests = json.loads(out.stdout)
+    for (mode, k, full), rest in zip(expected, rests, strict=True):
+        assert full[:k] + rest == full, (mode, k)
+        assert len(rest) == len(full) - k, (mode, k)
 
 
 def test_restoring_the_same_state_twice_gives_identical_streams_and_never_aliases_it(sample_dataset):

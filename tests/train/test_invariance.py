@@ -92,6 +92,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     """Train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader; rank 0 saves
     the parameters and both step gradients to `result`."""
     import dpo_train.trainer as trainer_module
+    from dpo_data.loading.loader import DPOLoader
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 
     if reduction == "mean_of_means":
@@ -100,7 +101,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
     cfg, store = trainer.config, trainer.store
     grads = []
     if use_loader:
-        loader = trainer_module.DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)
+        loader = DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)
         batches = iter(loader)
         for _ in range(2):
             while True:
@@ -204,8 +205,14 @@ def _layouts(s: list[list[int]]) -> dict:
         "pair counts [2,2]": (1, each(lambda p: [[p[:2], p[2:]]])),
         "world 2, [1] and [3]": (2, each(lambda p: [[p[:1]], [p[1:]]])),
         "world 2, one rank without a pair": (2, each(lambda p: [[p[:1], p[1:]], [[], []]])),
-        "world 4, one pair each": (4, each(lambda p: [[[i]] for i in p])),
-        "world 4, uneven, two ranks empty": (4, each(lambda p: [[p[:1], p[1:3]], [p[3:], []], [[], []], [[], []]])),
+        # what 4 ranks (one pair each; uneven, two of them empty) proved, on 2 ranks: the whole step's reduction
+        # over ranks holding different numbers of pairs and micro-batches, a rank whose second micro-batch is
+        # empty (step 1), then a rank with no pair at all (step 2). A third spawn, of 4 ranks on CI's 2 cores,
+        # cost more than every world-2 job together (57 s against 49 s, measured).
+        "world 2, uneven, a rank half then wholly empty": (
+            2,
+            [[[s[0][:1], s[0][1:3]], [s[0][3:], []]], [[s[1][:1], s[1][1:]], [[], []]]],
+        ),
     }
 
 
@@ -214,17 +221,16 @@ MEAN_OF_MEANS = {"baseline": "packing: [4] (baseline)", "even": "pair counts [2,
 NLL_SPLITS = (
     "packing: [4] (baseline)",
     "pair counts [1,3]",
-    "world 2, [1] and [3]",
-    "world 4, uneven, two ranks empty",
+    "world 2, uneven, a rank half then wholly empty",
 )
 """The splits the objectives besides sigmoid train, with the real loader at budget 160 on 2 ranks: one of each
-kind (micro-batches, ranks under DDP and FSDP2, 4 ranks two of them empty, the loader's budgets), each holding
-the step's chosen tokens unevenly, which a per-micro-batch or per-rank NLL mean would weigh wrongly. A split
-costs a fraction of a second inside the running ranks; these took this file's CPU time from 51 s to 57-69 s
-(measured on 2 shared cores), and the whole grid for both objectives would take about twice that increase."""
-SPLIT_RUNS = {"sigmoid": 12, "mpo": 5, "orpo": 5, "aot": 5}
-"""Runs per objective and layout besides its baseline: sigmoid 6 splits (2 of them also under FSDP2) and 3 loader
-runs; the others NLL_SPLITS' 3 (1 also under FSDP2) and 1 loader run."""
+kind (micro-batches; ranks under DDP and FSDP2, uneven, a rank with an empty micro-batch, then a rank without a
+pair; the loader's budgets), each holding the step's chosen tokens unevenly, which a per-micro-batch or per-rank
+NLL mean would weigh wrongly. A split costs a fraction of a second inside the running ranks; a spawn of its own
+costs seconds per rank."""
+SPLIT_RUNS = {"sigmoid": 12, "mpo": 4, "orpo": 4, "aot": 4}
+"""Runs per objective and layout besides its baseline: sigmoid 6 splits (the 3 on 2 ranks under DDP and FSDP2)
+and 3 loader runs; the others NLL_SPLITS' 2 (the one on 2 ranks under DDP and FSDP2) and 1 loader run."""
 
 
 def _runs(dataset: str, step_pairs: list[list[int]], layout: str, objective: str) -> dict:
