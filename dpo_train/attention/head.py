@@ -3,6 +3,8 @@ chunk of logits, in forward and in backward (which recomputes each chunk's logit
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,12 +77,13 @@ def chunk_spans(rows: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def target_logps(
-    hidden: torch.Tensor, head: Head, labels: torch.Tensor, chunk: int, spans: Any = chunk_spans
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label) per row [rows], with gradient to `hidden` and the head's parameters; log sum_v p(v)^2 per
-    row [rows], without gradient, WPO's term), computed `chunk` rows of logits at a time. `spans`: how the rows
-    are cut (the tests pass a wrong cut to show the exactness check sees it)."""
-    return _ChunkedLogps.apply(hidden, head.weight, head.bias, labels, head, chunk, spans)
+    hidden: torch.Tensor, head: Head, labels: torch.Tensor, chunk: int, squares: bool = True, spans: Any = chunk_spans
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(label) per row [rows], with gradient to `hidden` and the head's parameters; with `squares`, log
+    sum_v p(v)^2 per row [rows], without gradient, WPO's term, else None), computed `chunk` rows of logits at a
+    time. `spans`: how the rows are cut (the tests pass a wrong cut to show the exactness check sees it)."""
+    picked, square = _ChunkedLogps.apply(hidden, head.weight, head.bias, labels, head, chunk, squares, spans)
+    return picked, square if squares else None
 
 
 class _ChunkedLogps(torch.autograd.Function):
@@ -89,18 +92,19 @@ class _ChunkedLogps(torch.autograd.Function):
     head's scaling and softcap, into the hidden states, the weight and the bias."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, head, chunk, spans):
+    def forward(ctx, hidden, weight, bias, labels, head, chunk, squares, spans):
         rows = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         picked = torch.empty(rows, dtype=dtype, device=hidden.device)
-        square = torch.empty(rows, dtype=dtype, device=hidden.device)
+        square = torch.empty(rows if squares else 0, dtype=dtype, device=hidden.device)
         cuts = spans(rows, chunk)
         with torch.no_grad():
             for start, stop in cuts:
                 logits = head.logits(hidden[start:stop])
                 log_z = torch.logsumexp(logits, dim=-1)
                 picked[start:stop] = logits.gather(1, labels[start:stop, None]).squeeze(1) - log_z
-                square[start:stop] = torch.logsumexp(2 * logits, dim=-1) - 2 * log_z
+                if squares:
+                    square[start:stop] = torch.logsumexp(2 * logits, dim=-1) - 2 * log_z
         ctx.save_for_backward(hidden, labels)
         ctx.head, ctx.cuts = head, cuts
         ctx.autocast = _autocast_state(hidden.device.type)
@@ -132,7 +136,7 @@ class _ChunkedLogps(torch.autograd.Function):
                     grad_bias += g.sum(0).to(grad_bias.dtype)
         grad_weight = grad_weight.to(head.weight.dtype) if needs_weight else None
         grad_bias = grad_bias.to(head.bias.dtype) if needs_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -140,3 +144,115 @@ def _autocast_state(device_type: str) -> dict:
     if not torch.is_autocast_enabled(device_type):
         return {"enabled": False}
     return {"enabled": True, "dtype": torch.get_autocast_dtype(device_type)}
+
+
+BUDGET_MARK = "dpo_logits_budget"
+"""The attribute `mark` sets on a model: the bytes its head's logits may take in `pair_logps`."""
+COPIES = 5
+"""How many [rows, vocab] float32 tensors the whole head keeps alive through backward (logits, their float32
+copy, log-softmax and its gradient's temporaries, measured on SmolLM2): a chunk takes the budget over this."""
+
+
+def mark(model: Any, budget: int | None) -> None:
+    """Let `pair_logps` score `model` through the chunked head whenever the whole head's logits would take more
+    than `budget` bytes (None: never), once `check_head` has found the chunked head equal to the model's own."""
+    setattr(model, BUDGET_MARK, budget)
+
+
+def chunk_rows(model: Any, rows: int) -> int | None:
+    """Rows per chunk for `rows` scored positions of `model`, or None when the whole head stays within the
+    model's budget (or it has none): then the model's own head runs, exactly today's path and speed."""
+    budget = _marked(model)
+    if budget is None:
+        return None
+    vocab = _inner(model).get_output_embeddings().weight.shape[0]
+    per_row = COPIES * vocab * 4
+    return None if rows * per_row <= budget else max(1, budget // per_row)
+
+
+def _marked(model: Any) -> int | None:
+    """The budget `mark` set, looked up through DDP's `.module` and the LoRA reference's `.model`."""
+    for candidate in (model, getattr(model, "module", None), getattr(model, "model", None)):
+        budget = getattr(candidate, BUDGET_MARK, None)
+        if budget is not None:
+            return budget
+    return None
+
+
+def _inner(model: Any) -> Any:
+    """The causal LM under a DDP wrapper (FSDP2 and PEFT models answer for themselves)."""
+    return model.module if not hasattr(model, "get_output_embeddings") and hasattr(model, "module") else model
+
+
+class HeadInput:
+    """While open, the model's output embedding does not project: it keeps its input (the final hidden states at
+    the kept positions, with their autograd graph) and returns one zero logit per position, so that the model's
+    forward runs whole and cheap; `target_logps` then projects those hidden states in chunks."""
+
+    def __init__(self, model: Any):
+        self.model = _inner(model)
+        self.module = self.model.get_output_embeddings()
+        self.hidden: torch.Tensor | None = None
+
+    def __enter__(self) -> HeadInput:
+        def keep(hidden: torch.Tensor) -> torch.Tensor:
+            self.hidden = hidden
+            return hidden.new_zeros(*hidden.shape[:-1], 1)
+
+        self.module.forward = keep
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.module.forward  # the class's own forward again
+
+    @property
+    def head(self) -> Head:
+        found = head_of(self.model)
+        assert found is not None, "mark() is only set on models whose head head_of reads"
+        return found
+
+
+def check_head(model: Any, layout: str = "separate") -> str | None:
+    """Why the chunked head cannot stand in for `model`'s own, or None when it can: `head_of` reads the head, and
+    the start-up probe's pairs (`probe.probe_pairs`), scored by `pair_logps` through the run's attention path
+    and `layout`, sum to the same log-probs through the chunked head (chunks of 5 positions) as through the
+    model's own head (whatever that applies after the projection), within 1e-5 relative. Leaves no budget
+    marked."""
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.probe import probe_pairs
+
+    head = head_of(_inner(model))
+    if head is None:
+        return f"its output embedding is a {type(_inner(model).get_output_embeddings()).__name__}, not a plain Linear"
+    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
+    batch = pack(probe_pairs(model), pad_to_multiple_of=8)
+    sums = []
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for budget in (None, 5 * COPIES * head.weight.shape[0] * 4):
+                mark(model, budget)
+                out = pair_logps(model, batch)
+                sums.append(torch.stack([out.chosen, out.rejected]).double())
+    finally:
+        mark(model, None)
+        model.train(training)
+    own, chunked = sums
+    error = float(((chunked - own).abs() / own.abs().clamp(min=1e-6)).max())
+    if error > 1e-5:
+        return f"on the probe's pairs its own head differs from the chunked one by {error:.1e} (relative)"
+    return None
+
+
+def note(model: Any, why: str) -> None:
+    """The one stderr line saying the chunked head is off for this model (rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"note: {type(_inner(model)).__name__}: the chunked vocabulary head is off for this model ({why}); its "
+            "own head scores every micro-batch, holding all of its logits at once (train.logits_budget_mib, "
+            "docs/train-config.md)",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
-from dpo_train.attention import unpacked
+from dpo_train.attention import head, unpacked
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.parallel import collectives
 
@@ -130,14 +131,19 @@ def pair_logps(
         keep_shape = (1, stop - start)
     if router_aux:
         inputs["output_router_logits"] = True
-    output = model(**inputs, logits_to_keep=keep.view(keep_shape))
-    logits = output.logits
-    # [N, L, V] if the model ignored the mask (flattened: the row-major order of `keep`), else [M, V]
-    logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 3 else logits
-    rows = torch.cumsum(keep, 0)[position] - 1 if logits.shape[0] != keep.shape[0] else position
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 to float32; float64 stays
-    log_z = torch.logsumexp(logits, dim=-1)
-    picked = logits[rows, label] - log_z[rows]
+    chunk = head.chunk_rows(model, int(keep.sum()))  # None: the model's own head, all logits at once
+    with head.HeadInput(model) if chunk else contextlib.nullcontext() as captured:
+        output = model(**inputs, logits_to_keep=keep.view(keep_shape))
+    scores = captured.hidden if chunk else output.logits  # the final hidden states, or the logits
+    # [N, L, -] if the model ignored the mask (flattened: the row-major order of `keep`), else [M, -]
+    scores = scores.reshape(-1, scores.shape[-1]) if scores.dim() == 3 else scores
+    rows = torch.cumsum(keep, 0)[position] - 1 if scores.shape[0] != keep.shape[0] else position
+    if chunk:
+        picked, log_sum_sq = head.target_logps(scores[rows], captured.head, label, chunk, squares=weighting)
+    else:
+        logits = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16 to float32; float64 stays
+        log_z = torch.logsumexp(logits, dim=-1)
+        picked = logits[rows, label] - log_z[rows]
 
     def pair_sums(values: torch.Tensor) -> torch.Tensor:
         """Per-target values summed per pair [pairs, 2], over the sequence-parallel group too."""
@@ -153,7 +159,8 @@ def pair_logps(
     weights = None
     if weighting:
         with torch.no_grad():  # WPO's weights carry no gradient (TRL computes them under no_grad too)
-            log_sum_sq = (torch.logsumexp(2 * logits, dim=-1) - 2 * log_z)[rows]  # log sum_v p(v)^2
+            if not chunk:
+                log_sum_sq = (torch.logsumexp(2 * logits, dim=-1) - 2 * log_z)[rows]  # log sum_v p(v)^2
             weights = wpo_weights(pair_sums(picked - log_sum_sq), counts)
     aux = getattr(output, "aux_loss", None) if router_aux else None
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1], aux, ld, weights)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpo_train.attention.head import check_head
+from dpo_train.attention.head import mark as mark_budget
+from dpo_train.attention.head import note as head_note
 from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
 from dpo_train.checkpoint.restore import load_weights
@@ -27,4 +30,9 @@ def load_initial_policy(
     prepare_for_training(model, activation_checkpointing)
     if config.train.probe_packing:
         probe(model, config.data.layout)
+    budget = config.train.logits_budget_mib
+    why = check_head(model, config.data.layout) if budget is not None else None
+    if why:
+        head_note(model, why)
+    mark_budget(model, None if why or budget is None else budget * 2**20)
     return model, weights_fingerprint(model)

@@ -52,7 +52,10 @@ def _errors(head: Head, chunk: int, spans=chunk_spans) -> dict[str, float]:
     params = [hidden, head.weight, *([head.bias] if head.bias is not None else [])]
     out = {}
     results = []
-    for compute in (lambda: _whole(hidden, head, labels), lambda: target_logps(hidden, head, labels, chunk, spans)):
+    for compute in (
+        lambda: _whole(hidden, head, labels),
+        lambda: target_logps(hidden, head, labels, chunk, spans=spans),
+    ):
         picked, square = compute()
         grads = torch.autograd.grad((picked * weights).sum(), params)
         results.append((picked.detach(), square, grads))
@@ -135,3 +138,114 @@ def test_a_head_that_is_not_a_plain_linear_is_not_chunked():
     model = AutoModelForCausalLM.from_config(init_config(model_spec("llama")))
     model.lm_head = torch.nn.Sequential(model.lm_head)
     assert head_of(model) is None
+
+
+# -- through pair_logps: the model's own forward, its hidden states kept, the head in chunks ----------------------
+
+PATH_MODELS = {  # (model_type, attention path): plain, softcap, scaling, logit scale, and the unpacked path
+    "llama": "segments",
+    "gemma2": "eager",
+    "granite": "segments",
+    "cohere2": "segments",
+    "qwen3": "unpacked",
+}
+
+
+def _loaded(model_type: str, path: str, layout: str):
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.load import load_model
+    from dpo_train.parallel.device import placement
+
+    spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
+    return load_model(spec, path, placement("cpu", "fp32"), None, layout).eval()
+
+
+def _scored(model, batch: dict, budget: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """pair_logps' outputs (sums, LD sums, WPO weights) and every parameter's gradient of a mixed objective."""
+    from dpo_train.attention.head import mark
+    from dpo_train.attention.logps import pair_logps
+
+    mark(model, budget)
+    model.zero_grad(set_to_none=True)
+    out = pair_logps(model, batch, ld_alpha=0.4, weighting=True)
+    (out.chosen.sum() - 0.7 * out.rejected.sum() + 0.3 * out.ld[0].sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return [out.chosen, out.rejected, out.ld[0], out.ld[1], out.weights], grads
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
+@pytest.mark.parametrize("model_type", sorted(PATH_MODELS))
+def test_pair_logps_through_the_chunked_head_equal_the_models_own_head(model_type, layout):
+    """A budget of 7 positions' logits (chunks of 7) against no budget: the same per-pair sums, LD-DPO sums,
+    WPO weights and gradients of every parameter, within 1e-6 relative, on both layouts and the unpacked path."""
+    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+    from dpo_train.attention.head import COPIES, chunk_rows
+    from tests.architectures.zoo import pairs
+
+    model = _loaded(model_type, PATH_MODELS[model_type], layout)
+    batch = (pack_shared_prompt if layout == "shared_prompt" else pack_microbatch)(pairs(), 16)
+    budget = 7 * COPIES * model.config.vocab_size * 4
+    whole, whole_grads = _scored(model, batch, None)
+    chunked, chunked_grads = _scored(model, batch, budget)
+    assert chunk_rows(model, 100) == 7 and chunk_rows(model, 7) is None  # the budget engaged, and only past it
+    assert max(_relative(a, b) for a, b in zip(chunked, whole)) <= TOLERANCE
+    assert len(chunked_grads) == len(whole_grads) > 0
+    assert max(_relative(a, b) for a, b in zip(chunked_grads, whole_grads)) <= TOLERANCE
+
+
+def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
+    """A model that changes its logits after the projection in a way `head_of` does not read, or whose head is
+    not a plain Linear, keeps its own head: `check_head` names why, and the run's note says so."""
+    from dpo_train.attention.head import check_head, note
+
+    model = AutoModelForCausalLM.from_config(init_config(model_spec("llama"))).eval()
+    assert check_head(model) is None
+    own = type(model).forward
+
+    def shifted(self, *args, **kwargs):  # an unknown transform: the last logit raised
+        out = own(self, *args, **kwargs)
+        out.logits[..., -1] += 3.0
+        return out
+
+    model.forward = shifted.__get__(model)
+    assert "differs from the chunked one" in check_head(model)
+    del model.forward
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    why = check_head(model)
+    assert why == "its output embedding is a Sequential, not a plain Linear"
+    note(model, why)
+    assert "the chunked vocabulary head is off for this model" in capsys.readouterr().err
+
+
+def test_a_run_through_the_chunked_head_trains_what_the_models_own_head_trains(small_dataset, smollm2_dir, tmp_path):
+    """`train.logits_budget_mib: 16` on a tiny model with SmolLM2's vocabulary (a micro-batch's whole head
+    takes about 1 MB a position, so it runs in chunks of 17 positions) against `null`, two SGD steps: the same
+    losses, log-probs and gradient norms step after step, within 1e-6 relative, and the same weights after
+    them within 1e-5
+    (SGD: an update is the gradient's; Adam's normalization would magnify rounding in near-zero gradients)."""
+    import orjson
+    from safetensors.torch import load_file
+
+    from dpo_train.config.loading import load_config
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.policy import load_policy
+    from dpo_train.trainer import train
+    from tests.harness import TINY_LLAMA, tiny_config
+
+    logs, finals = {}, {}
+    initial = load_policy(ModelConfig(init={"config": TINY_LLAMA, "seed": 0})).state_dict()
+    for name, budget in (("own", None), ("chunked", 16)):
+        config = tiny_config(small_dataset, smollm2_dir, tmp_path / name, max_steps=2, logits_budget_mib=budget)
+        config["optim"] = {"name": "sgd", "lr": 1.0}
+        out = train(load_config(config), progress=False)
+        logs[name] = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
+        finals[name] = load_file(str(out / "final" / "model.safetensors"))
+    for own, chunked in zip(logs["own"], logs["chunked"], strict=True):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            assert chunked[key] == pytest.approx(own[key], rel=TOLERANCE, abs=1e-9), (own["step"], key)
+    assert finals["own"].keys() == finals["chunked"].keys()
+    moved = [k for k, v in finals["own"].items() if (v - initial[k]).abs().max() > 1e-4]
+    assert moved, "SGD moved no weight: the comparison would prove nothing"
+    # relative to each weight's scale (an update's own digits are lost below float32's rounding of the weight),
+    # and 1e-5: step 2's gradients are taken at weights step 1 already moved apart by rounding (lr 1.0)
+    assert max(_relative(finals["chunked"][k], v) for k, v in finals["own"].items()) <= 10 * TOLERANCE
