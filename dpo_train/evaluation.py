@@ -27,8 +27,8 @@ class Evaluator:
         """`run.held_out`: the pairs; `run` (kept as `setting`: `run` is this class's verb) also gives the
         placement's autocast, the sequence mesh, the data layout, the loss, and whether each scoring is shown
         as a stage (`run.shown`)."""
-        store, self.setting, self.loss = run.held_out, run, run.config.loss
-        self.store = store
+        self.setting, self.store, self.loss = run, run.held_out, run.config.loss
+        store = self.store
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
             run.config.data.max_tokens_per_microbatch,
             int(store.segment_tokens(np.arange(store.num_pairs), run.config.data.layout).max(initial=0)),

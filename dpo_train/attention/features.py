@@ -128,9 +128,14 @@ def model_attention(model: Any) -> ModelAttention:
     return ModelAttention(first(SLIDING), first(CHUNKED), softcap, sinks, mixers, next(tuned, None))
 
 
+def wrapped(model: Any) -> tuple[Any, ...]:
+    """`model` and what it may wrap: DDP's `.module`, the LoRA reference's `.model` (None where absent)."""
+    return model, getattr(model, "module", None), getattr(model, "model", None)
+
+
 def model_config(model: Any) -> Any:
     """A Hugging Face model's config, through the DDP (`.module`) and LoRA reference (`.model`) wrappers."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "model", None)):
+    for candidate in wrapped(model):
         config = getattr(candidate, "config", None)
         if config is not None:
             return config

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpo_train.attention.features import wrapped
+
 
 @dataclass(frozen=True)
 class Head:
@@ -28,8 +30,7 @@ class Head:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of `hidden` [rows, hidden], in float32 at least (as `pair_logps` promotes them)."""
-        z = self.scaled(hidden)
-        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+        return self.capped(self.scaled(hidden))
 
     def scaled(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits before the softcap, in float32 at least."""
@@ -40,6 +41,10 @@ class Head:
         if self.divide is not None:
             z = z / self.divide
         return z
+
+    def capped(self, z: torch.Tensor) -> torch.Tensor:
+        """The softcap of `scaled` logits (none without one)."""
+        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
 
     def to_linear(self, z: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
         """The chain rule of `logits` after the linear: the gradient at its output from the one at the logits
@@ -124,7 +129,7 @@ class _ChunkedLogps(torch.autograd.Function):
             for start, stop in ctx.cuts:
                 h, grad = hidden[start:stop], grad_picked[start:stop, None]
                 z = head.scaled(h)
-                logits = z if head.softcap is None else torch.tanh(z / head.softcap) * head.softcap
+                logits = head.capped(z)
                 g = -torch.softmax(logits, dim=-1) * grad.to(logits.dtype)
                 g.scatter_add_(1, labels[start:stop, None], grad.to(g.dtype))
                 g = head.to_linear(z, g)
@@ -172,7 +177,7 @@ def chunk_rows(model: Any, rows: int) -> int | None:
 
 def _marked(model: Any) -> int | None:
     """The budget `mark` set, looked up through DDP's `.module` and the LoRA reference's `.model`."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "model", None)):
+    for candidate in wrapped(model):
         budget = getattr(candidate, BUDGET_MARK, None)
         if budget is not None:
             return budget
@@ -181,7 +186,7 @@ def _marked(model: Any) -> int | None:
 
 def _inner(model: Any) -> Any:
     """The causal LM under a DDP wrapper (FSDP2 and PEFT models answer for themselves)."""
-    return model.module if not hasattr(model, "get_output_embeddings") and hasattr(model, "module") else model
+    return next(c for c in (*wrapped(model), model) if hasattr(c, "get_output_embeddings"))
 
 
 class HeadInput:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config
+from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config, wrapped
 
 ATTENTION = "unpacked"
 """`model.attention: unpacked` (and auto's choice for a model packing cannot serve)."""
@@ -57,8 +57,7 @@ def runs_unpacked(model: Any) -> bool:
     DDP's `.module` and the LoRA reference's `.model` (PEFT forwards attributes itself). A model loaded
     otherwise packs, and the packed paths' checks (`fit_model`, the start-up probe) refuse it where
     packing leaks."""
-    wrapped = (model, getattr(model, "module", None), getattr(model, "model", None))
-    return any(getattr(c, "dpo_unpacked", False) is True for c in wrapped)
+    return any(getattr(c, "dpo_unpacked", False) is True for c in wrapped(model))
 
 
 def mark(model: Any) -> None:
