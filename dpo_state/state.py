@@ -34,6 +34,9 @@ ELASTIC_KEYS = (
 depend on these, so the loader re-deals the same steps (a sequence-parallel group shares its rows, so
 its sizes only change how a row is split; the layout only changes how a pair is packed). The loader's
 geometry and the run's layout identity both use this one list."""
+ROUNDING_KEYS = ("logits_budget_mib",)
+"""What may change on resume in either batching: it changes how a micro-batch's sums are rounded (the vocabulary
+head whole or in chunks), never which pairs a step holds."""
 
 
 RANK_SCHEMA = "checkpoint-rank"
@@ -108,7 +111,8 @@ def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
 
 def identity_mismatches(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """Compare a checkpoint's identity with the run's. Returns (mismatches, elastic changes): layout keys
-    in ELASTIC_KEYS may differ when both use `pairs` batching; anything else is a mismatch."""
+    in ELASTIC_KEYS may differ when both use `pairs` batching, those in ROUNDING_KEYS in either; anything else
+    is a mismatch."""
     saved, current = normalized(saved), normalized(current)
     elastic_ok = saved.get("layout", {}).get("batching") == "pairs" == current.get("layout", {}).get("batching")
     mismatches, elastic = [], []
@@ -116,7 +120,8 @@ def identity_mismatches(saved: dict, current: dict) -> tuple[list[str], list[str
         for path, was, now in differences(saved.get(part), current.get(part), part):
             line = f"{path}: checkpoint {_short(was)}, this run {_short(now)}"
             key = path.split(".", 1)[1] if "." in path else ""
-            (elastic if part == "layout" and elastic_ok and key in ELASTIC_KEYS else mismatches).append(line)
+            allowed = key in ROUNDING_KEYS or (elastic_ok and key in ELASTIC_KEYS)
+            (elastic if part == "layout" and allowed else mismatches).append(line)
     return mismatches, elastic
 
 

@@ -167,7 +167,7 @@ def mark(model: Any, budget: int | None) -> None:
 def chunk_rows(model: Any, rows: int) -> int | None:
     """Rows per chunk for `rows` scored positions of `model`, or None when the whole head stays within the
     model's budget (or it has none): then the model's own head runs, exactly today's path and speed."""
-    budget = _marked(model)
+    budget = budget_of(model)
     if budget is None:
         return None
     vocab = _inner(model).get_output_embeddings().weight.shape[0]
@@ -175,8 +175,8 @@ def chunk_rows(model: Any, rows: int) -> int | None:
     return None if rows * per_row <= budget else max(1, budget // per_row)
 
 
-def _marked(model: Any) -> int | None:
-    """The budget `mark` set, looked up through DDP's `.module` and the LoRA reference's `.model`."""
+def budget_of(model: Any) -> int | None:
+    """The budget `mark` set (None: none), looked up through DDP's `.module` and the LoRA reference's `.model`."""
     for candidate in wrapped(model):
         budget = getattr(candidate, BUDGET_MARK, None)
         if budget is not None:

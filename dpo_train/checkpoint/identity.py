@@ -105,6 +105,8 @@ def run_identity(
                 "precision": place.precision,
                 "device": place.device.type,  # cpu, cuda or npu: its generators and kernels are not another's
                 "train_seed": config.train.seed,
+                # recorded only when set, so that a run without it has the identity it had before it existed
+                **({"logits_budget_mib": budget} if (budget := config.train.logits_budget_mib) is not None else {}),
             },
         }
     )

@@ -113,7 +113,7 @@ def restore(parts: Checkpointable, run: RunView, identity: dict, path: Path) -> 
             "output directory"
         )
     for line in elastic:
-        warn(run.rank, f"elastic resume ({line}): the same steps, re-dealt; not bitwise identical")
+        warn(run.rank, f"elastic resume ({line}): the same steps; not bitwise identical")
     try:
         tree = read_state_tree(path)
     except DocumentError as e:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dpo_train.attention.head import budget_of, mark
 from dpo_train.parallel.sharding import shard
 
 
@@ -24,6 +25,7 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     the policy's device, then filled from the (still unsharded) policy's state dict, each rank keeping
     its own shard. Buffers that are not in the state dict (rotary frequencies) are copied as they are.
     Otherwise (one rank, or DDP, where every rank holds the whole model anyway) it is a plain copy.
+    Either way it scores through the chunked vocabulary head under the policy's logits budget.
     """
     if world == 1 or strategy != "fsdp":
         return frozen_copy(policy)
@@ -39,6 +41,7 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     set_model_state_dict(reference, policy.state_dict(), options=StateDictOptions(full_state_dict=True))
     for name, buffer in policy.named_buffers():
         reference.get_buffer(name).copy_(buffer)
+    mark(reference, budget_of(policy))  # its logits kept within the same budget (a copy carries it itself)
     return reference
 
 

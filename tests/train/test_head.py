@@ -232,14 +232,18 @@ def test_a_run_through_the_chunked_head_trains_what_the_models_own_head_trains(s
     from dpo_train.trainer import train
     from tests.harness import TINY_LLAMA, tiny_config
 
-    logs, finals = {}, {}
+    logs, finals, identities = {}, {}, {}
     initial = load_policy(ModelConfig(init={"config": TINY_LLAMA, "seed": 0})).state_dict()
     for name, budget in (("own", None), ("chunked", 16)):
-        config = tiny_config(small_dataset, smollm2_dir, tmp_path / name, max_steps=2, logits_budget_mib=budget)
+        config = tiny_config(
+            small_dataset, smollm2_dir, tmp_path / name, max_steps=2, save_every=2, logits_budget_mib=budget
+        )
         config["optim"] = {"name": "sgd", "lr": 1.0}
         out = train(load_config(config), progress=False)
         logs[name] = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
         finals[name] = load_file(str(out / "final" / "model.safetensors"))
+        (checkpoint,) = sorted((out / "checkpoints").glob("step-*"))[-1:]
+        identities[name] = orjson.loads((checkpoint / "state.json").read_bytes())["identity"]
     for own, chunked in zip(logs["own"], logs["chunked"], strict=True):
         for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
             assert chunked[key] == pytest.approx(own[key], rel=TOLERANCE, abs=1e-9), (own["step"], key)
@@ -249,3 +253,25 @@ def test_a_run_through_the_chunked_head_trains_what_the_models_own_head_trains(s
     # relative to each weight's scale (an update's own digits are lost below float32's rounding of the weight),
     # and 1e-5: step 2's gradients are taken at weights step 1 already moved apart by rounding (lr 1.0)
     assert max(_relative(finals["chunked"][k], v) for k, v in finals["own"].items()) <= 10 * TOLERANCE
+    # the budget is in the identity only when set: a resume across it is elastic (below), not refused
+    assert "logits_budget_mib" not in identities["own"]["layout"]
+    assert identities["chunked"]["layout"]["logits_budget_mib"] == 16
+
+
+@pytest.mark.parametrize("batching", ["pairs", "tokens"])
+def test_a_budget_change_on_resume_is_elastic_in_either_batching(batching):
+    """Only the rounding changes, never a step's pairs: another budget (or none) resumes with a warning in both
+    batchings, where another precision stays refused."""
+    from dpo_state.state import identity_mismatches
+
+    def identity(**layout) -> dict:
+        return {"layout": {"batching": batching, "world_size": 1, "precision": "fp32", **layout}}
+
+    mismatches, elastic = identity_mismatches(identity(), identity(logits_budget_mib=64))
+    assert (mismatches, elastic) == ([], ["layout.logits_budget_mib: checkpoint <absent>, this run 64"])
+    mismatches, elastic = identity_mismatches(identity(logits_budget_mib=64), identity(logits_budget_mib=8))
+    assert (mismatches, elastic) == ([], ["layout.logits_budget_mib: checkpoint 64, this run 8"])
+    mismatches, _ = identity_mismatches(
+        identity(logits_budget_mib=64), identity(logits_budget_mib=64, precision="bf16")
+    )
+    assert mismatches == ["layout.precision: checkpoint fp32, this run bf16"]

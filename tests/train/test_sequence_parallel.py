@@ -92,6 +92,7 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention.choice import attention_for
+    from dpo_train.attention.head import COPIES, mark
     from dpo_train.attention.logps import row_inputs
     from dpo_train.attention.sequence_parallel import check_same_row, sequence_mesh
     from dpo_train.parallel import collectives
@@ -109,6 +110,11 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     for name in SHARED:  # [prompt][chosen][rejected]: completions see their prompt across the cuts
         for (u, c), mesh in meshes.items():
             out[f"shared {name} U{u}C{c}"] = _logps_and_gradients(model, pack_shared_prompt(ROWS[name]), mesh)
+    mark(model, 2 * COPIES * MODEL["vocab_size"] * 4)  # the chunked head, 2 of a rank's positions per chunk
+    for name, pairs in ROWS.items():
+        for (u, c), mesh in meshes.items():
+            out[f"chunked {name} U{u}C{c}"] = _logps_and_gradients(model, pack_microbatch(pairs), mesh)
+    mark(model, None)
     exact = collectives.sum_same_loss
     # the mutant: a plain differentiable all-reduce, whose backward sums the gradient once per group rank
     collectives.sum_same_loss = lambda partial, group: dnf.all_reduce(partial, group=group)
@@ -148,7 +154,8 @@ def _worst(a: dict, b: dict) -> float:
 
 
 def test_split_rows_give_the_single_process_logps_and_gradients(single_process, tmp_path):
-    """Every cut and every mesh: per-pair sums, token counts and gradients equal one process; a reduction
+    """Every cut and every mesh: per-pair sums, token counts and gradients equal one process, through the
+    model's own head and through the chunked one (issue 35: each rank projects its positions); a reduction
     that counts a pair once per group rank (a plain differentiable all-reduce) is caught; the shared-prompt
     layout split the same way scores pairs as the separate layout does in one process; a padding-only
     row runs through every mesh and adds nothing; ranks holding different rows are named."""
@@ -165,6 +172,11 @@ def test_split_rows_give_the_single_process_logps_and_gradients(single_process, 
             actual = got[f"shared {name} U{u}C{c}"]
             assert torch.equal(actual["tokens"], single_process[name]["tokens"]), (name, u, c)
             assert _worst(single_process[name], actual) < TOL, (name, u, c, _worst(single_process[name], actual))
+    for name, expected in single_process.items():  # each rank's positions through the chunked head
+        for u, c in MESHES:
+            actual = got[f"chunked {name} U{u}C{c}"]
+            assert torch.equal(actual["tokens"], expected["tokens"]), (name, u, c)
+            assert _worst(expected, actual) < TOL, (name, u, c, _worst(expected, actual))
     for u, c in MESHES:  # the gradient counted U x C times
         assert _worst(single_process["on the boundary"], got[f"mutant U{u}C{c}"]) > 0.5
     assert all(got[f"empty U{u}C{c}"] == 0.0 for u, c in MESHES)  # it joined every collective, added nothing
