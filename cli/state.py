@@ -153,8 +153,9 @@ def push(final_dir, repo_id, token, private) -> None:
     help="Also draw each step series as its moving average with this weight in [0, 1) (TensorBoard's slider).",
 )
 def report(run_dir, out, as_json, smoothing) -> None:
-    """Charts of a run (docs/report.md): loss, reward accuracy, margins, rewards, log-probs, gradient norm and
-    learning rate, pairs/s and tokens/s, per-source loss, accuracy and pairs (the 12 sources with the most
+    """Charts of a run (docs/report.md): loss (the optimized objective, and its pair part where they differ),
+    reward accuracy, margins, rewards, log-probs, gradient norm and learning rate, pairs/s and tokens/s,
+    per-source pair loss, accuracy and pairs (the 12 sources with the most
     pairs; the others listed), held-out accuracy and margin, micro-batch fill; checkpoints marked. Writes
     PNGs and one self-contained report.html (images inlined, nothing fetched; the summary, then the charts at
     full width, then the identity folded) and prints its path. Reads RUN_DIR's logs, config and checkpoint

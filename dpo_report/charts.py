@@ -125,7 +125,7 @@ def _training(plt, report: dict):
     s = report["series"]
     figure, axes = plt.subplots(4, 2, figsize=(16, 14))
     panels = [
-        ("loss", {"loss": s["loss"]}),
+        ("loss: the optimized objective", _loss_lines(s)),
         ("reward accuracy (chosen reward > rejected)", {"accuracy": s["rewards/accuracies"]}),
         ("reward margin (chosen - rejected)", {"margin": s["rewards/margins"]}),
         ("rewards", {"chosen": s["rewards/chosen"], "rejected": s["rewards/rejected"]}),
@@ -137,6 +137,16 @@ def _training(plt, report: dict):
     for ax, (title, lines) in zip(axes.flat, panels):
         _panel(ax, report, title, lines)
     return figure
+
+
+def _loss_lines(series: dict) -> dict[str, list]:
+    """The objective, and its pair part where it differs (an NLL or router term is weighed in) or is all
+    that an older log recorded (metrics format < 3: the objective is None there); of the step series or
+    the eval series alike."""
+    loss, pairs = series["loss"], series.get("pair_loss") or [None] * len(series["step"])
+    if pairs == loss:
+        return {"loss": loss}
+    return {"loss": loss, "pair part (pair_loss)": pairs}
 
 
 def _throughput(plt, report: dict):
@@ -179,7 +189,7 @@ def _sources(plt, report: dict):
     def metric(name: str, key: str) -> list:  # a hand-written record may lack any key but pairs
         return s.get(f"sources/{name}/{key}") or [None] * len(s["step"])
 
-    for ax, key in zip(axes[:2], ("loss", "accuracy")):
+    for ax, key in zip(axes[:2], ("pair_loss", "accuracy")):
         lines = {n: _windowed(metric(n, key), metric(n, "pairs"), window) for n in names}
         title = f"per source: {key}, pair-weighted over the last {window} step(s)"
         _panel(ax, report, title, lines, legend=True)
@@ -206,7 +216,7 @@ def _eval(plt, report: dict):
     lines = {"margin > 0 (vs reference)": e["accuracy"], "chosen logp > rejected (policy)": e["logp_accuracy"]}
     _panel(axes[0], report, "held-out accuracy", lines, x=e["step"])
     _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"])
-    _panel(axes[2], report, "held-out loss (the run's objective)", {"loss": e["loss"]}, x=e["step"])
+    _panel(axes[2], report, "held-out loss (the run's objective)", _loss_lines(e), x=e["step"])
     return figure
 
 

@@ -8,11 +8,13 @@ from typing import Any
 
 from dpo_state.errors import DocumentError, ToolkitError
 from dpo_state.layout import list_checkpoints
-from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, read_log, step_scalars
+from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, current_metrics, read_log, step_scalars
 from dpo_state.strict_yaml import read_yaml_file
 
-REPORT_FORMAT_VERSION = 2
-"""`dpo-state report --json` prints one document of this version; schema `run-report`. 2: eval `loss`, `nll`."""
+REPORT_FORMAT_VERSION = 3
+"""`dpo-state report --json` prints one document of this version; schema `run-report`. 2: eval `loss`, `nll`;
+3: series `loss` is the optimized objective (None for steps logged before metrics format 3), `pair_loss` its
+pair part (`sources/NAME/pair_loss` per source), eval `pair_loss`."""
 
 FILL_EDGES = [b / 10 for b in range(11)]
 """The bins of the trainer's micro-batch fill histogram (dpo_train.step.metrics.FILL_BINS)."""
@@ -34,7 +36,7 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
             "least one optimizer step has finished"
         )
     metrics = read_log(metrics_log)
-    steps = by_step(metrics.records)
+    steps = by_step([current_metrics(r) for r in metrics.records])  # old and new formats, one naming
     if not steps:
         raise DocumentError(f"{metrics_log} holds no finished step yet; run the report again after the first step")
     evals = read_log(run / EVAL_LOG) if (run / EVAL_LOG).is_file() else None
@@ -196,8 +198,8 @@ def _sources(steps: list[dict]) -> list[dict[str, Any]]:
 
 
 def _eval_series(evals: list[dict]) -> dict[str, list]:
-    keys = ("step", "pairs", "accuracy", "ties", "margin", "logp_accuracy", "loss", "nll")
-    return {key: [r.get(key) for r in evals] for key in keys}  # loss, nll: None in format_version 1
+    keys = ("step", "pairs", "accuracy", "ties", "margin", "logp_accuracy", "loss", "pair_loss", "nll")
+    return {key: [r.get(key) for r in evals] for key in keys}  # None before the format that added it
 
 
 def _microbatches(steps: list[dict]) -> dict[str, Any]:

@@ -14,6 +14,10 @@ from dpo_state.schema import schema_problems
 METRICS_LOG, EVAL_LOG = "metrics.jsonl", "eval.jsonl"
 LOG_SCHEMAS = {METRICS_LOG: "metrics-record", EVAL_LOG: "eval-record"}
 
+OBJECTIVE_FORMAT = 3
+"""The metrics.jsonl format (dpo_train.step.metrics.METRICS_FORMAT_VERSION) from which `loss` is the whole
+optimized objective and `pair_loss` its pair part; before it, `loss` was the pair part alone."""
+
 # The metrics that are not scalars of the step: written as series elsewhere (or not at all).
 _NOT_SCALARS = {"format_version", "step", "time", "sources", "fill_histogram", "nonfinite_ranks", "skipped"}
 
@@ -60,8 +64,22 @@ def by_step(records: list[dict]) -> list[dict]:
     return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
 
 
+def current_metrics(record: dict) -> dict:
+    """A metrics record in today's names, whatever format wrote it: before OBJECTIVE_FORMAT, `loss` (the
+    step's and each source's) was the pair part, so it becomes `pair_loss`, and the step's `loss`, the
+    objective such a log did not record, is None (unknown, not the pair part under the objective's name)."""
+    if record["format_version"] >= OBJECTIVE_FORMAT:
+        return record
+    sources = {name: _pair_loss_named(values) for name, values in record["sources"].items()}
+    return {**record, "loss": None, "pair_loss": record["loss"], "sources": sources}
+
+
+def _pair_loss_named(values: dict) -> dict:
+    return {("pair_loss" if key == "loss" else key): value for key, value in values.items()}
+
+
 def step_scalars(record: dict) -> dict[str, Any]:
-    """The scalars of one metrics record, flat: `loss`, `rewards/chosen`, ..., `sources/NAME/loss`. The one
+    """The scalars of one metrics record, flat: `loss`, `rewards/chosen`, ..., `sources/NAME/pair_loss`. The one
     naming shared by `dpo-state report --json` and the TensorBoard sink. Values may be None (not finite)."""
     scalars = {k: v for k, v in record.items() if k not in _NOT_SCALARS}
     for name, values in record.get("sources", {}).items():

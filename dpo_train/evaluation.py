@@ -11,8 +11,9 @@ from dpo_train.reference import Scores, score_pairs
 from dpo_train.run import Run
 from dpo_train.step import LossConfig, SortScores, pair_losses, set_partners, sorted_types
 
-EVAL_FORMAT_VERSION = 2
-"""Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added."""
+EVAL_FORMAT_VERSION = 3
+"""Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added; 3: `pair_loss`, the
+pair part of `loss`, as metrics.jsonl names it."""
 
 
 class Evaluator:
@@ -20,7 +21,7 @@ class Evaluator:
 
     accuracy: share of pairs with (c - c0) - (r - r0) > 0 (a tie is not a win, so it is 0 before
     training, when policy = reference); logp_accuracy: share with c > r, the policy alone; loss: the run's
-    objective over the held-out pairs (`held_out_loss`).
+    objective over the held-out pairs (`held_out_loss`), pair_loss its pair part, nll the NLL per chosen token.
     """
 
     def __init__(self, run: Run, initial: Any):
@@ -47,7 +48,7 @@ class Evaluator:
             policy = self._score(model, self.loss.use_weighting, stage)
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
-        loss, nll = held_out_loss(self.loss, policy, self.reference)
+        loss, pair_loss, nll = held_out_loss(self.loss, policy, self.reference)
         return {
             "format_version": EVAL_FORMAT_VERSION,
             "step": step,
@@ -57,19 +58,21 @@ class Evaluator:
             "margin": float(margin.sum() / n),
             "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n),
             "loss": loss,
+            "pair_loss": pair_loss,
             "nll": nll,
         }
 
 
-def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tuple[float, float]:
-    """(loss, nll): the training objective with the held-out set as one step, every pair weighing 1/N (the
-    sorted types sort over the whole set), plus the NLL term's weight times `nll`, the NLL per chosen
-    completion token; the router load-balancing loss, a regularizer of training, is left out."""
+def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tuple[float, float, float]:
+    """(loss, pair_loss, nll): the training objective with the held-out set as one step, every pair weighing
+    1/N (the sorted types sort over the whole set: `pair_loss`), plus the NLL term's weight times `nll`, the
+    NLL per chosen completion token; the router load-balancing loss, a regularizer of training and a
+    statistic of how the pairs are packed, is left out."""
     as_tensor = [torch.from_numpy(np.asarray(v, dtype=np.float64)) for v in (*policy.scored, *reference.scored)]
     chosen, rejected, ref_chosen, ref_rejected = as_tensor
     counts = torch.from_numpy(policy.chosen_tokens), torch.from_numpy(policy.rejected_tokens)
     if not len(chosen):
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan")
     partners = None
     if sorted_types(config):
         partners = set_partners(
@@ -78,4 +81,5 @@ def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tupl
     weights = None if policy.weights is None else torch.from_numpy(policy.weights)
     terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, weights, partners)
     nll = float(-policy.chosen.sum() / max(int(policy.chosen_tokens.sum()), 1))
-    return float(terms.losses.mean()) + config.sft_weight * nll, nll
+    pair_loss = float(terms.losses.mean())
+    return pair_loss + config.sft_weight * nll, pair_loss, nll

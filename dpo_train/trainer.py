@@ -245,7 +245,8 @@ class Trainer:
             self.state.step,
             time.perf_counter() - self._started,
             self.world,
-            router_aux=bool(self.router_aux_coef),
+            self.config.loss.sft_weight,
+            self.router_aux_coef,
         )
         if bad_ranks:  # skip_step: logged and counted; optimizer and scheduler did not move
             self.skipped_steps += 1

@@ -6,8 +6,9 @@ import time
 
 import torch
 
-METRICS_FORMAT_VERSION = 2
-"""Every metrics.jsonl record carries it; schema `metrics-record` (2: time, microbatches, fill_histogram)."""
+METRICS_FORMAT_VERSION = 3
+"""Every metrics.jsonl record carries it; schema `metrics-record` (2: time, microbatches, fill_histogram; 3:
+`loss` is the whole optimized objective, as TRL logs it, its pair part `pair_loss`, also per source)."""
 
 FILL_BINS = 10
 """The micro-batch fill histogram: input tokens / max_tokens_per_microbatch in tenths, the last bin closed."""
@@ -84,26 +85,35 @@ def step_record(
     step: int,
     seconds: float,
     world_size: int = 1,
-    router_aux: bool = False,
+    nll_weight: float = 0.0,
+    router_aux_coef: float = 0.0,
 ) -> dict:
     """The metrics.jsonl object of one optimizer step, from sums over all ranks; `time` is when it ended
-    (Unix seconds), for a report's wall-clock axis. With `router_aux`, `aux_loss` is the pair-weighted
-    mean of the micro-batches' router load-balancing losses (unscaled by the coefficient)."""
+    (Unix seconds), for a report's wall-clock axis. `loss` is the step objective (`objective_value`) with
+    the NLL term's weight `nll_weight` and the router coefficient `router_aux_coef`; `pair_loss` its pair
+    part; with `router_aux_coef`, `aux_loss` is the pair-weighted mean of the micro-batches' router
+    load-balancing losses (unscaled by the coefficient)."""
     s = dict(zip(SUMS, sums[0].tolist()))
     pairs = max(s["pairs"], 1.0)
-    aux = {"aux_loss": s["aux_loss"] / pairs} if router_aux else {}
+    parts = {
+        "pair_loss": s["loss"] / pairs,
+        "nll": s["nll"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0,
+        "aux_loss": s["aux_loss"] / pairs,
+    }
+    aux = {"aux_loss": parts["aux_loss"]} if router_aux_coef else {}
     return {
         "format_version": METRICS_FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
-        "loss": s["loss"] / pairs,
+        "loss": objective_value(parts, nll_weight, router_aux_coef),
+        "pair_loss": parts["pair_loss"],
         "rewards/chosen": s["chosen_reward"] / pairs,
         "rewards/rejected": s["rejected_reward"] / pairs,
         "rewards/accuracies": s["correct"] / pairs,
         "rewards/margins": s["margin"] / pairs,
         "logps/chosen": s["chosen_logp"] / pairs,
         "logps/rejected": s["rejected_logp"] / pairs,
-        "nll": s["nll"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0,
+        "nll": parts["nll"],
         **aux,
         "grad_norm": grad_norm,
         "lr": lr,
@@ -124,11 +134,24 @@ def step_record(
     }
 
 
+def objective_value(parts: dict, nll_weight: float, router_aux_coef: float) -> float:
+    """The step objective `microbatch_loss` sums to (docs/objective.md, "What is logged"), from its parts:
+    pair_loss + nll_weight * nll + router_aux_coef * aux_loss. A part whose weight is 0 is left out, so a
+    part that is not finite but not optimized does not make the logged objective so."""
+    loss = parts["pair_loss"]
+    if nll_weight:
+        loss += nll_weight * parts["nll"]
+    if router_aux_coef:
+        loss += router_aux_coef * parts["aux_loss"]
+    return loss
+
+
 def _source_record(s: dict) -> dict:
-    """Per-source metrics: a pair counts once, in its own source."""
+    """Per-source metrics: a pair counts once, in its own source. `pair_loss` is the source's pair part of
+    the objective (the NLL and router terms are the step's, not a source's)."""
     return {
         "pairs": int(s["pairs"]),
-        "loss": s["loss"] / s["pairs"],
+        "pair_loss": s["loss"] / s["pairs"],
         "accuracy": s["correct"] / s["pairs"],
         "margin": s["margin"] / s["pairs"],
         "input_tokens": int(s["input_tokens"]),

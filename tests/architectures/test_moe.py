@@ -102,7 +102,8 @@ def test_the_router_term_is_each_microbatch_weighted_by_its_pairs():
 
 
 def test_a_moe_run_logs_its_router_loss(tmp_path, small_dataset, smollm2_dir):
-    """dpo-train on a tiny Mixtral: the step records aux_loss, and the coefficient is in the run identity."""
+    """dpo-train on a tiny Mixtral: the step records aux_loss, its loss the objective with the router term,
+    and the coefficient is in the run identity."""
     import json
 
     import yaml
@@ -126,6 +127,7 @@ def test_a_moe_run_logs_its_router_loss(tmp_path, small_dataset, smollm2_dir):
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["aux_loss"] > 0
-    assert record["loss"] == pytest.approx(float(np.log(2)), rel=1e-4)  # the DPO part at step 1: log 2
+    assert record["pair_loss"] == pytest.approx(float(np.log(2)), rel=1e-4)  # the DPO part at step 1: log 2
+    assert record["loss"] == pytest.approx(record["pair_loss"] + 0.001 * record["aux_loss"], rel=1e-12)
     state = json.loads(next((tmp_path / "run").glob("checkpoints/step-*/state.json")).read_text())
     assert state["identity"]["objective"]["router_aux_coef"] == 0.001

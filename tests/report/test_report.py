@@ -184,10 +184,51 @@ def test_a_step_logged_twice_is_reported_once_with_the_later_line(tmp_path):
     report = run_report(tmp_path)
     assert schema_problems("run-report", report) == []
     assert report["series"]["step"] == [0, 1, 2, 3]
-    assert report["series"]["loss"] == [0.7, 0.5, 0.4, 0.3]
+    assert report["series"]["pair_loss"] == [0.7, 0.5, 0.4, 0.3]  # format 1's loss: the pair part
     assert report["summary"]["wall_seconds"] == pytest.approx(8.0)  # format 1: no time, the sum of 2 s steps
     assert report["microbatches"]["fill_counts"] == []  # format 1 records carry no histogram
     assert math.isclose(report["summary"]["train_seconds"], 8.0)
+
+
+def _metrics_line(version: int, step: int, loss: float, pair_loss: float, source_loss: float) -> dict:
+    """A metrics.jsonl record of `version`: 2 names the pair part `loss` (step and source), 3 logs the
+    objective as `loss` and the pair part as `pair_loss`."""
+    record = {
+        "format_version": version,
+        "step": step,
+        "world_size": 1,
+        **{k: 0.0 for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")},
+        **{k: 0.0 for k in ("logps/chosen", "logps/rejected", "grad_norm", "lr")},
+        **{"nll": 10.0, "packing_efficiency": 0.5, "pairs/s": 2.0, "tokens/s": 20.0, "time": 100.0 + step},
+        **{"pairs": 4, "input_tokens": 40, "supervised_tokens": 20, "skipped_steps": 0},
+        **{"microbatches": 1, "fill_histogram": [0] * 9 + [1]},
+    }
+    if version == 2:
+        return {**record, "loss": pair_loss, "sources": {"s": {"pairs": 4, "loss": source_loss}}}
+    return {**record, "loss": loss, "pair_loss": pair_loss, "sources": {"s": {"pairs": 4, "pair_loss": source_loss}}}
+
+
+def test_a_log_written_before_the_objective_was_logged_reads_in_todays_names(tmp_path):
+    """A run resumed across the change: steps 0-1 in format 2 (loss: the pair part), 2-3 in format 3 (loss:
+    the objective, 0.69 + 0.5 x 10 with sft weighed 0.5). The report's `loss` is the objective where it was
+    logged and unknown (None) where it was not; `pair_loss`, step and source, is the pair part throughout;
+    the charts draw both."""
+    from dpo_report.charts import write_report
+    from dpo_report.summary import run_report
+    from dpo_state.schema import schema_problems
+
+    lines = [_metrics_line(2, k, 0.7 - k / 100, 0.7 - k / 100, 0.6) for k in (0, 1)]
+    lines += [_metrics_line(3, k, 5.7 - k / 100, 0.7 - k / 100, 0.6) for k in (2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report = run_report(tmp_path)
+    assert schema_problems("run-report", report) == [] and report["format_version"] == 3
+    series = report["series"]
+    assert series["loss"][:2] == [None, None] and series["loss"][2:] == pytest.approx([5.68, 5.67])
+    assert series["pair_loss"] == pytest.approx([0.7, 0.69, 0.68, 0.67])
+    assert series["sources/s/pair_loss"] == [0.6] * 4 and "sources/s/loss" not in series
+    write_report(tmp_path)
+    _not_blank(tmp_path / "report" / "training.png")
+    _not_blank(tmp_path / "report" / "sources.png")
 
 
 def test_report_to_and_report_name_what_is_missing(monkeypatch, tmp_path):

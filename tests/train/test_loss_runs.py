@@ -193,9 +193,12 @@ def test_every_loss_type_trains_two_steps_through_dpo_train(key, runs, initial, 
     logps = initial["logps"]
     expected = _step_zero(config.members, config.label_smoothing, logps)
     rel = REL if all(name in AT_REFERENCE for name in config.types) else LOGP_REL  # on-policy: the logps' own
-    assert rows[0]["loss"] == pytest.approx(expected, rel=rel, abs=1e-9), (key, rows[0]["loss"], expected)
+    assert rows[0]["pair_loss"] == pytest.approx(expected, rel=rel, abs=1e-9), (key, rows[0]["pair_loss"], expected)
     nll = -sum(c for c, *_ in logps) / sum(nc for *_, nc, _ in logps)
     assert rows[0]["nll"] == pytest.approx(nll, rel=LOGP_REL), (key, rows[0]["nll"], nll)
+    # the logged loss is the objective: the pair part plus the NLL term's weight times the NLL
+    objective = rows[0]["pair_loss"] + config.sft_weight * rows[0]["nll"]
+    assert rows[0]["loss"] == pytest.approx(objective, rel=1e-12), (key, rows[0])
     if config.needs_reference:  # every log-ratio is 0: the frozen copy scores what the policy scores
         assert rows[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6), (key, rows[0])
         assert rows[0]["rewards/rejected"] == pytest.approx(0.0, abs=1e-6), (key, rows[0])
@@ -214,14 +217,15 @@ def test_every_loss_type_trains_two_steps_through_dpo_train(key, runs, initial, 
 
 
 def test_the_mpo_list_at_step_0_is_the_weighted_sum_of_its_types_runs(runs, run_cli):
-    """[sigmoid, bco_pair, sft] with [0.8, 0.2, 1.0]: its logged `loss` (the per-pair part, docs/objective.md)
-    is 0.8 L_sigmoid + 0.2 L_bco_pair of those types' own runs at step 0, its `nll` the sft run's (whose
-    per-pair part is 0), so its step objective is 0.8 L_sigmoid + 0.2 L_bco_pair + 1.0 NLL."""
+    """[sigmoid, bco_pair, sft] with [0.8, 0.2, 1.0]: its logged `pair_loss` (docs/objective.md) is 0.8
+    L_sigmoid + 0.2 L_bco_pair of those types' own runs at step 0, its `nll` the sft run's (whose pair part is
+    0), and its logged `loss`, the step objective, 0.8 L_sigmoid + 0.2 L_bco_pair + 1.0 NLL."""
     step0 = {key: _metrics(runs.get(run_cli, key, CASES[key]))[0] for key in ("mpo", "sigmoid", "bco_pair", "sft")}
-    assert step0["sft"]["loss"] == 0.0
-    pair_part = 0.8 * step0["sigmoid"]["loss"] + 0.2 * step0["bco_pair"]["loss"]
-    assert step0["mpo"]["loss"] == pytest.approx(pair_part, rel=REL)
+    assert step0["sft"]["pair_loss"] == 0.0 and step0["sft"]["loss"] == step0["sft"]["nll"]
+    pair_part = 0.8 * step0["sigmoid"]["pair_loss"] + 0.2 * step0["bco_pair"]["pair_loss"]
+    assert step0["mpo"]["pair_loss"] == pytest.approx(pair_part, rel=REL)
     assert step0["mpo"]["nll"] == step0["sft"]["nll"] == step0["sigmoid"]["nll"]
+    assert step0["mpo"]["loss"] == pytest.approx(pair_part + step0["sft"]["nll"], rel=REL)
 
 
 def test_the_mpo_list_steps_along_the_weighted_sum_of_its_types_gradients(runs, run_cli, initial):

@@ -20,7 +20,7 @@ def _step(step):
 
 
 def _eval(step):
-    fields = ("accuracy", "ties", "margin", "logp_accuracy", "loss", "nll")
+    fields = ("accuracy", "ties", "margin", "logp_accuracy", "loss", "pair_loss", "nll")
     return {"format_version": EVAL_FORMAT_VERSION, "step": step, "pairs": 2, **dict.fromkeys(fields, 0.5)}
 
 
@@ -73,9 +73,70 @@ def test_an_eval_log_written_before_loss_existed_stays_readable(tmp_path):
     from dpo_state.errors import DocumentError
     from dpo_state.run_logs import read_log
 
-    old = {k: v for k, v in _eval(0).items() if k not in ("loss", "nll")}
+    old = {k: v for k, v in _eval(0).items() if k not in ("loss", "pair_loss", "nll")}
     (tmp_path / EVAL_LOG).write_bytes(orjson.dumps({**old, "format_version": 1}) + b"\n")
     assert read_log(tmp_path / EVAL_LOG).records[0]["format_version"] == 1
     (tmp_path / EVAL_LOG).write_bytes(orjson.dumps(old) + b"\n")
     with pytest.raises(DocumentError, match="'loss' is a required property"):
         read_log(tmp_path / EVAL_LOG)
+
+
+def _sums(pair_losses: dict, nll: float, chosen_tokens: int, aux: float):
+    """Step sums by hand: per source its pair losses, the step's NLL sum and chosen tokens, and the router
+    losses' pair-weighted sum."""
+    from dpo_train.step.metrics import SUMS
+
+    sums = new_sums(len(pair_losses))
+    for row, losses in enumerate(pair_losses.values(), 1):
+        for target in (0, row):
+            sums[target, SUMS.index("loss")] += sum(losses)
+            sums[target, SUMS.index("pairs")] += len(losses)
+    sums[0, SUMS.index("nll")], sums[0, SUMS.index("chosen_tokens")] = nll, chosen_tokens
+    sums[0, SUMS.index("aux_loss")], sums[0, SUMS.index("capacity")] = aux, 100
+    return sums
+
+
+def test_the_logged_loss_is_the_optimized_objective_and_its_parts_keep_their_names():
+    """loss = pair_loss + w nll + c aux_loss, the value `microbatch_loss` sums to over the step (TRL logs
+    its objective as loss): 4 pairs with losses 0.2, 0.4, 0.6 (source a) and 0.8 (b), NLL 30 over 10 chosen
+    tokens, router losses 0.2 a pair; w 0.5, c 0.01: 0.5 + 0.5 * 3 + 0.01 * 0.2 = 2.002. Without the
+    weights loss is the pair part; per source the pair part keeps its own name."""
+    import pytest
+    import torch
+
+    from dpo_train.step.objective import microbatch_loss
+
+    sums = _sums({"a": [0.2, 0.4, 0.6], "b": [0.8]}, nll=30.0, chosen_tokens=10, aux=0.8)
+    record = step_record(sums, ["a", "b"], 1.0, 1e-5, 0, 0.1, 1, nll_weight=0.5, router_aux_coef=0.01)
+    expected = microbatch_loss(
+        torch.tensor([0.2, 0.4, 0.6, 0.8], dtype=torch.float64),
+        4,
+        torch.tensor(30.0, dtype=torch.float64),
+        10,
+        0.5,
+        torch.tensor(0.2, dtype=torch.float64),
+        0.01,
+    )
+    assert record["format_version"] == 3
+    assert record["loss"] == pytest.approx(2.002, rel=1e-12) == pytest.approx(float(expected), rel=1e-12)
+    assert (record["pair_loss"], record["nll"], record["aux_loss"]) == pytest.approx((0.5, 3.0, 0.2), rel=1e-12)
+    assert record["sources"]["a"]["pair_loss"] == pytest.approx(0.4) and "loss" not in record["sources"]["a"]
+    plain = step_record(sums, ["a", "b"], 1.0, 1e-5, 0, 0.1, 1)
+    assert plain["loss"] == plain["pair_loss"] == pytest.approx(0.5) and "aux_loss" not in plain
+
+
+def test_a_metrics_log_written_before_the_objective_was_logged_stays_readable(tmp_path):
+    """Format 2 lines (loss: the pair part, no pair_loss) still read, so a run resumed across the change
+    keeps its log; a format 3 line without pair_loss is a named error."""
+    import pytest
+
+    from dpo_state.errors import DocumentError
+    from dpo_state.run_logs import read_log
+
+    old = {k: v for k, v in _step(0).items() if k != "pair_loss"}
+    lines = [{**old, "format_version": 2}, _step(1)]
+    (tmp_path / METRICS_LOG).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
+    assert [r["format_version"] for r in read_log(tmp_path / METRICS_LOG).records] == [2, 3]
+    (tmp_path / METRICS_LOG).write_bytes(orjson.dumps({**old, "format_version": 3}) + b"\n")
+    with pytest.raises(DocumentError, match="'pair_loss' is a required property"):
+        read_log(tmp_path / METRICS_LOG)

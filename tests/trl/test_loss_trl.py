@@ -16,7 +16,8 @@ import warnings
 import pytest
 import torch
 
-from dpo_train.step.loss import LossConfig, pair_losses
+from dpo_train.step.loss import LOSSES, LossConfig, pair_losses
+from dpo_train.step.metrics import add_pairs, new_sums, step_record
 from dpo_train.step.objective import microbatch_loss
 from dpo_train.step.sort import SortScores, sorted_types, step_partners
 
@@ -129,6 +130,28 @@ def our_loss(config: LossConfig, dtype: torch.dtype, leaves: list | None = None)
     return float(loss.detach())
 
 
+def our_logged_loss(config: LossConfig, dtype: torch.dtype) -> float:
+    """metrics.jsonl's `loss` for these pairs as one step: the trainer's step sums (`add_pairs`) turned into
+    the step record (`step_record`) with the config's NLL weight, as `Trainer.step` logs it."""
+    chosen, rejected, ref_chosen, ref_rejected = (t.to(dtype) for t in (CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED))
+    scores = SortScores(torch.arange(len(CHOSEN)), chosen, rejected, ref_chosen, ref_rejected)
+    partners = step_partners([scores], config)[0] if sorted_types(config) else None
+    counts = CHOSEN_TOKENS.to(dtype), REJECTED_TOKENS.to(dtype)
+    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, partners=partners)
+    n = len(CHOSEN)
+    batch = {  # the row's segments: chosen then rejected of each pair, one source
+        "segment_pair": torch.arange(n).repeat_interleave(2),
+        "segment_length": torch.stack([CHOSEN_TOKENS, REJECTED_TOKENS], dim=1).flatten(),
+        "pair_source": torch.zeros(n, dtype=torch.long),
+    }
+    policy = types.SimpleNamespace(
+        chosen=chosen, rejected=rejected, chosen_tokens=counts[0], rejected_tokens=counts[1], aux_loss=None
+    )
+    sums = new_sums(1)
+    add_pairs(sums, batch, terms, policy, capacity=100)
+    return step_record(sums, ["rows"], 1.0, 1e-5, 0, 1.0, nll_weight=config.sft_weight)["loss"]
+
+
 F64 = dict(rel=1e-6, abs=1e-12)
 ALONE = [
     dict(type="sigmoid", beta=0.1),
@@ -196,6 +219,25 @@ def test_the_sorted_types_are_trls_loss_and_gradient(trl_trainer, config):
 def test_a_weighted_list_is_trls_loss(trl_trainer, config):
     config = LossConfig(**config)
     assert our_loss(config, torch.float64) == pytest.approx(trl_loss(trl_trainer, config, torch.float64), **F64)
+
+
+LISTS = [
+    dict(type=["sigmoid", "sft"], weights=[1.0, 0.5], beta=0.1),  # the issue's: TRL logged 6.1082, we 0.6931
+    dict(type=["sigmoid", "bco_pair", "sft"], weights=[0.8, 0.2, 1.0], beta=0.3),
+    dict(type=["sft", "ipo", "discopop"], weights=[0.5, 2.0, 0.25], beta=0.5),
+    dict(type=["hinge", "apo_zero"], beta=0.2),
+    dict(type=["aot", "aot_unpaired", "sigmoid", "sft"], weights=[0.5, 0.7, 1.0, 0.3], beta=0.4),
+]
+
+
+@pytest.mark.parametrize("config", ALONE + LISTS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_the_logged_loss_is_trls_loss(trl_trainer, config):
+    """metrics.jsonl's `loss` is the objective TRL optimizes and logs as `loss` (one batch, one step: the
+    value of its `_compute_loss`), sft's NLL term included, for every type TRL's DPOTrainer runs and for
+    weighted lists; float64, 1e-6 relative."""
+    config = LossConfig(**config)
+    trl = trl_loss(trl_trainer, config, torch.float64)
+    assert our_logged_loss(config, torch.float64) == pytest.approx(trl, **F64)
 
 
 @pytest.mark.parametrize(
@@ -309,6 +351,31 @@ def test_the_cpo_trainer_types_are_trls(ours, trl_keys, averaged):
     terms = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
     torch.testing.assert_close(terms.chosen_rewards, chosen_rewards, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(terms.rejected_rewards, rejected_rewards, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("ours, trl_keys, averaged", CPO_CASES, ids=lambda v: str(v) if isinstance(v, bool) else None)
+def test_the_logged_loss_is_the_cpo_trainers_loss(ours, trl_keys, averaged):
+    """CPOTrainer logs its objective (cpo_loss plus cpo_alpha times the NLL) as `loss`: ours logs the same."""
+    config = LossConfig(**ours)
+    assert our_logged_loss(config, torch.float64) == pytest.approx(_trl_cpo_loss(config, trl_keys, averaged)[0], **F64)
+
+
+def test_the_logged_loss_is_the_orpo_trainers_loss():
+    """ORPOTrainer logs nll - mean(beta log s(log odds ratio)) as `loss`: ours logs the same (1e-6, its float32)."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    config = LossConfig(type=["orpo", "sft"], beta=0.5)
+    losses, *_ = ORPOTrainer.odds_ratio_loss(_trl_stand_in(config), *_trl_logps(True))
+    nll = -CHOSEN.double().sum() / CHOSEN_TOKENS.sum()
+    assert our_logged_loss(config, torch.float64) == pytest.approx(float(nll - losses.mean()), rel=1e-6)
+
+
+def test_every_loss_type_has_its_logged_loss_checked_against_trl():
+    """The logged-loss checks above cover every name of LOSSES: DPOTrainer's types, CPO's and ORPO's."""
+    checked = {"orpo", "sft"}
+    for config in ALONE + LISTS + [ours for ours, _, _ in CPO_CASES]:
+        checked.update(LossConfig(**config).types)
+    assert checked == set(LOSSES)
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
