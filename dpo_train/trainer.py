@@ -350,7 +350,8 @@ def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
 
 
 def _schedule(config: TrainConfig):
-    warmup, total, kind = config.optim.warmup_steps, config.train.max_steps, config.optim.scheduler
+    total, kind = config.train.max_steps, config.optim.scheduler
+    warmup = config.optim.warmup_for(total)
 
     def factor(step: int) -> float:
         if step < warmup:

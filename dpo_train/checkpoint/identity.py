@@ -87,7 +87,7 @@ def run_identity(
             "scheduler": {
                 "class": type(scheduler).__name__,
                 "kind": config.optim.scheduler,
-                "warmup_steps": config.optim.warmup_steps,
+                "warmup_steps": config.optim.warmup_for(config.train.max_steps),
                 "max_steps": config.train.max_steps if config.optim.scheduler != "constant" else None,
             },
             "layout": {

@@ -276,6 +276,11 @@ def _eval_rules(config: TrainConfig) -> list[str]:
     from dpo_train.step.early_stopping import LOWER_IS_BETTER
 
     e, defaults = config.eval, EvalConfig()
+    if e.every and not e.path:  # the run would start, evaluate nothing and say nothing
+        return [
+            f"eval.every is {e.every}, but eval.path is null, so there is nothing to evaluate; set eval.path to a "
+            "held-out dataset built by `dpo-data build`, or drop eval.every"
+        ]
     if e.early_stopping_metric is None:
         keys = ("early_stopping_patience", "early_stopping_threshold")
         return [
@@ -376,6 +381,17 @@ def _train_rules(config: TrainConfig) -> list[str]:
     return problems
 
 
+def _optim_rules(config: TrainConfig) -> list[str]:
+    """The warm-up is said one way: a number of steps or a share of them."""
+    optim = config.optim
+    if optim.warmup_ratio is not None and optim.warmup_steps:
+        return [
+            f"optim.warmup_steps is {optim.warmup_steps} and optim.warmup_ratio is {optim.warmup_ratio}: the warm-up "
+            "is a number of steps or a share of them; drop one of the two"
+        ]
+    return []
+
+
 def _data_rules(config: TrainConfig) -> list[str]:
     """A run has a dataset to train on."""
     if config.data.path:
@@ -383,7 +399,15 @@ def _data_rules(config: TrainConfig) -> list[str]:
     return ["data.path is empty; set it to a dataset directory written by `dpo-data build` (or a list of them)"]
 
 
-_RULES = (_loss_rules, _reference_rules, _sync_rules, _per_token_rules, _train_rules, _eval_rules)
+_RULES = (
+    _loss_rules,
+    _reference_rules,
+    _sync_rules,
+    _per_token_rules,
+    _optim_rules,
+    _train_rules,
+    _eval_rules,
+)
 """What any loaded config must satisfy."""
 _RUN_RULES = (_data_rules,)
 """What a run needs beyond that: `check_config(config)` (for_run=True) checks these too; `load_config` not."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,6 +115,16 @@ class OptimConfig:
     scheduler: str = "constant"
     """constant | linear | cosine."""
     warmup_steps: int = 0
+    warmup_ratio: float | None = None
+    """Warm-up as a share of the run's steps, as TRL's `warmup_ratio`: ceil(ratio x train.max_steps) steps, the
+    total known once the loader has planned the epochs (`max_steps: null`); null: `warmup_steps`. Setting
+    both is refused."""
+
+    def warmup_for(self, total_steps: int | None) -> int:
+        """The warm-up steps of a run of `total_steps` optimizer steps (transformers' rounding: up)."""
+        if self.warmup_ratio is None or total_steps is None:
+            return self.warmup_steps
+        return math.ceil(total_steps * self.warmup_ratio)
 
 
 @dataclass(frozen=True)

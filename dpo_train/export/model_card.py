@@ -120,7 +120,7 @@ def _hyperparameters(config: TrainConfig, facts: RunFacts) -> str:
     rows = [
         ("optimizer", f"{facts.identity['optimizer']['class']} (optim.name {optim.name})"),
         ("learning rate", optim.lr),
-        ("scheduler", f"{optim.scheduler}, {optim.warmup_steps} warmup steps"),
+        ("scheduler", f"{optim.scheduler}, {optim.warmup_for(config.train.max_steps)} warmup steps"),
         ("weight decay", optim.weight_decay),
         ("max grad norm", optim.max_grad_norm),
         ("steps trained", facts.step),
