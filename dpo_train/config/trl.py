@@ -4,6 +4,7 @@ sections, checked by loading it."""
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ def translate(trl: dict, world: int = 1, overrides: list[str] = ()) -> tuple[dic
     overridden = frozenset(item.partition("=")[0].strip() for item in overrides)
     read, refused = _read_fields(trl)
     filled = {name: row.default for name, row in TABLE.items() if row.convert and row.default is not UNSET}
-    ctx = Context({**filled, **read}, world, overridden)
+    ctx = Context({**filled, **read}, world, overridden, frozenset(read))
     keys, problems, unused = {}, [], []
     for name in [*trl, *(name for name in filled if name not in trl)]:  # the file's order, then TRL's defaults
         if name in refused:
@@ -38,19 +39,23 @@ def translate(trl: dict, world: int = 1, overrides: list[str] = ()) -> tuple[dic
                 keys[key] = (out, name)
         except Untranslatable as error:
             problems.append(str(error))
-    problems = list(dict.fromkeys(problems))  # bf16 and fp16 share one converter
-    if problems:
-        raise ConfigError(
-            'the TRL config does not translate (docs/train-config.md, "From TRL"):\n  - ' + "\n  - ".join(problems)
-        )
     sections: dict = {}
     for key, (value, _) in keys.items():
         section, _, name = key.partition(".")
         sections.setdefault(section, {})[name] = value
+    printed = {name: sections.pop(name, {}) for name in PRINTED}
     for item in overrides:
         apply_override(sections, item)
+    problems += _unbuilt(sections, printed["build"], keys, read)
+    problems = list(dict.fromkeys(problems))  # bf16, fp16 and dtype share one converter
+    if problems:
+        raise ConfigError(
+            'the TRL config does not translate (docs/train-config.md, "From TRL"):\n  - ' + "\n  - ".join(problems)
+        )
     _load(sections, read, overridden)
-    return {"format_version": 1, **{s: sections[s] for s in SECTIONS if s in sections}}, _notes(sections, unused)
+    unused = sorted([*unused, *printed["unused"]], key=list(trl).index)  # the file's order
+    notes = _notes(sections, printed, unused, built="data.path" in keys)
+    return {"format_version": 1, **{s: sections[s] for s in SECTIONS if s in sections}}, notes
 
 
 def _read_fields(trl: dict) -> tuple[dict, dict]:
@@ -139,12 +144,52 @@ def _unknown(name: str, value: Any, unused: list[str]) -> dict:
     refuse(f"{name} is {shown(value)}: a transformers TrainingArguments field with no counterpart here; drop it")
 
 
-def _notes(sections: dict, unused: list[str]) -> list[str]:
-    """What the user still has to do before the translated config trains, and what was accepted unused."""
+PRINTED = ("build", "push", "note", "unused")
+"""What a row's converter returns besides config keys (`build.--max-length`, `push.repo`, `note.FIELD`,
+`unused.FIELD`): the `dpo-data build` and `dpo-state push` commands the translation prints, its notes, and the
+fields accepted without changing anything."""
+
+
+def build_command(build: dict, sections: dict, out: str) -> str:
+    """The `dpo-data build` command the TRL config's dataset and build-time fields make, into `out`."""
+    inputs = build.get("inputs") or ["RAW_FILES"]
+    tokenizer = sections.get("model", {}).get("tokenizer") or sections.get("model", {}).get("path") or "MODEL_DIR"
+    options = [f"{option} {value}" for option, value in sorted(build.items()) if option.startswith("--")]
+    words = ["dpo-data build", *map(shlex.quote, inputs), "--tokenizer", shlex.quote(tokenizer), "--out", out]
+    return " ".join(words + options)
+
+
+def _data_out(sections: dict) -> str:
+    """Where the printed build writes: data.path when the user gives one, else beside the run's output."""
+    path = sections.get("data", {}).get("path")
+    return shlex.quote(path) if isinstance(path, str) and path else f"{sections['train']['output_dir']}-dataset"
+
+
+def _unbuilt(sections: dict, build: dict, keys: dict, read: dict) -> list[str]:
+    """A dataset named in the TRL config that is not built yet: refused with the command that builds it (the
+    run reads only built, attested datasets), unless --set data.path gives one."""
+    if "inputs" not in build or sections.get("data", {}).get("path"):
+        return []
+    name, out = keys["build.inputs"][1], _data_out(sections)
+    return [
+        f"{name} names {', '.join(build['inputs'])}, not built; here data.path is a dataset built by dpo-data "
+        f"build (tokenized, attested): build it with `{build_command(build, sections, out)}`, then translate "
+        f"again with --set data.path={out}"
+    ]
+
+
+def _notes(sections: dict, printed: dict, unused: list[str], built: bool) -> list[str]:
+    """What the user still has to do before the translated config trains (the build command the TRL config
+    implies, unless its dataset_name is built), what to run after it (push), the converters' notes, and what
+    was accepted unused."""
     notes = []
     if not sections.get("data", {}).get("path"):
+        command = build_command(printed["build"], sections, _data_out(sections))
+        notes.append(f"data.path is empty: build the dataset (`{command}`) and set data.path (--set data.path=DIR)")
+    elif not built:
         notes.append(
-            "data.path is empty: build the dataset (dpo-data build ...) and set data.path (--set data.path=DIR)"
+            f"data.path is {sections['data']['path']}; the TRL config builds it with "
+            f"`{build_command(printed['build'], sections, _data_out(sections))}`"
         )
     if not sections.get("model", {}).get("path"):
         notes.append(
@@ -155,6 +200,13 @@ def _notes(sections: dict, unused: list[str]) -> list[str]:
             f"reference.path is {sections['reference']['path']}: create the sidecar first with "
             "`dpo-train CONFIG --precompute-reference`"
         )
+    notes += printed["note"].values()
+    push = printed["push"]
+    if push:
+        final = shlex.quote(f"{sections['train']['output_dir']}/final")
+        private = " --private" if push["--private"] else ""
+        namespace = " (NAMESPACE: your Hub user or organization)" if push["repo"].startswith("NAMESPACE/") else ""
+        notes.append(f"push_to_hub: after training, `dpo-state push {final} {push['repo']}{private}`{namespace}")
     if unused:
         notes.append(f"accepted, changing nothing here: {', '.join(unused)}")
     return notes

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpo_data.prepare.hub import HUB_PREFIX
 from dpo_train.errors import ConfigError
 from dpo_train.step.loss import F_DIVERGENCES, LOSSES, Interval
 
@@ -36,6 +38,8 @@ class Context:
     trl: dict
     world: int
     overridden: frozenset = frozenset()
+    given: frozenset = frozenset()
+    """The fields the file itself sets (the others hold TRL's defaults)."""
 
 
 @dataclass(frozen=True)
@@ -255,25 +259,30 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "c
 
 
 def _warmup_steps(value: float, ctx: Context) -> dict:
-    steps = _steps_or_ratio("warmup_steps", value, ctx, "optim.warmup_steps")
-    if not steps and ctx.trl.get("warmup_ratio"):
+    if not value and ctx.trl.get("warmup_ratio"):
         return {}  # transformers 4.x: warmup_steps 0 leaves the warm-up to warmup_ratio
-    return _warm_up("warmup_steps", value, steps, ctx)
+    if 0 < value < 1:
+        return _warm_up("warmup_steps", value, ctx, ratio=True)
+    return _warm_up("warmup_steps", _steps_or_ratio("warmup_steps", value, ctx, "optim.warmup_steps"), ctx)
 
 
 def _warmup_ratio(value: float, ctx: Context) -> dict:
-    steps = _ratio_of_steps("warmup_ratio", value, ctx, "optim.warmup_steps") if value else 0
-    return _warm_up("warmup_ratio", value, steps, ctx)
+    return _warm_up("warmup_ratio", value, ctx, ratio=True) if value else {"optim.warmup_steps": 0}
 
 
-def _warm_up(name: str, value: float, steps: int, ctx: Context) -> dict:
-    if steps and ctx.trl["lr_scheduler_type"] == "constant":
+def _warm_up(name: str, value: float, ctx: Context, ratio: bool = False) -> dict:
+    """Whole steps, or a ratio: with max_steps its steps (ceil, as transformers); without, optim.warmup_ratio,
+    which the run turns into steps once the loader has planned the epochs (the same ceil)."""
+    if value and ctx.trl["lr_scheduler_type"] == "constant":
         refuse(
             f"{name} is {value}, but lr_scheduler_type is constant, which in transformers takes no warm-up "
             "(it ignores the warm-up steps); set lr_scheduler_type: constant_with_warmup to warm up, or drop "
             f"{name}"
         )
-    return {"optim.warmup_steps": steps}
+    if not ratio:
+        return {"optim.warmup_steps": value}
+    steps = _max_steps(ctx)
+    return {"optim.warmup_ratio": value} if steps is None else {"optim.warmup_steps": math.ceil(steps * value)}
 
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw": "adamw", "sgd": "sgd"}
@@ -311,30 +320,66 @@ def _keep_last(value: int | None, ctx: Context) -> dict:
     return {"train.keep_last": KEEP_ALL if value is None else value}
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""TRL's ModelConfig dtype (torch_dtype before transformers 4.56): the dtype the weights load in."""
+
+
 def _precision(value: Any, ctx: Context) -> dict:
-    if ctx.trl["fp16"]:
-        refuse("fp16 is true; this toolkit has no fp16 (no loss scaling): set bf16: true (train.precision: bf16)")
+    """bf16, fp16 and the model's dtype say one thing here: train.precision (bf16 autocast over fp32 master
+    weights, where TRL's dtype bfloat16 would hold the weights themselves in bf16)."""
+    dtype_name, dtype = _dtype(ctx)
+    if ctx.trl["fp16"] or dtype == "float16":
+        what = "fp16 is true" if ctx.trl["fp16"] else f"{dtype_name} is float16"
+        refuse(f"{what}; this toolkit has no fp16 (no loss scaling): set bf16: true (train.precision: bf16)")
     bf16 = ctx.trl["bf16"]
+    if dtype == "bfloat16" and bf16 is False:
+        refuse(
+            f"{dtype_name} is bfloat16 and bf16 is false; here bf16 is one setting, train.precision (bf16 compute "
+            f"over fp32 master weights): set bf16: true, or {dtype_name}: float32 for fp32"
+        )
+    bf16 = True if bf16 is None and dtype == "bfloat16" else bf16
     return {"train.precision": "auto" if bf16 is None else "bf16" if bf16 else "fp32"}
+
+
+def _dtype(ctx: Context) -> tuple[str, str | None]:
+    """(the field that names the model's dtype, its value): torch_dtype when the file sets it, else dtype."""
+    dtype, torch_dtype = ctx.trl["dtype"], ctx.trl.get("torch_dtype")
+    if torch_dtype is not None and dtype not in (None, "float32", torch_dtype):
+        refuse(f"torch_dtype is {torch_dtype!r} and dtype is {dtype!r}: torch_dtype is dtype's older name; keep one")
+    return ("torch_dtype", torch_dtype) if torch_dtype is not None else ("dtype", dtype)
+
+
+SINKS = ("tensorboard", "wandb")
+"""train.report_to's sinks: the report_to names that keep their meaning here."""
 
 
 def _report_to(value: str | list[str] | None, ctx: Context) -> dict:
     sinks = [] if value in (None, "none") else [value] if isinstance(value, str) else list(value)
     sinks = [sink for sink in sinks if sink != "none"]
-    other = [sink for sink in sinks if sink != "tensorboard"]
+    other = [sink for sink in sinks if sink not in SINKS]
     if other:
+        everything = " (transformers' 'all': every integration installed; name them)" if "all" in other else ""
         refuse(
-            f"report_to names {', '.join(other)}; here only tensorboard (train.report_to: [tensorboard]) "
-            "besides OUTPUT/metrics.jsonl, which is always written; drop the others"
+            f"report_to names {', '.join(other)}{everything}; here: {', '.join(SINKS)} (train.report_to), "
+            "besides OUTPUT/metrics.jsonl, which is always written; keep those, drop the others"
         )
     return {"train.report_to": sinks}
 
 
 def _eval_every(value: str, ctx: Context) -> dict:
+    """Every N steps on eval.path; TRL evaluates the dataset's test split, which has no counterpart until a
+    held-out set is built: without --set eval.path the translation says so instead of an eval.every that
+    evaluates nothing."""
     if value == "no":
         return {}
-    steps = ctx.trl["eval_steps"] or ctx.trl["logging_steps"]
-    return {"eval.every": _steps_or_ratio("eval_steps", steps, ctx, "eval.every")}
+    steps = _steps_or_ratio("eval_steps", ctx.trl["eval_steps"] or ctx.trl["logging_steps"], ctx, "eval.every")
+    if "eval.path" in ctx.overridden:
+        return {"eval.every": steps}
+    return {
+        "note.eval_strategy": f"eval_strategy is steps (every {steps} steps), but there is no held-out set here "
+        "yet, so the run evaluates nothing: build one (dpo-data build HELD_OUT_FILES ... --out DIR) and translate "
+        f"again with --set eval.path=DIR, which evaluates every {steps} steps"
+    }
 
 
 def _output_dir(value: str | None, ctx: Context) -> dict:
@@ -408,19 +453,154 @@ def _lora(value: bool, ctx: Context) -> dict:
 
 
 def _model_path(value: str | None, ctx: Context) -> dict:
-    return {} if value is None else {"model.path": value}
+    """A local directory as it is; a Hub id (what transformers reads when no such directory exists) from the local
+    Hugging Face cache, offline, or refused now rather than when the run loads it."""
+    if value is None or "model.path" in ctx.overridden:
+        return {}
+    if Path(value).expanduser().is_dir() or not is_hub_id(value):
+        return {"model.path": value}
+    local = cached_snapshot(value, "model", "config.json")
+    if local is None:
+        refuse(
+            f"model_name_or_path is {value!r}: no such local directory, and a Hub model id that is not in the "
+            f"local Hugging Face cache ({hub_cache()}); dpo-train never downloads: fetch it first "
+            f"(`hf download {value}`) or give a local model directory (--set model.path=DIR)"
+        )
+    return {
+        "model.path": local,
+        "note.model_name_or_path": f"model_name_or_path {value} is a Hub id: model.path is its copy in the local "
+        f"Hugging Face cache, {local}",
+    }
 
 
 def _dataset(value: str | None, ctx: Context) -> dict:
-    if value is None or "data.path" in ctx.overridden:
+    if value is None:
         return {}
     if (Path(value) / "manifest.json").is_file():  # already a dataset built by dpo-data build
         return {"data.path": value}
-    refuse(
-        f"dataset_name is {value!r}; here data.path is a dataset built by dpo-data build (tokenized, attested): "
-        f"build it (dpo-data build RAW_FILES --tokenizer MODEL_DIR --out DIR; a Hub dataset's split as "
-        f"hf://datasets/{value}/GLOB) and pass --set data.path=DIR"
+    return {"build.inputs": [build_input(value, ctx.trl["dataset_train_split"])]}
+
+
+def _mixture(value: dict, ctx: Context) -> dict:
+    """The alignment-handbook's dataset_mixture: each dataset's split becomes one input of the build."""
+    if value is None:
+        return {}
+    datasets = value.get("datasets")
+    if not isinstance(datasets, list) or not all(isinstance(d, dict) and _text_in(d.get("id")) for d in datasets):
+        refuse(
+            f"dataset_mixture is {shown(value)}; the handbook's form is {{datasets: [{{id: OWNER/NAME, split: "
+            "train, weight: 1.0}, ...]}}: give each dataset an id"
+        )
+    shares = [f"{d['id']} weight {d['weight']}" for d in datasets if d.get("weight", 1.0) != 1.0]
+    if shares:
+        refuse(
+            f"dataset_mixture takes a share of {', '.join(shares)}; here each input is built whole: build a file "
+            "of the rows to keep, or several datasets mixed by data.weights; set weight: 1.0"
+        )
+    inputs = [build_input(d["id"], d.get("split") or "train") for d in datasets]
+    held_out = value.get("test_split_size")
+    note = (
+        {
+            "note.dataset_mixture": f"dataset_mixture holds out test_split_size {held_out} rows as the handbook's "
+            "eval set; here a held-out set is a dataset of its own: build those rows apart (eval.path)"
+        }
+        if held_out
+        else {}
     )
+    return {"build.inputs": inputs, **note}
+
+
+def _build_option(option: str) -> Callable[[Any, Context], dict]:
+    """A build-time field: an option of the `dpo-data build` command the translation prints."""
+    return lambda value, ctx: {} if value is None else {f"build.{option}": value}
+
+
+def _truncation(value: str, ctx: Context) -> dict:
+    return {"build.--overlength": "truncate-prompt"} if value == "keep_end" else {}
+
+
+def _max_prompt_length(value: int | None, ctx: Context) -> dict:
+    if value is None:
+        return {}
+    return {
+        "build.--overlength": "truncate-prompt",
+        "note.max_prompt_length": f"max_prompt_length is {value}: here a prompt is cut (its oldest tokens first) "
+        "only as far as the build's --max-length needs, not to a length of its own",
+    }
+
+
+def _push(value: bool, ctx: Context) -> dict:
+    """push_to_hub: the `dpo-state push` command to run once the run has exported OUTPUT/final."""
+    repo = ctx.trl["hub_model_id"]
+    if not value and repo:
+        return {"note.hub_model_id": f"hub_model_id is {repo} but push_to_hub is false: nothing is pushed"}
+    if not value:
+        return {"unused.push_to_hub": value} if "push_to_hub" in ctx.given else {}
+    name = repo or Path(ctx.trl["output_dir"] or "trainer_output").name  # TRL's repo name without hub_model_id
+    return {
+        "push.repo": name if "/" in name else f"NAMESPACE/{name}",
+        "push.--private": bool(ctx.trl["hub_private_repo"]),
+    }
+
+
+def _accepted(name: str) -> Callable[[Any, Context], dict]:
+    """A field read and checked, whose value changes nothing here: listed as accepted when the file sets it."""
+    return lambda value, ctx: {f"unused.{name}": value} if name in ctx.given else {}
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""A Hugging Face repo id, NAME or OWNER/NAME: what transformers and datasets read a name as when no local path of
+that name exists."""
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
+"""Names that are files, never a Hub id."""
+
+
+def is_hub_id(value: str) -> bool:
+    """A name that can only be a Hub repo id when no such local path exists (not /abs, ./rel, ../x, x.jsonl)."""
+    return HUB_ID.fullmatch(value) is not None and ".." not in value and not value.endswith(DATA_SUFFIXES)
+
+
+def hub_cache() -> str:
+    """Where huggingface_hub keeps its cache (HF_HUB_CACHE), for messages."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def cached_snapshot(repo_id: str, repo_type: str, needs: str = "") -> str | None:
+    """The directory of `repo_id`'s snapshot in the local Hugging Face cache (its main revision), found without
+    the network, holding `needs`; None when the cache has none."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError, HFValidationError, OSError: all "not in the cache"
+        return None
+    return local if not needs or (Path(local) / needs).is_file() else None
+
+
+def build_input(name: str, split: str) -> str:
+    """What `dpo-data build` reads for a TRL dataset name: a local path as it is, a Hub dataset's split as
+    hf://datasets/NAME/GLOB, the GLOB matching that split's files in the local cache, else the layout the Hub's
+    push_to_hub writes (data/SPLIT-*)."""
+    if Path(name).expanduser().exists() or not is_hub_id(name):
+        return name
+    return f"{HUB_PREFIX}{name}/{_split_glob(name, split)}"
+
+
+def _split_glob(name: str, split: str) -> str:
+    """The GLOB of `split`'s files (SPLIT-*.EXT, or the one file) in one folder of the cached snapshot; without
+    a snapshot, or with the split's files spread out, data/SPLIT-*."""
+    local = cached_snapshot(name, "dataset")
+    files = [path for path in sorted(Path(local).rglob(f"{split}[-.]*")) if path.is_file()] if local else []
+    kinds = {(path.parent.relative_to(local).as_posix(), path.suffix) for path in files}
+    if len(kinds) != 1:
+        return f"data/{split}-*"
+    if len(files) == 1:
+        return files[0].relative_to(local).as_posix()
+    folder, suffix = kinds.pop()
+    return f"{'' if folder == '.' else folder + '/'}{split}-*{suffix}"
 
 
 def _read_elsewhere(value: Any, ctx: Context) -> dict:
@@ -454,12 +634,29 @@ TABLE: dict[str, Row] = {
     "disable_dropout": Row(
         "", "dropout is always off here (policy and reference score a pair alike)", harmless=(True,), read=boolean
     ),
-    "dataset_num_proc": Row("", _build_time("--num-proc N"), harmless=(None,)),
+    "dataset_num_proc": Row(
+        "dpo-data build --num-proc",
+        _build_time("--num-proc N"),
+        _build_option("--num-proc"),
+        default=None,
+        read=_optional(_count(1)),
+    ),
     "max_length": Row(
-        "", _build_time("--max-length N") + "; TRL's default 1024 truncates, the build rejects or cuts the prompt"
+        "dpo-data build --max-length",
+        _build_time("--max-length N")
+        + "; a pair longer is rejected by the build (or its prompt cut, --overlength truncate-prompt) where TRL cuts "
+        "the completion's end; null: no bound",
+        _build_option("--max-length"),
+        default=1024,
+        read=_optional(_count(2)),
     ),
     "truncation_mode": Row(
-        "", _build_time("--overlength reject|truncate-prompt") + "; a completion is never truncated here"
+        "dpo-data build --overlength",
+        _build_time("--overlength")
+        + ": keep_start, the build's default reject (a completion is never cut here); keep_end: truncate-prompt",
+        _truncation,
+        default="keep_start",
+        read=_choice(("keep_start", "keep_end"), "dpo-data build --overlength reject or truncate-prompt"),
     ),
     "padding_free": Row("", "packing is always on here", harmless=(False, True), read=boolean),
     "pad_to_multiple_of": Row("", "packed rows are not padded", harmless=("auto", None)),
@@ -542,16 +739,17 @@ TABLE: dict[str, Row] = {
     ),
     "lr_scheduler_kwargs": Row("", "the schedulers here take no arguments", harmless=(None, {})),
     "warmup_steps": Row(
-        "optim.warmup_steps",
-        "a value in (0, 1) is a ratio: ceil(max_steps x ratio), refused without max_steps; the ramp here starts "
-        "at lr / (N + 1), not 0",
+        "optim.warmup_steps, optim.warmup_ratio",
+        "a value in (0, 1) is a ratio: ceil(max_steps x ratio), without max_steps optim.warmup_ratio; the ramp "
+        "here starts at lr / (N + 1), not 0",
         _warmup_steps,
         default=0,
         read=_number(0),
     ),
     "warmup_ratio": Row(
-        "optim.warmup_steps",
-        "transformers 4.x: a ratio in [0, 1], ceil(max_steps x ratio), refused above 0 without max_steps",
+        "optim.warmup_steps, optim.warmup_ratio",
+        "transformers 4.x: a ratio in [0, 1], ceil(max_steps x ratio); without max_steps optim.warmup_ratio, the "
+        "same ceil of the steps the loader plans for the epochs",
         _warmup_ratio,
         read=_number(0, 1, fix="warmup_ratio is a share of the run's steps; give a number of steps as warmup_steps"),
     ),
@@ -645,11 +843,16 @@ TABLE: dict[str, Row] = {
         "", "always non-reentrant here", harmless=(None, {}, {"use_reentrant": False})
     ),
     "report_to": Row(
-        "train.report_to", "none or tensorboard; others refused", _report_to, default="none", read=_optional(_names)
+        "train.report_to",
+        "none, tensorboard, wandb; others refused",
+        _report_to,
+        default="none",
+        read=_optional(_names),
     ),
     "eval_strategy": Row(
         "eval.every",
-        "steps: eval_steps (else logging_steps); needs eval.path, a built dataset",
+        "steps: eval_steps (else logging_steps), with --set eval.path=DIR (a built held-out dataset); without "
+        "one, a note says the run evaluates nothing",
         _eval_every,
         default="no",
         read=_choice(("no", "steps"), "eval.every"),
@@ -661,7 +864,36 @@ TABLE: dict[str, Row] = {
         default=None,
         read=_optional(_number(0, open_low=True)),
     ),
-    "per_device_eval_batch_size": Row("", "evaluation is packed like training; " + _UNUSED, harmless=(8,)),
+    "per_device_eval_batch_size": Row(
+        "",
+        "evaluation is packed like training; " + _UNUSED,
+        _accepted("per_device_eval_batch_size"),
+        default=8,
+        read=_count(1),
+    ),
+    "do_eval": Row(
+        "", "evaluation follows eval_strategy and eval.path; " + _UNUSED, harmless=(False, True), read=boolean
+    ),
+    "log_level": Row(
+        "",
+        "this toolkit's own messages (--quiet silences progress); " + _UNUSED,
+        harmless=("passive", "debug", "info", "warning", "error", "critical"),
+    ),
+    "push_to_hub": Row(
+        "dpo-state push",
+        "true: the `dpo-state push OUTPUT_DIR/final REPO_ID` command printed, to run after training",
+        _push,
+        default=False,
+        read=boolean,
+    ),
+    "hub_model_id": Row(
+        "dpo-state push",
+        "REPO_ID (null: output_dir's name, as TRL)",
+        _read_elsewhere,
+        default=None,
+        read=_optional(_text),
+    ),
+    "hub_private_repo": Row("dpo-state push --private", "", _read_elsewhere, default=None, read=_optional(boolean)),
     "dataloader_num_workers": Row("data.num_workers", "", _to("data.num_workers"), default=0, read=_count(0)),
     "dataloader_drop_last": Row(
         "", "no pair is dropped here (the last step may be short)", harmless=(False,), read=boolean
@@ -682,18 +914,31 @@ TABLE: dict[str, Row] = {
         lambda v, ctx: {} if v is None else {"loss.nll_weight": v},
         read=_optional(_number(0)),
     ),
-    "max_prompt_length": Row("", _build_time("--max-length N") + " (prompt and completion together)"),
+    "max_prompt_length": Row(
+        "dpo-data build --overlength",
+        _build_time("--overlength truncate-prompt")
+        + ": a prompt is cut (oldest tokens first) only as far as --max-length (prompt and completion) needs",
+        _max_prompt_length,
+        read=_optional(_count(1)),
+    ),
     "max_completion_length": Row("", _build_time("--max-length N") + " (a completion is never truncated here)"),
     # TRL's ModelConfig and ScriptArguments (the YAML of `trl dpo`)
     "model_name_or_path": Row(
         "model.path",
-        "a local model directory (dpo-train is offline)",
+        "a local model directory, or a Hub id found offline in the local Hugging Face cache (else refused)",
         _model_path,
         default=None,
         read=_optional(_text),
     ),
     "model_revision": Row("", "offline: download that revision, point model_name_or_path at it", harmless=("main",)),
-    "dtype": Row("", "weights train in fp32 here; bf16: true for bf16 compute", harmless=("float32",)),
+    "dtype": Row(
+        "train.precision",
+        "bfloat16: bf16 (bf16 compute over fp32 master weights); float32, auto: as bf16 says; float16 refused",
+        _precision,
+        default="float32",
+        read=_optional(_choice(DTYPES)),
+    ),
+    "torch_dtype": Row("train.precision", "dtype's older name (above)", _precision, read=_optional(_choice(DTYPES))),
     "attn_implementation": Row(
         "model.attention", "flash_attention_2, sdpa, eager; null: auto", _attention, default=None, read=_attention_name
     ),
@@ -724,14 +969,25 @@ TABLE: dict[str, Row] = {
     "bnb_4bit_quant_storage": Row("", "no quantized training here", harmless=(None,)),
     "dataset_name": Row(
         "data.path",
-        "a dataset built by `dpo-data build` (else refused with the command)",
+        "a dataset built by `dpo-data build`; else the input of the printed build command (a local path as it "
+        "is, a Hub dataset as hf://datasets/NAME/GLOB) and refused until --set data.path=DIR",
         _dataset,
         default=None,
         read=_optional(_text),
     ),
+    "dataset_mixture": Row(
+        "dpo-data build",
+        "the alignment-handbook's: each dataset's split an input of the printed build command (weight 1.0 only)",
+        _mixture,
+        read=_optional(_mapping),
+    ),
     "dataset_config": Row("", "the build reads files, not Hub configs", harmless=(None,)),
     "dataset_train_split": Row(
-        "", "a built dataset is one split: build each, eval.path for held-out", harmless=("train",)
+        "dpo-data build",
+        "the split whose files the printed build command reads (hf://datasets/NAME/GLOB)",
+        _read_elsewhere,
+        default="train",
+        read=_text,
     ),
     "dataset_test_split": Row(
         "", "a built dataset is one split: build each, eval.path for held-out", harmless=("test",)

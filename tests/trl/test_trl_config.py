@@ -17,6 +17,8 @@ from tests.harness import cli_argv, run_process
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 
+NOTES = "notes"
+
 SAMPLES = {
     "model_init_kwargs": ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model.attention", "sdpa"),
     "router_aux_loss_coef": ({"router_aux_loss_coef": 0.01}, "loss.router_aux_coef", 0.01),
@@ -101,8 +103,45 @@ SAMPLES = {
         "all-linear",
     ),
     "dataset_name": ({"dataset_name": "BUILT"}, "data.path", "BUILT"),
+    "dtype": ({"dtype": "bfloat16"}, "train.precision", "bf16"),
+    "torch_dtype": ({"torch_dtype": "bfloat16"}, "train.precision", "bf16"),
+    "dataset_num_proc": ({"dataset_num_proc": 12}, NOTES, "--num-proc 12"),
+    "max_length": ({"max_length": 512}, NOTES, "--out /d/train --max-length 512"),
+    "truncation_mode": ({"truncation_mode": "keep_end"}, NOTES, "--max-length 1024 --overlength truncate-prompt`"),
+    "max_prompt_length": ({"max_prompt_length": 256}, NOTES, "--max-length 1024 --overlength truncate-prompt`"),
+    "per_device_eval_batch_size": (
+        {"per_device_eval_batch_size": 4},
+        NOTES,
+        "accepted, changing nothing here: per_device_eval_batch_size",
+    ),
+    "push_to_hub": (
+        {"push_to_hub": True, "output_dir": "/r/run"},
+        NOTES,
+        "`dpo-state push /r/run/final NAMESPACE/run`",
+    ),
+    "hub_model_id": (
+        {"push_to_hub": True, "hub_model_id": "me/x"},
+        NOTES,
+        "`dpo-state push trainer_output/final me/x`",
+    ),
+    "hub_private_repo": (
+        {"push_to_hub": True, "hub_model_id": "me/x", "hub_private_repo": True},
+        NOTES,
+        "final me/x --private`",
+    ),
+    "dataset_train_split": (
+        {"dataset_name": "org/prefs", "dataset_train_split": "train_prefs"},
+        NOTES,
+        "`dpo-data build 'hf://datasets/org/prefs/data/train_prefs-*' --tokenizer MODEL_DIR --out /d/train",
+    ),
+    "dataset_mixture": (
+        {"dataset_mixture": {"datasets": [{"id": "org/a", "split": "s"}, {"id": "/x/b.jsonl"}]}},
+        NOTES,
+        "`dpo-data build 'hf://datasets/org/a/data/s-*' /x/b.jsonl --tokenizer MODEL_DIR",
+    ),
 }
-"""Per mapped TRL field: a TRL config setting it, the key here, and the value that key must then hold."""
+"""Per mapped TRL field: a TRL config setting it, the key here, and the value that key must then hold (or, NOTES:
+a text of the notes, with --set data.path=/d/train: the printed build and push commands)."""
 
 COMMON_TRAINING_ARGUMENTS = (
     "learning_rate per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps warmup_steps "
@@ -160,7 +199,10 @@ def test_every_mapped_field_translates_into_a_config_holding_trls_value(tmp_path
     built = _built(tmp_path)
     for name, (trl, key, expected) in SAMPLES.items():
         trl = {k: built if v == "BUILT" else v for k, v in trl.items()}
-        translated, _ = translate(trl)
+        if key == NOTES:
+            assert expected in "\n".join(translate(trl, overrides=["data.path=/d/train"])[1]), name
+            continue
+        translated, _ = translate(trl, overrides=["eval.path=/e"] if key.startswith("eval.") else [])
         got = _value(load_config(translated), key)
         assert got == (built if expected == "BUILT" else expected), (name, key, got)
 
@@ -179,8 +221,19 @@ def test_omitted_fields_take_trls_defaults_and_the_global_batch_counts_every_pro
 def test_a_ratio_of_steps_converts_with_max_steps_and_is_refused_without():
     config = load_config(translate({"max_steps": 25, "warmup_steps": 0.1, "logging_steps": 0.2})[0])
     assert (config.optim.warmup_steps, config.train.log_every) == (3, 5)  # ceil(2.5), ceil(5.0): transformers'
-    with pytest.raises(ConfigError, match=r"warmup_steps is 0.1, a ratio of the run's steps, but max_steps is not"):
-        translate({"warmup_steps": 0.1})
+    with pytest.raises(ConfigError, match=r"logging_steps is 0.2, a ratio of the run's steps, but max_steps is not"):
+        translate({"logging_steps": 0.2})
+
+
+def test_a_warmup_ratio_without_max_steps_is_resolved_from_the_planned_steps():
+    """TRL pairs warmup_ratio with epochs: the ratio is kept (optim.warmup_ratio) and the run's warm-up is
+    ceil(ratio x the steps the loader plans), transformers' rounding."""
+    for trl in ({"warmup_ratio": 0.1}, {"warmup_steps": 0.1}, {"warmup_steps": 0, "warmup_ratio": 0.1}):
+        config = load_config(translate(trl)[0])
+        assert (config.optim.warmup_ratio, config.optim.warmup_steps, config.train.max_steps) == (0.1, 0, None)
+        assert [config.optim.warmup_for(total) for total in (1, 10, 25, 2012)] == [1, 1, 3, 202]
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps is 5 and optim.warmup_ratio is 0.1: the warm-up is"):
+        load_config({"optim": {"warmup_steps": 5, "warmup_ratio": 0.1}})
 
 
 def test_every_field_without_a_counterpart_is_refused_by_name_in_one_error():
@@ -193,7 +246,8 @@ def test_every_field_without_a_counterpart_is_refused_by_name_in_one_error():
         flag = TABLE[name].read is not None
         assert "TRL reads a boolean" in line if flag else "no counterpart" in line and line.endswith("drop it")
     assert (
-        "max_length is 12345; this toolkit has no counterpart: a build option here: `dpo-data build --max-length"
+        "max_completion_length is 12345; this toolkit has no counterpart: a build option here: `dpo-data build "
+        "--max-length N` (the dataset is tokenized once, before training) (a completion is never truncated here)"
         in (str(caught.value))
     )
 
@@ -213,11 +267,15 @@ def test_values_trl_runs_differently_are_refused_naming_the_fix():
         ),
         "smoothing": ({"label_smoothing": 0.1}, "TRL 1.16's sigmoid reads no label_smoothing"),
         "epochs": ({"num_train_epochs": 1.5}, "num_train_epochs is 1.5; here train.epochs counts whole epochs"),
-        "report": ({"report_to": "wandb"}, "report_to names wandb; here only tensorboard"),
+        "report": ({"report_to": "mlflow"}, "report_to names mlflow; here: tensorboard, wandb (train.report_to)"),
         "peft": ({"use_peft": True}, "use_peft is true and lora_target_modules is not set"),
         "dtype": ({"model_init_kwargs": {"dtype": "bfloat16"}}, "model_init_kwargs has dtype bfloat16"),
-        "dataset": ({"dataset_name": "trl-lib/ultrafeedback"}, "build it (dpo-data build RAW_FILES"),
-        "training_arguments": ({"hub_model_id": "me/x"}, "hub_model_id is 'me/x': a transformers TrainingArguments"),
+        "dataset": (
+            {"dataset_name": "trl-lib/ultrafeedback"},
+            "build it with `dpo-data build 'hf://datasets/trl-lib/ultrafeedback/data/train-*' --tokenizer MODEL_DIR",
+        ),
+        "training_arguments": ({"hub_strategy": "end"}, "hub_strategy is 'end': a transformers TrainingArguments"),
+        "torch_dtype": ({"torch_dtype": "float16"}, "torch_dtype is float16; this toolkit has no fp16"),
         "typo": ({"learnig_rate": 1e-5}, "learnig_rate is not a field of TRL 1.16's DPOConfig, TrainingArguments, "),
         "loss": ({"loss_type": "kto_pair"}, "loss_type names 'kto_pair'; here (TRL 1.16's names"),
     }
@@ -251,7 +309,7 @@ def test_a_trl_name_in_a_config_answers_with_its_key_here_not_a_lookalike():
         ),
         "max_length": (
             {"max_length": 512},
-            "max_length is TRL's name; this toolkit has no counterpart: a build option",
+            "max_length is TRL's name; here it is dpo-data build --max-length;",
         ),
     }
     for case, (raw, message) in cases.items():
@@ -278,12 +336,12 @@ def test_dpo_train_from_trl_prints_a_config_dpo_train_loads(tmp_path, run_cli):
     assert (config.optim.lr, config.loss.beta, config.data.pairs_per_step) == (5e-7, 0.05, 16)
     assert (config.model.path, config.data.path, config.train.output_dir) == ("/models/smol", built, "/r/x")
     assert result.stderr == "note: accepted, changing nothing here: push_to_hub\n"
-    trl.write_text("max_length: 512\nfp16: true\n")
+    trl.write_text("max_completion_length: 512\nfp16: true\n")
     result = run_cli(main, "--from-trl", trl)
     assert result.exit_code == 2 and result.stdout == ""
     assert (
         result.stderr.startswith("error: the TRL config does not translate")
-        and "  - max_length is 512" in result.stderr
+        and "  - max_completion_length is 512" in result.stderr
     )
     result = run_cli(main, str(out), "--from-trl", trl)
     assert result.exit_code == 2 and "give CONFIG or --from-trl, not both" in result.stderr
@@ -302,7 +360,7 @@ HOSTILE += [None, 10**30, -5, -0.5, 2]
 """Quoted booleans, other text, NaN and infinities, lists and mappings where one value belongs, null, an integer
 past every range, negatives, a number no boolean is."""
 
-OUTSIDE_THE_TABLE = ["push_to_hub", "hub_model_id", "learnig_rate"]
+OUTSIDE_THE_TABLE = ["skip_memory_metrics", "hub_strategy", "learnig_rate"]
 """A TrainingArguments field with a boolean default, one with a text default, and a name TRL does not have."""
 
 
@@ -322,7 +380,9 @@ def _with(name: str) -> dict:
 @pytest.mark.parametrize("name", [*TABLE, *OUTSIDE_THE_TABLE])
 def test_every_field_takes_every_hostile_value_to_a_translation_or_an_error_naming_it(name):
     for value in HOSTILE:
-        out = _outcome({**_with(name), name: value})  # named by itself, not as a part of a key here (loss.beta)
+        out = _outcome(
+            {**_with(name), name: value}, overrides=["data.path=/d"]
+        )  # named by itself, not as a part of a key here (loss.beta)
         assert isinstance(out, dict) or re.search(rf"(?<![\w./]){name}(?!\w)", out), (value, out)
 
 
@@ -541,3 +601,118 @@ def test_dpo_train_from_trl_reads_quoted_booleans_as_trl_does(tmp_path, run_cli)
     (tmp_path / "keys.yaml").write_text("true: 1\nbf16: 'false'\n")
     result = run_cli(main, "--from-trl", tmp_path / "keys.yaml")
     assert result.exit_code == 2 and "the key True is not a field name" in result.stderr
+
+
+# -- issue 36: what recipes carry translates, and nothing is lost silently ----------------------------------------
+
+
+def _hub_cache(monkeypatch, tmp_path: Path) -> Path:
+    """An empty Hugging Face cache for this test (huggingface_hub reads its location at call time)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def _snapshot(cache: Path, kind: str, repo: str, files: list[str]) -> Path:
+    """A repo's snapshot as a download leaves it: refs/main and snapshots/COMMIT/FILES."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = cache / f"{kind}s--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    for name in files:
+        (folder / "snapshots" / commit / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / commit / name).write_text("{}")
+    return folder / "snapshots" / commit
+
+
+def test_a_hub_model_id_is_resolved_from_the_local_cache_offline_or_refused_at_translation(monkeypatch, tmp_path):
+    cache = _hub_cache(monkeypatch, tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        translate({"model_name_or_path": "org/absent"})
+    assert (
+        f"model_name_or_path is 'org/absent': no such local directory, and a Hub model id that is not in the local "
+        f"Hugging Face cache ({cache}); dpo-train never downloads: fetch it first (`hf download org/absent`) or "
+        "give a local model directory (--set model.path=DIR)"
+    ) in str(caught.value)
+    snapshot = _snapshot(cache, "model", "org/present", ["config.json", "model.safetensors"])
+    translated, notes = translate({"model_name_or_path": "org/present"})
+    assert translated["model"]["path"] == str(snapshot)
+    assert (
+        "model_name_or_path org/present is a Hub id: model.path is its copy in the local Hugging Face cache, "
+        f"{snapshot}" in notes
+    )
+    assert translate({"model_name_or_path": "org/absent"}, overrides=["model.path=/m"])[0]["model"]["path"] == "/m"
+    assert translate({"model_name_or_path": "/models/x"})[0]["model"]["path"] == "/models/x"  # a path stays one
+
+
+def test_a_dataset_name_suggests_its_local_path_or_a_concrete_hub_glob(monkeypatch, tmp_path):
+    cache = _hub_cache(monkeypatch, tmp_path)
+    local = tmp_path / "prefs.jsonl"
+    local.write_text("{}\n")
+    with pytest.raises(ConfigError) as caught:
+        translate({"dataset_name": str(local), "output_dir": "/r/run"})
+    assert (
+        f"build it with `dpo-data build {local} --tokenizer MODEL_DIR --out /r/run-dataset --max-length 1024`"
+        in str(caught.value)
+    )
+    assert "hf://datasets//" not in str(caught.value) and "GLOB" not in str(caught.value)
+    assert "then translate again with --set data.path=/r/run-dataset" in str(caught.value)
+    files = ["data/train_prefs-00000-of-00002.parquet", "data/train_prefs-00001-of-00002.parquet", "data/test.parquet"]
+    _snapshot(cache, "dataset", "org/cached", files)
+    trl = {"dataset_name": "org/cached", "dataset_train_split": "train_prefs"}
+    notes = "\n".join(translate(trl, overrides=["data.path=/d"])[1])
+    assert (
+        "`dpo-data build 'hf://datasets/org/cached/data/train_prefs-*.parquet' --tokenizer MODEL_DIR --out /d" in notes
+    )
+    notes = "\n".join(translate({"dataset_name": "org/other"}, overrides=["data.path=/d"])[1])
+    assert "`dpo-data build 'hf://datasets/org/other/data/train-*' --tokenizer MODEL_DIR --out /d" in notes
+
+
+def test_an_eval_strategy_without_an_eval_set_is_a_note_and_eval_every_without_a_path_an_error():
+    translated, notes = translate({"eval_strategy": "steps", "eval_steps": 7})
+    assert "eval" not in translated
+    assert (
+        "eval_strategy is steps (every 7 steps), but there is no held-out set here yet, so the run evaluates "
+        "nothing: build one (dpo-data build HELD_OUT_FILES ... --out DIR) and translate again with --set "
+        "eval.path=DIR, which evaluates every 7 steps"
+    ) in notes
+    assert translate({"eval_strategy": "steps", "eval_steps": 7}, overrides=["eval.path=/e"])[0]["eval"] == {
+        "every": 7,
+        "path": "/e",
+    }
+    with pytest.raises(ConfigError, match=r"eval.every is 2, but eval.path is null, so there is nothing to evaluate"):
+        load_config({"eval": {"every": 2}})
+
+
+def test_report_to_dtype_and_push_to_hub_map_to_what_exists_here():
+    translated, notes = translate(
+        {"report_to": ["tensorboard", "wandb"], "torch_dtype": "bfloat16", "push_to_hub": True, "output_dir": "o/r"}
+    )
+    assert translated["train"]["report_to"] == ["tensorboard", "wandb"]
+    assert translated["train"]["precision"] == "bf16"
+    assert (
+        "push_to_hub: after training, `dpo-state push o/r/final NAMESPACE/r` (NAMESPACE: your Hub user or organization)"
+        in notes
+    )
+    assert translate({"dtype": "float32", "bf16": False})[0]["train"]["precision"] == "fp32"
+    with pytest.raises(ConfigError, match=r"dtype is bfloat16 and bf16 is false; here bf16 is one setting"):
+        translate({"dtype": "bfloat16", "bf16": False})
+    with pytest.raises(ConfigError, match=r"report_to names all \(transformers' 'all'"):
+        translate({"report_to": "all"})
+    _, notes = translate({"hub_model_id": "me/x"})
+    assert "hub_model_id is me/x but push_to_hub is false: nothing is pushed" in notes
+
+
+def test_build_time_fields_are_the_printed_build_command_not_refusals():
+    trl = {"max_length": 2048, "max_prompt_length": 512, "dataset_num_proc": 4, "model_name_or_path": "/m"}
+    _, notes = translate(trl, overrides=["data.path=/d"])
+    assert notes[0] == (
+        "data.path is /d; the TRL config builds it with `dpo-data build RAW_FILES --tokenizer /m --out /d "
+        "--max-length 2048 --num-proc 4 --overlength truncate-prompt`"
+    )
+    _, notes = translate({"max_length": None})
+    assert notes[0] == (
+        "data.path is empty: build the dataset (`dpo-data build RAW_FILES --tokenizer MODEL_DIR --out "
+        "trainer_output-dataset`) and set data.path (--set data.path=DIR)"
+    )
