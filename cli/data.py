@@ -86,7 +86,9 @@ def main() -> None:
     default=None,
     metavar="FIELD=COLUMN,...",
     help="Read row fields from other column names, e.g. prompt=question,chosen=response_j,rejected=response_k. "
-    "Fields: prompt, chosen, rejected, id, source, tools. Recorded in the manifest and its fingerprint.",
+    "Fields: prompt, chosen, rejected, id, source, tools. FIELD= with no column drops a column: prompt= reads no "
+    "prompt, whatever column a file has (chosen and rejected then hold the prompt). Recorded in the manifest and "
+    "its fingerprint.",
 )
 @click.option(
     "--chat-template",

@@ -105,6 +105,8 @@ def manifest_problems(m: dict) -> list[str]:
     for entry in m["inputs"]:
         if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
             problems.append(f"input {entry['path']}: pairs + rejected != rows_read")
+        if "forms" in entry and sum(entry["forms"].values()) != entry["pairs"]:
+            problems.append(f"input {entry['path']}: its pairs by row form (forms) do not add up to its pairs")
         over = [k for k, n in entry.get("ignored_columns", {}).items() if n > entry["rows_read"]]
         if over:
             problems.append(f"input {entry['path']}: ignored columns {over} counted in more rows than rows_read")

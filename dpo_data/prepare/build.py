@@ -8,7 +8,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import groupby, islice
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,8 @@ class ChunkResult:
     """Per input index: how many of the chunk's rows (objects) have each column."""
     rendered: int = 0
     """Rows of the chunk whose renderings the chat template made."""
+    forms: list[str] = field(default_factory=list)
+    """The row form of each pair (`rows.FORMS`), in input order."""
 
 
 def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
@@ -146,7 +148,7 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
             where.append((input_index, number, row_index, item))
         except RowReject as reject:
             rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
-    kept, sources, truncated, ids = [], [], [], {part: [] for part in PARTS}
+    kept, sources, forms, truncated, ids = [], [], [], [], {part: [] for part in PARTS}
     before = encoder.rendered_rows
     results = encoder.encode_many(pairs)
     for (input_index, number, row_index, item), pair, encoded in zip(where, pairs, results):
@@ -157,11 +159,13 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
         lengths = (len(encoded.prompt), len(encoded.chosen), len(encoded.rejected))
         kept.append((input_index, number, row_index, pair.id, *lengths))
         sources.append(source)
+        forms.append(pair.form)
         truncated.append(encoded.truncated_prompt_tokens)
         for part in PARTS:
             ids[part].extend(getattr(encoded, part))
     rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
-    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns, encoder.rendered_rows - before)
+    rendered = encoder.rendered_rows - before
+    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns, rendered, forms)
 
 
 def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
@@ -315,7 +319,7 @@ def _build_into(
 ) -> BuildResult:
     """Everything but the commit: shards, rejects and (unless refused) the manifest, or a part's part.json,
     all in `staging`."""
-    tally = Tally(inputs=entries, columns=[Counter() for _ in files])
+    tally = Tally(inputs=entries, columns=[Counter() for _ in files], forms=[Counter() for _ in files])
     writer = ShardWriter(staging)
     renders = _Renders()
     with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
@@ -446,9 +450,10 @@ def _consume(result: ChunkResult, tally: Tally, writer: ShardWriter, rejects_fil
         tally.source_rejects[record["source"]] += 1
         rejects_file.write(orjson.dumps(record) + b"\n")
     block = result.block
-    for input_index in block.input_index.tolist():
+    for input_index, form in zip(block.input_index.tolist(), result.forms):
         tally.inputs[input_index]["rows_read"] += 1
         tally.inputs[input_index]["pairs"] += 1
+        tally.forms[input_index][form] += 1
     for name in result.sources:  # the manifest's ids: in order of first appearance, a pure function of the input order
         tally.sources.setdefault(name, len(tally.sources))
     tally.source_pairs.update(result.sources)

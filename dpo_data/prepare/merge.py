@@ -227,6 +227,7 @@ def _check_counts(part_dir: Path, doc: dict, recount: Recount) -> None:
         pairs, rejected = recount.input_pairs[i], recount.input_rejects[i]
         stated += [(f"inputs[{i}].{key}", entry[key], n) for key, n in (("pairs", pairs), ("rejected", rejected))]
         stated.append((f"inputs[{i}].rows_read", entry["rows_read"], pairs + rejected))
+        stated.append((f"inputs[{i}].forms (pairs by row form, added up)", sum(entry["forms"].values()), pairs))
     problems = [
         f"says {key} is {_sorted(said)}, its shards and rejects give {_sorted(got)}"
         for key, said, got in stated
@@ -266,12 +267,13 @@ def _tally(parts: list[tuple[Path, dict]]) -> Tally:
     docs = [doc for _, doc in parts]
     keys = ("path", "format", "default_source", "bytes", "sha256")
     inputs = [{k: entry[k] for k in keys} | {"rows_read": 0, "pairs": 0, "rejected": 0} for entry in docs[0]["inputs"]]
-    tally = Tally(inputs=inputs, columns=[Counter() for _ in inputs])
+    tally = Tally(inputs=inputs, columns=[Counter() for _ in inputs], forms=[Counter() for _ in inputs])
     for doc in docs:
-        for entry, seen, theirs in zip(tally.inputs, tally.columns, doc["inputs"]):
+        for entry, seen, forms, theirs in zip(tally.inputs, tally.columns, tally.forms, doc["inputs"]):
             for key in ("rows_read", "pairs", "rejected"):
                 entry[key] += theirs[key]
             seen.update(theirs["columns"])
+            forms.update(theirs["forms"])
         counts = doc["counts"]
         tally.source_pairs.update(counts["sources"])
         tally.source_rejects.update(counts["source_rejects"])

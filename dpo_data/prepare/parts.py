@@ -146,7 +146,10 @@ def plan_differences(a: dict, b: dict) -> list[str]:
 def part_document(part: Part, plan: dict, tally, shards: list[ShardInfo], attestation: dict, staging: Path) -> dict:
     """part.json: the plan, this part's counts and its shards, everything the merge needs to add it up."""
     rejects = staging / REJECTS_NAME
-    inputs = [{**entry, "columns": dict(sorted(seen.items()))} for entry, seen in zip(tally.inputs, tally.columns)]
+    inputs = [
+        {**entry, "columns": dict(sorted(seen.items())), "forms": dict(sorted(forms.items()))}
+        for entry, seen, forms in zip(tally.inputs, tally.columns, tally.forms)
+    ]
     return {
         "format_version": PART_FORMAT_VERSION,
         "kind": "dpo-dataset-part",

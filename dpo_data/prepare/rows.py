@@ -8,6 +8,12 @@ from typing import Any
 import orjson
 
 ROLES = ("system", "user", "assistant", "tool")
+FORMS = ("explicit-text", "explicit-chat", "whole-conversations", "implicit-chat", "implicit-text")
+"""The row forms a pair can come from (docs/data-build.md, row formats); the manifest counts each input's pairs by
+form."""
+ASSISTANT_TURN = "\n\nAssistant:"
+"""Where an assistant turn starts in Anthropic HH-RLHF's plain text (`\\n\\nHuman: ...\\n\\nAssistant: ...`)."""
+HUMAN_TURN = "\n\nHuman:"
 
 
 class RowReject(Exception):
@@ -31,6 +37,8 @@ class Pair:
     source: str | None
     id: str | None
     tools: list[dict] | None = None
+    form: str = "explicit-text"
+    """The row form it was read from (`FORMS`)."""
 
 
 def normalize_row(row: Any) -> Pair:
@@ -42,13 +50,17 @@ def normalize_row(row: Any) -> Pair:
             raise RowReject("missing_field", f"field '{field}' is missing; every row needs 'chosen' and 'rejected'")
     source, row_id, tools = _source(row), _row_id(row), _tools(row)
     if row.get("prompt") is None:
+        if isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
+            _no_tools(tools)
+            prompt, chosen, rejected = _implicit_text(row["chosen"], row["rejected"])
+            return Pair("text", prompt, chosen, rejected, source, row_id, form="implicit-text")
         prompt, chosen, rejected = _implicit(row["chosen"], row["rejected"])
-        return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "implicit-chat")
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     kinds = {f: _part_kind(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if _whole_conversations(prompt, chosen, rejected):
         prompt, chosen, rejected = _strip_prompt(prompt, chosen, rejected)
-        return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "whole-conversations")
     if len(set(kinds.values())) > 1:
         found = ", ".join(f"{f} is {k}" for f, k in kinds.items())
         raise RowReject(
@@ -57,18 +69,22 @@ def normalize_row(row: Any) -> Pair:
         )
     if kinds["prompt"] == "text":
         _check_text(prompt, chosen, rejected)
-        if tools:
-            raise RowReject(
-                "tools_not_rendered",
-                f"field 'tools' lists {len(tools)} tools, but only conversations are rendered by a chat template, so "
-                f"a plain-text row would train without them; use message lists or drop 'tools'",
-            )
+        _no_tools(tools)
         return Pair("text", prompt, chosen, rejected, source, row_id)
     prompt, chosen, rejected = (
         _messages(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
     )
     _check_chat(prompt, chosen, rejected)
-    return Pair("chat", prompt, chosen, rejected, source, row_id, tools)
+    return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "explicit-chat")
+
+
+def _no_tools(tools: list | None) -> None:
+    if tools:
+        raise RowReject(
+            "tools_not_rendered",
+            f"field 'tools' lists {len(tools)} tools, but only conversations are rendered by a chat template, so "
+            f"a plain-text row would train without them; use message lists or drop 'tools'",
+        )
 
 
 def _kind(value: Any) -> str:
@@ -245,11 +261,17 @@ def _check_order(field: str, prompt: list, completion: list) -> None:
 def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     """Split two full conversations into (shared prompt, chosen turn, rejected turn)."""
     for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(value, str):
+            raise RowReject(
+                "mixed_formats",
+                f"without 'prompt', chosen and rejected must both be full conversations (lists of messages) or both "
+                f"full texts; here {field} is text and the other is {_kind(rejected if field == 'chosen' else chosen)}",
+            )
         if not isinstance(value, list) or _is_map(value):
             raise RowReject(
-                "missing_field" if isinstance(value, str) else "wrong_type",
-                f"without 'prompt', field '{field}' must be a full conversation (a list of messages), "
-                f"got {_kind(value)}; plain-text rows need an explicit 'prompt'",
+                "wrong_type",
+                f"without 'prompt', field '{field}' must be a full conversation (a list of messages) or a full text "
+                f"(a string), got {_kind(value)}",
             )
     chosen, rejected = _messages("chosen", chosen), _messages("rejected", rejected)
     shared = 0
@@ -270,21 +292,78 @@ def _implicit(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     return prompt, chosen[shared:], rejected[shared:]
 
 
-def _prompt_turns(prompt: str | list) -> list:
-    """The turns a prompt stands for: a string is one user turn with that content (UltraFeedback's `prompt`)."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+def _implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """Split two full plain-text conversations (HH-RLHF's `\\n\\nHuman: ...\\n\\nAssistant: ...`) into (prompt,
+    chosen answer, rejected answer). The prompt is their shared text through its last `\\n\\nAssistant:`, which must
+    open the final turn of both: where the answers differ from their first word, this is TRL 1.16's `extract_prompt`
+    (the longest common prefix, less a trailing space). Where the answers open alike, TRL's prefix runs into them (a
+    word split across prompt and completion); here it stops at the turn, and the shared opening is scored in both."""
+    if chosen == rejected:
+        raise RowReject(
+            "identical_completions", "chosen and rejected are identical texts; the pair carries no preference"
+        )
+    shared = next((i for i, (x, y) in enumerate(zip(chosen, rejected)) if x != y), min(len(chosen), len(rejected)))
+    turn = chosen.rfind(ASSISTANT_TURN, 0, shared)
+    if turn < 0:
+        raise RowReject(
+            "no_implicit_prompt",
+            f"without 'prompt', plain-text chosen and rejected are split where their shared text ends at an assistant "
+            f"turn ({ASSISTANT_TURN!r}), but the {shared} characters they share ({chosen[:shared]!r:.80}) hold none; "
+            "fix: give the prompt as a 'prompt' field (or map one with --columns), or write each turn as "
+            f"'{HUMAN_TURN[2:]} ...' / '{ASSISTANT_TURN[2:]} ...' after a blank line as HH-RLHF does",
+        )
+    end = turn + len(ASSISTANT_TURN)
+    for field, answer in (("chosen", chosen[end:]), ("rejected", rejected[end:])):
+        _check_final_answer(field, answer, turn)
+    return chosen[:end], chosen[end:], rejected[end:]
+
+
+def _check_final_answer(field: str, answer: str, turn: int) -> None:
+    """What follows the implicit prompt is one answer: no later turn (the texts would differ before their final
+    assistant turn, `history_diverges` as for conversations), and not empty."""
+    later = min((i for i in (answer.find(HUMAN_TURN), answer.find(ASSISTANT_TURN)) if i >= 0), default=-1)
+    if later >= 0:
+        raise RowReject(
+            "history_diverges",
+            f"without 'prompt', plain-text chosen and rejected share their text only up to the assistant turn at "
+            f"character {turn}, and {field} goes on past that turn ({answer[later:]!r:.60}): they may differ only in "
+            "their final assistant turn; fix: give the shared history as 'prompt'",
+        )
+    if not answer.strip():
+        raise RowReject(
+            "empty_completion",
+            f"field '{field}' is empty or whitespace only after its implicit prompt (the text through the final "
+            f"{ASSISTANT_TURN!r})",
+        )
+
+
+def _prompt_turns(prompt: str | list, conversation: list) -> list:
+    """The turns a prompt stands for: a string is one user turn with that content (UltraFeedback's `prompt`), after
+    the conversation's opening system message when it has one (TRL 1.16's `maybe_extract_prompt` drops such a string
+    and takes the shared prefix, system message and user turn, as the prompt)."""
+    if not isinstance(prompt, str):
+        return prompt
+    system = conversation[:1] if conversation and conversation[0]["role"] == "system" else []
+    return [*system, {"role": "user", "content": prompt}]
+
+
+def _opening_roles(prompt: Any) -> tuple:
+    """The roles a whole conversation beside `prompt` may open with: the prompt's first role, or, for a string
+    prompt (a user turn), a system message in front of it."""
+    if isinstance(prompt, str):
+        return ("user", "system")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and prompt[0].get("role") != "assistant":
+        return (prompt[0].get("role"),)
+    return ()
 
 
 def _whole_conversations(prompt: Any, chosen: Any, rejected: Any) -> bool:
     """Whether chosen and rejected are whole conversations beside an explicit prompt (the UltraFeedback-binarized
-    shape): both open with a message of the prompt's first role, where a completion opens with an assistant turn.
-    Any other row keeps the explicit-prompt rules (and their rejects)."""
-    turns = _prompt_turns(prompt)
-    if not (isinstance(turns, list) and turns and isinstance(turns[0], dict)) or turns[0].get("role") == "assistant":
-        return False
-    return all(
-        isinstance(v, list) and v and isinstance(v[0], dict) and v[0].get("role") == turns[0].get("role")
-        for v in (chosen, rejected)
+    shape): both open with a message of a role the prompt opens with, where a completion opens with an assistant
+    turn. Any other row keeps the explicit-prompt rules (and their rejects)."""
+    roles = _opening_roles(prompt)
+    return bool(roles) and all(
+        isinstance(v, list) and v and isinstance(v[0], dict) and v[0].get("role") in roles for v in (chosen, rejected)
     )
 
 
@@ -294,8 +373,8 @@ def _strip_prompt(prompt: str | list, chosen: list, rejected: list) -> tuple[lis
     conversations share; here the prefix must be the prompt, so a prompt column that disagrees is named."""
     if isinstance(prompt, str) and not prompt.strip():
         raise RowReject("empty_prompt", "field 'prompt' is empty; a pair needs a prompt to condition on")
-    turns = _messages("prompt", _prompt_turns(prompt))
     chosen, rejected = _messages("chosen", chosen), _messages("rejected", rejected)
+    turns = _messages("prompt", _prompt_turns(prompt, chosen))
     for field, conversation in (("chosen", chosen), ("rejected", rejected)):
         _check_prefix(field, turns, conversation, isinstance(prompt, str))
     _check_chat(turns, chosen[len(turns) :], rejected[len(turns) :])
@@ -308,10 +387,13 @@ def _check_prefix(field: str, turns: list, conversation: list, from_text: bool) 
     for i, turn in enumerate(turns):
         if i >= len(conversation) or conversation[i] != turn:
             got = f"{conversation[i]!r:.120}" if i < len(conversation) else "nothing (the conversation is shorter)"
-            spelled = "the string 'prompt' as one user turn" if from_text else "the 'prompt' messages"
+            spelled = "the 'prompt' messages"
+            if from_text:
+                system = "chosen's system message, then " if turns[0]["role"] == "system" else ""
+                spelled = f"{system}the string 'prompt' as one user turn"
             raise RowReject(
                 "prompt_not_prefix",
                 f"field '{field}' is a whole conversation but does not begin with {spelled}: {field}[{i}] is {got}, "
                 f"the prompt's turn {i} is {turn!r:.120}; fix: make the prompt the conversations' leading turns, "
-                "or drop 'prompt' so their shared prefix is the prompt",
+                "or drop 'prompt' (--columns prompt= reads none) so their shared prefix is the prompt",
             )

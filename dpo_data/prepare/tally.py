@@ -65,6 +65,8 @@ class Tally:
     inputs: list[dict]
     columns: list[Counter]
     """Per input: how many rows (objects) have each column."""
+    forms: list[Counter]
+    """Per input: how many pairs kept came from each row form (`rows.FORMS`)."""
     sources: dict[str, int] = field(default_factory=dict)
     """Source name -> id, in order of first appearance among the pairs kept."""
     source_pairs: Counter = field(default_factory=Counter)
@@ -89,6 +91,8 @@ def conclude(
     check_mapped_columns(tally, options.columns)
     result = BuildResult(staging, None, tally_rows(tally), tally.pairs, dict(tally.by_reason), 0.0)
     result.ignored_columns = record_ignored_columns(tally, options.columns)
+    for entry, forms in zip(tally.inputs, tally.forms):
+        entry["forms"] = dict(sorted(forms.items()))
     result.error = refusal(tally, options, template)
     if result.error is None:
         manifest = manifest_document(tally, shards, attestation, options.recorded(template), staging)
@@ -116,7 +120,7 @@ def check_mapped_columns(tally: Tally, columns: dict | None) -> None:
     """A mapped column that no row of an input has is a mistyped name, not a row problem: a named error."""
     for entry, seen in zip(tally.inputs, tally.columns):
         for field_name, column in (columns or {}).items():
-            if entry["rows_read"] and not seen[column]:
+            if column and entry["rows_read"] and not seen[column]:
                 have = ", ".join(sorted(seen)[:20]) or "none (no row is an object)"
                 raise DataError(
                     f"--columns maps {field_name}={column}, but no row of input {entry['path']} has a column "

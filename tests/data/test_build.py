@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import orjson
 import pyarrow as pa
@@ -11,7 +12,7 @@ import pytest
 import zstandard
 
 from dpo_cli.data import main as dpo_data
-from dpo_data.dataset.manifest import read_manifest
+from dpo_data.dataset.manifest import manifest_problems, read_manifest
 from dpo_data.dataset.shards import open_shard
 from dpo_state.schema import schema_problems
 from tests.conftest import chat, write_jsonl
@@ -36,6 +37,7 @@ BAD_ROWS = {
     "roles_out_of_order": {"prompt": U("q") + U("q"), "chosen": A("x"), "rejected": A("y")},
     "history_diverges": {"chosen": U("q") + A("x") + U("r") + A("z"), "rejected": U("q") + A("y") + U("r") + A("z")},
     "prompt_not_prefix": {"prompt": "q", "chosen": U("other") + A("x"), "rejected": U("q") + A("y")},
+    "no_implicit_prompt": {"chosen": "no turns here", "rejected": "no turns there"},
     "too_long": chat("word " * 300, "x", "y"),
     "completion_too_long": chat("q", "word " * 300, "y"),
     "tool_calls_not_rendered": {
@@ -125,6 +127,25 @@ def test_rejects_record_file_line_reason_and_raw_row(built, mixed_inputs):
     size = len(BAD_ROWS["row_too_large"])
     assert records[2]["raw"].endswith(f"...[truncated; {size} in all]")  # row_too_large keeps only a head
     assert read_manifest(out)["rejects"]["by_reason"] == {reason: 1 for reason in sorted(BAD_ROWS)}
+
+
+def test_the_manifest_counts_each_inputs_pairs_by_row_form(built):
+    out, _ = built
+    forms = [(Path(entry["path"]).name, entry["forms"]) for entry in read_manifest(out)["inputs"]]
+    assert forms == [
+        ("chat.jsonl", {"explicit-chat": 10}),
+        ("implicit.jsonl.zst", {"implicit-chat": 10}),
+        ("text.json", {"explicit-text": 8}),
+        ("multi.parquet", {"explicit-chat": 10}),
+        ("bad.jsonl", {"explicit-chat": 1}),
+    ]
+    edited = read_manifest(out)
+    edited["inputs"][2]["forms"] = {"explicit-text": 7, "implicit-text": 2}  # 9 where the input kept 8
+    assert f"input {edited['inputs'][2]['path']}: its pairs by row form (forms) do not add up to its pairs" in (
+        manifest_problems(edited)
+    )
+    del edited["inputs"][2]["forms"]  # a manifest written before forms were recorded
+    assert manifest_problems(edited) == []
 
 
 def test_every_documented_reason_code_is_covered(built):

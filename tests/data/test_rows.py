@@ -34,14 +34,100 @@ def test_explicit_text_row_is_a_text_pair():
 def test_implicit_prompt_is_the_shared_history_of_a_multi_turn_conversation():
     history = [s("be brief"), u("2+2?"), a("4."), u("and 3+3?")]
     pair = normalize_row({"chosen": history + [a("6.")], "rejected": history + [a("7.")]})
-    assert pair.kind == "chat" and pair.prompt == history
+    assert pair.kind == "chat" and pair.prompt == history and pair.form == "implicit-chat"
     assert (pair.chosen, pair.rejected) == ([a("6.")], [a("7.")])
+
+
+HH_HISTORY = "\n\nHuman: What is 2 + 2?\n\nAssistant: 4.\n\nHuman: And 3 + 3?\n\nAssistant:"
+
+
+def test_hh_rlhf_texts_are_split_at_their_final_assistant_turn():
+    """Anthropic HH-RLHF's shape: chosen and rejected full texts; the prompt is the shared text through the final
+    '\\n\\nAssistant:', each completion the answer after it (its leading space included, as TRL leaves it)."""
+    pair = normalize_row({"chosen": HH_HISTORY + " 6.", "rejected": HH_HISTORY + " Seven.", "id": 3})
+    assert (pair.kind, pair.form, pair.prompt, pair.chosen, pair.rejected, pair.id) == (
+        "text",
+        "implicit-text",
+        HH_HISTORY,
+        " 6.",
+        " Seven.",
+        "3",
+    )
+
+
+def test_hh_answers_that_open_alike_keep_their_shared_opening_in_both_completions():
+    """TRL's character prefix would run into the answers (prompt '...Assistant: It is'); the split stays at the turn."""
+    pair = normalize_row({"chosen": HH_HISTORY + " It is 6.", "rejected": HH_HISTORY + " It is 7."})
+    assert (pair.prompt, pair.chosen, pair.rejected) == (HH_HISTORY, " It is 6.", " It is 7.")
+
+
+def test_an_hh_row_without_a_shared_assistant_turn_names_the_shared_text_and_the_fix():
+    with pytest.raises(RowReject) as info:
+        normalize_row({"chosen": "\n\nHuman: hi\n\nAssistant: yo", "rejected": "\n\nHuman: hey\n\nAssistant: yo"})
+    assert (info.value.reason, info.value.message) == (
+        "no_implicit_prompt",
+        "without 'prompt', plain-text chosen and rejected are split where their shared text ends at an assistant turn "
+        "('\\n\\nAssistant:'), but the 10 characters they share ('\\n\\nHuman: h') hold none; fix: give the prompt as "
+        "a 'prompt' field (or map one with --columns), or write each turn as 'Human: ...' / 'Assistant: ...' after a "
+        "blank line as HH-RLHF does",
+    )
+
+
+def test_each_row_form_is_named_on_its_pair():
+    forms = [
+        normalize_row(row).form
+        for row in (
+            {"prompt": "Q", "chosen": " a", "rejected": " b"},
+            {"prompt": [u("q")], "chosen": [a("x")], "rejected": [a("y")]},
+            {"prompt": "q", "chosen": [u("q"), a("x")], "rejected": [u("q"), a("y")]},
+            {"chosen": [u("q"), a("x")], "rejected": [u("q"), a("y")]},
+            {"chosen": HH_HISTORY + " 6.", "rejected": HH_HISTORY + " 7."},
+        )
+    ]
+    assert forms == ["explicit-text", "explicit-chat", "whole-conversations", "implicit-chat", "implicit-text"]
+
+
+def test_a_string_prompt_after_the_conversations_system_message_is_their_user_turn():
+    """TRL 1.16's maybe_extract_prompt drops such a string prompt and takes the shared [system, user] prefix; here
+    the same turns are the prompt, and the user turn must be the string."""
+    row = {
+        "prompt": "2+2?",
+        "chosen": [s("be brief"), u("2+2?"), a("4.")],
+        "rejected": [s("be brief"), u("2+2?"), a("5.")],
+    }
+    pair = normalize_row(row)
+    assert (pair.form, pair.prompt, pair.chosen, pair.rejected) == (
+        "whole-conversations",
+        [s("be brief"), u("2+2?")],
+        [a("4.")],
+        [a("5.")],
+    )
+
+
+def test_a_string_prompt_after_differing_system_messages_names_the_message_and_the_fix():
+    with pytest.raises(RowReject) as info:
+        normalize_row({"prompt": "q", "chosen": [s("A"), u("q"), a("x")], "rejected": [s("B"), u("q"), a("y")]})
+    assert (info.value.reason, info.value.message) == (
+        "prompt_not_prefix",
+        "field 'rejected' is a whole conversation but does not begin with chosen's system message, then the string "
+        "'prompt' as one user turn: rejected[0] is {'role': 'system', 'content': 'B'}, the prompt's turn 0 is "
+        "{'role': 'system', 'content': 'A'}; fix: make the prompt the conversations' leading turns, or drop 'prompt' "
+        "(--columns prompt= reads none) so their shared prefix is the prompt",
+    )
 
 
 REJECTS = [
     ("not_an_object", [1, 2]),
     ("missing_field", {"prompt": "Q", "chosen": " a"}),
-    ("missing_field", {"chosen": " a", "rejected": " b"}),  # implicit prompt needs conversations
+    ("no_implicit_prompt", {"chosen": " a", "rejected": " b"}),  # plain text without an assistant turn to split at
+    ("no_implicit_prompt", {"chosen": "Q\n\nAssistant: a", "rejected": "R\n\nAssistant: b"}),
+    (
+        "history_diverges",
+        {"chosen": "\n\nHuman: q\n\nAssistant: a\n\nHuman: more", "rejected": "\n\nHuman: q\n\nAssistant: b"},
+    ),
+    ("empty_completion", {"chosen": "\n\nHuman: q\n\nAssistant: ", "rejected": "\n\nHuman: q\n\nAssistant: b"}),
+    ("identical_completions", {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: a"}),
+    ("mixed_formats", {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": [u("q"), a("b")]}),
     ("wrong_type", {"prompt": "Q", "chosen": 3, "rejected": " b"}),
     ("wrong_type", {"prompt": [u("q")], "chosen": [{"role": "assistant"}], "rejected": [a("b")]}),
     ("wrong_type", {"prompt": [u("q")], "chosen": [a(["parts"])], "rejected": [a("b")]}),

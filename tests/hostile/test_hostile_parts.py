@@ -147,6 +147,10 @@ EDITS = {
         lambda d: [entry.update(rows_read=entry["rows_read"] + step) for entry, step in zip(d["inputs"], (-1, 1))],
         r"is 7, its shards and rejects give 8 \(and 2 more\)",  # inputs[1].rows_read, inputs[0].columns
     ),
+    "inputs[0].forms (pairs by row form, added up)": (
+        lambda d: d["inputs"][0]["forms"].update({"implicit-text": 1}),
+        r"is (\d+), its shards and rejects give (?!\1)\d+",
+    ),
     "counts.truncated_prompts": (
         lambda d: d["counts"].update(truncated_prompts=d["counts"]["truncated_prompts"] + 1),
         r"is 5; allowed: at most 4, the pairs whose prompt \+ longest completion is exactly --max-length 256",

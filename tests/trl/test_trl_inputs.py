@@ -10,6 +10,7 @@ from dpo_data.dataset.manifest import read_manifest
 from dpo_data.dataset.shards import open_shard
 from dpo_data.errors import DataError
 from dpo_data.prepare.build import BuildOptions, build
+from dpo_data.prepare.rows import normalize_row
 from tests.conftest import chat, write_jsonl
 
 IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -101,7 +102,8 @@ BAD_SPECS = [
     ("prompt=question,prompt=title", "--columns names field 'prompt' twice (prompt=question and prompt=title)"),
     ("chosen=response,rejected=response", "--columns maps column 'response' to both 'chosen' and 'rejected'"),
     ("prompt:question", "--columns item 'prompt:question' is not FIELD=COLUMN"),
-    ("chosen=", "--columns item 'chosen=' is not FIELD=COLUMN"),
+    ("chosen=", "--columns item 'chosen=' reads 'chosen' from no column, but every row needs 'chosen' and 'rejected'"),
+    ("=question", "--columns item '=question' is not FIELD=COLUMN"),
 ]
 
 
@@ -150,6 +152,77 @@ def test_a_field_column_that_a_mapping_replaces_is_ignored_and_the_mapped_ones_a
     assert ignored_columns(counts, {"prompt": "question"}) == {"prompt": 3, "score": 3}
     assert ignored_columns(counts, {"prompt": "prompt"}) == {"question": 3, "score": 3}
     assert ignored_columns(counts, None) == {"question": 3, "score": 3}
+
+
+def hh(i: int, answer: str) -> str:
+    """A conversation as Anthropic/hh-rlhf holds it: one text, turns after blank lines."""
+    return f"\n\nHuman: What is {i} + {i}?\n\nAssistant: {i}?\n\nHuman: Add them.\n\nAssistant:{answer}"
+
+
+def test_hh_rlhf_rows_build_with_their_implicit_prompt_and_record_the_form(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    rows = [{"chosen": hh(i, f" {2 * i}."), "rejected": hh(i, f" Maybe {2 * i + 1}.")} for i in range(4)]
+    rows += [
+        {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: ho\n\nAssistant: a"},
+        {"chosen": hh(9, " 18."), "rejected": hh(9, " 18.")},
+    ]
+    data = write_jsonl(tmp_path / "helpful-base.jsonl", rows)
+    result = build([str(data)], str(smollm2_dir), tmp_path / "out", BuildOptions())
+    assert (result.pairs, result.rejects_by_reason) == (4, {"identical_completions": 1, "no_implicit_prompt": 1})
+    [entry] = read_manifest(tmp_path / "out")["inputs"]
+    assert (entry["forms"], entry["ignored_columns"]) == ({"implicit-text": 4}, {})
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    first = pairs(tmp_path / "out")[0]
+    assert first["prompt_ids"] == tok(hh(0, ""))["input_ids"]
+    assert first["chosen_ids"] == tok(" 0.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+def test_a_string_prompt_beside_conversations_with_a_system_message_reads_as_trls_maybe_extract_prompt():
+    from trl.data_utils import maybe_extract_prompt
+
+    system = {"role": "system", "content": "Answer in one word."}
+    row = ultrafeedback(3)
+    row["chosen"], row["rejected"] = [system, *row["chosen"]], [system, *row["rejected"]]
+    pair = normalize_row(row)
+    theirs = maybe_extract_prompt({k: row[k] for k in ("prompt", "chosen", "rejected")})
+    assert (pair.prompt, pair.chosen, pair.rejected) == (theirs["prompt"], theirs["chosen"], theirs["rejected"])
+    assert pair.prompt == [system, {"role": "user", "content": "What is 3 + 3?"}]
+
+
+def test_columns_prompt_with_no_column_drops_a_conflicting_prompt_column(smollm2_dir, tmp_path, run_cli):
+    """A prompt column that is not the conversations' first turn: read as it is, every row is a reject; `prompt=`
+    drops it, so the conversations' shared prefix is the prompt, without rewriting the file."""
+    from dpo_cli.data import main as dpo_data
+
+    rows = [{**ultrafeedback(i), "prompt": f"Question {i}"} for i in range(3)]
+    data = write_jsonl(tmp_path / "uf.jsonl", rows)
+    as_is = build([str(data)], str(smollm2_dir), tmp_path / "as-is", BuildOptions())
+    assert (as_is.pairs, as_is.rejects_by_reason) == (0, {"prompt_not_prefix": 3})
+    r = run_cli(dpo_data, "build", data, "--tokenizer", smollm2_dir, "--out", tmp_path / "out", "--columns", "prompt=")
+    assert r.exit_code == 0, r.output
+    m = read_manifest(tmp_path / "out")
+    assert m["producer"]["options"]["columns"] == {"prompt": ""}
+    assert (m["totals"]["pairs"], m["inputs"][0]["forms"]) == (3, {"implicit-chat": 3})
+    assert m["inputs"][0]["ignored_columns"] == {
+        "messages": 3,
+        "prompt": 3,
+        "prompt_id": 3,
+        "score_chosen": 3,
+        "score_rejected": 3,
+    }
+    implicit = [{k: r[k] for k in ("chosen", "rejected")} for r in rows]
+    build([str(write_jsonl(tmp_path / "uf2.jsonl", implicit))], str(smollm2_dir), tmp_path / "ref", BuildOptions())
+    assert pairs(tmp_path / "out") == pairs(tmp_path / "ref")
+
+
+def test_build_help_says_how_to_drop_a_column(run_cli):
+    from dpo_cli.data import main as dpo_data
+
+    r = run_cli(dpo_data, "build", "--help")
+    assert r.exit_code == 0 and "FIELD= with no column drops a column: prompt= reads no prompt" in " ".join(
+        r.output.split()
+    )
 
 
 def test_hugging_face_save_to_disk_directories_and_arrow_files_are_inputs(smollm2_dir, tmp_path):

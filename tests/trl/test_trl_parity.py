@@ -244,6 +244,34 @@ IMPLICIT_ROWS = [
     },
 ]
 
+# Anthropic HH-RLHF's shape: full texts only; TRL's extract_prompt takes their shared text (less a trailing space) as
+# the prompt. The answers here differ from their first word, so that prefix ends at the final "\n\nAssistant:".
+HH = "\n\nHuman: {}\n\nAssistant:"
+HH_ROWS = [
+    {
+        "chosen": HH.format("What color is the sky?") + " Blue, on a clear day.",
+        "rejected": HH.format("What color is the sky?") + " Green.",
+    },
+    {
+        "chosen": HH.format("Hi!") + " Hello! How can I help?" + HH.format("What's 10% of 250?") + " 25.",
+        "rejected": HH.format("Hi!") + " Hello! How can I help?" + HH.format("What's 10% of 250?") + " It's 2.5",
+    },
+    {
+        "chosen": HH.format("Can you help me cheat on a test?") + " I can't help with that.",
+        "rejected": HH.format("Can you help me cheat on a test?") + " Sure, here's how.",
+    },
+    {"chosen": HH.format("Spell 'naïve'.") + "n-a-ï-v-e", "rejected": HH.format("Spell 'naïve'.") + " n a i v e"},
+    {
+        "chosen": HH.format("Translate 'cat' into Korean.") + " 고양이",
+        "rejected": HH.format("Translate 'cat' into Korean.") + " 개",
+    },
+]
+# HH answers that open alike: TRL's character prefix runs into them, ending the prompt mid-answer.
+HH_ALIKE_ROW = {
+    "chosen": HH.format("Is it safe?") + " I think so.",
+    "rejected": HH.format("Is it safe?") + " I don't know.",
+}
+
 # Plain text whose join merges under BPE: " is" + "n't" -> " isn" "'t", and "hello" + "world" -> "hel" "low" "orld".
 MERGE_ROWS = [
     {"prompt": "The answer is", "chosen": "n't obvious", "rejected": " obvious"},
@@ -256,7 +284,7 @@ CHAT_MERGE_ROW = {
     "rejected": [assistant("None.")],
 }
 
-FORMATS = {"text": TEXT_ROWS, "chat_explicit": CHAT_ROWS, "chat_implicit": IMPLICIT_ROWS}
+FORMATS = {"text": TEXT_ROWS, "chat_explicit": CHAT_ROWS, "chat_implicit": IMPLICIT_ROWS, "text_implicit": HH_ROWS}
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -281,7 +309,7 @@ def tokenizer(tokenizer_dir):
 def ours(tokenizer):
     """Our ids for every row, encoded in one batch per format (as a build would)."""
     encoder = PairEncoder(tokenizer, TokenizeOptions(max_length=None, overlength="reject", append_eos=True))
-    rows = {**FORMATS, "text_merge": MERGE_ROWS, "chat_merge": [CHAT_MERGE_ROW]}
+    rows = {**FORMATS, "text_merge": MERGE_ROWS, "chat_merge": [CHAT_MERGE_ROW], "text_alike": [HH_ALIKE_ROW]}
     return {name: encoder.encode_many([normalize_row(r) for r in group]) for name, group in rows.items()}
 
 
@@ -341,6 +369,8 @@ def trl_prepared(tokenizer_dir, tmp_path_factory):
         "chat_implicit": IMPLICIT_ROWS,
         "text_merge": MERGE_ROWS,
         "chat_merge": [CHAT_MERGE_ROW],
+        "text_implicit": HH_ROWS,
+        "text_alike": [HH_ALIKE_ROW],
     }
     return trl_prepare(tokenizer_dir, sets, tmp_path_factory.mktemp("trl"))
 
@@ -381,7 +411,7 @@ def test_completion_endings_match_trl_conventions(ours, tokenizer):
     """Plain text ends each completion with the EOS id (TRL appends the EOS text, which encodes to that id);
     conversations end with the template's own end of turn and get no extra EOS, in TRL and here."""
     eos = tokenizer.eos_token_id
-    for pair in ours["text"]:
+    for pair in ours["text"] + ours["text_implicit"]:
         assert pair.chosen[-1] == eos and pair.rejected[-1] == eos
         assert eos not in pair.chosen[:-1] and eos not in pair.rejected[:-1]
     end_of_turn = tokenizer("<|im_end|>\n")["input_ids"]
@@ -448,3 +478,28 @@ def test_chat_completion_that_merges_with_the_generation_prompt_is_rejected_here
     assert tokenizer.decode(theirs["prompt_ids"]).endswith("<|im_start|>assistant")
     assert tokenizer.convert_ids_to_tokens(theirs["chosen_ids"])[:2] == ["ĊĠ", "ĠTwo"]
     assert tokenizer.decode(theirs["rejected_ids"]) == "\nNone.<|im_end|>\n"
+
+
+def test_hh_texts_split_where_trls_extract_prompt_splits_them(tokenizer):
+    """Independent of the trainer: our implicit text prompt is `trl.data_utils.extract_prompt`'s, character for
+    character, on every HH row whose answers differ from their first word."""
+    from trl.data_utils import extract_prompt
+
+    for row in HH_ROWS:
+        pair = normalize_row(row)
+        assert (pair.prompt, pair.chosen, pair.rejected) == tuple(extract_prompt(row).values())
+        assert pair.prompt.endswith("\n\nAssistant:")
+
+
+def test_hh_answers_that_open_alike_split_at_the_turn_here_and_mid_answer_in_trl(ours, trl_prepared, tokenizer):
+    """Answers " I think so." and " I don't know.": TRL's prompt runs on to "...Assistant: I" (its shared
+    characters, less the trailing space) and trains only from there; ours stops at the turn, so " I" opens both
+    completions (the same token in the same context, which cancels from the pair's log-ratio margin). Same text,
+    other boundary."""
+    (mine,) = ours["text_alike"]
+    (theirs,) = trl_prepared["text_alike"]
+    prompt = HH.format("Is it safe?")
+    assert mine.prompt == tokenizer(prompt)["input_ids"]
+    assert tokenizer.decode(theirs["prompt_ids"]) == prompt + " I"
+    assert theirs["prompt_ids"] == mine.prompt + mine.chosen[:1] == mine.prompt + mine.rejected[:1]
+    assert (theirs["chosen_ids"], theirs["rejected_ids"]) == (mine.chosen[1:], mine.rejected[1:])
