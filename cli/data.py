@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import click
 import orjson
@@ -174,6 +175,7 @@ def _summary(result) -> str:
     ]
     if result.manifest:
         lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")
+        lines.append(f"pairs by row form (docs/data-build.md, row formats): {_forms(result.manifest)}")
     for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  rejected {n:>7}  {reason}")
     if result.ignored_columns:
@@ -187,6 +189,14 @@ def _summary(result) -> str:
     if result.part:
         lines.append(_part_line(result))
     return "\n".join(lines)
+
+
+def _forms(manifest: dict) -> str:
+    """`implicit-text 4, explicit-chat 1`: the kept pairs by the row form they were read from, most first."""
+    counts = Counter()
+    for entry in manifest["inputs"]:
+        counts.update(entry["forms"])
+    return ", ".join(f"{form} {n}" for form, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _part_line(result) -> str:

@@ -201,6 +201,7 @@ def test_columns_prompt_with_no_column_drops_a_conflicting_prompt_column(smollm2
     assert (as_is.pairs, as_is.rejects_by_reason) == (0, {"prompt_not_prefix": 3})
     r = run_cli(dpo_data, "build", data, "--tokenizer", smollm2_dir, "--out", tmp_path / "out", "--columns", "prompt=")
     assert r.exit_code == 0, r.output
+    assert "\npairs by row form (docs/data-build.md, row formats): implicit-chat 3\n" in r.output
     m = read_manifest(tmp_path / "out")
     assert m["producer"]["options"]["columns"] == {"prompt": ""}
     assert (m["totals"]["pairs"], m["inputs"][0]["forms"]) == (3, {"implicit-chat": 3})
