@@ -193,6 +193,41 @@ def test_pair_logps_through_the_chunked_head_equal_the_models_own_head(model_typ
     assert max(_relative(a, b) for a, b in zip(chunked_grads, whole_grads)) <= TOLERANCE
 
 
+def test_lora_policy_and_its_adapters_off_reference_through_the_chunked_head_equal_the_models_own():
+    """LoRA on the attention (the head stays a plain Linear): the policy's sums and every adapter's gradient, and
+    the reference's sums with the adapters off (`AdaptersDisabled`, the budget found through PEFT's wrappers),
+    equal the whole head's within 1e-6 relative; the adapters moved off zero so that they count."""
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.attention.head import COPIES, chunk_rows, mark
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.model.lora import apply_lora
+    from dpo_train.reference.live import AdaptersDisabled
+    from tests.architectures.zoo import pairs
+
+    model = apply_lora(_loaded("llama", "segments", "separate"), {"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    batch = pack_microbatch(pairs(), 16)
+    budget = 7 * COPIES * model.config.vocab_size * 4
+    whole, whole_grads = _scored(model, batch, None)
+    chunked, chunked_grads = _scored(model, batch, budget)
+    assert chunk_rows(model, 100) == 7  # the budget is found through PEFT's wrappers
+    assert len(chunked_grads) == len(whole_grads) > 0  # the adapters' gradients (the base is frozen)
+    assert max(_relative(a, b) for a, b in zip(chunked, whole)) <= TOLERANCE
+    assert max(_relative(a, b) for a, b in zip(chunked_grads, whole_grads)) <= TOLERANCE
+    references = []
+    for b in (None, budget):  # the budget marked on the policy, read by the reference through its wrappers
+        mark(model, b)
+        with torch.no_grad():
+            out = pair_logps(AdaptersDisabled(model), batch)
+        references.append(torch.stack([out.chosen, out.rejected]))
+    assert chunk_rows(AdaptersDisabled(model), 100) == 7  # so the reference above did score in chunks
+    assert _relative(references[1], references[0]) <= TOLERANCE
+    assert _relative(references[0][0], whole[0]) > 1e-3  # adapters off is another model than the policy
+
+
 def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
     """A model that changes its logits after the projection in a way `head_of` does not read, or whose head is
     not a plain Linear, keeps its own head: `check_head` names why, and the run's note says so."""

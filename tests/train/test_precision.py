@@ -19,6 +19,7 @@ log-softmax is taken in fp32. This is why a precomputed reference is bound to it
 def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir):
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.attention.head import COPIES, mark
     from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
     from dpo_train.model.policy import load_policy, prepare_for_training
@@ -32,13 +33,22 @@ def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir
         exact = pair_logps(model, batch)
         with placement("cpu", "bf16").autocast():
             low = pair_logps(model, batch)
-    assert low.chosen.dtype == torch.float32  # log-probs are summed in fp32 whatever the matmuls ran in
+        mark(model, 16 * COPIES * model.config.vocab_size * 4)  # the chunked head, 16 positions a chunk
+        with placement("cpu", "bf16").autocast():
+            chunked = pair_logps(model, batch)
+        mark(model, None)
+    assert low.chosen.dtype == chunked.chosen.dtype == torch.float32  # summed in fp32 whatever the matmuls ran in
     for full, half, tokens in (
         (exact.chosen, low.chosen, exact.chosen_tokens),
         (exact.rejected, low.rejected, exact.rejected_tokens),
+        (exact.chosen, chunked.chosen, exact.chosen_tokens),  # the chunked head in bf16: within bf16's own rounding
+        (exact.rejected, chunked.rejected, exact.rejected_tokens),
     ):
         per_token = ((half - full).abs() / tokens).max()
         assert 0 < per_token < BF16_ATOL_PER_TOKEN, float(per_token)  # bf16 did run (not identical), and stayed close
+    # the same bf16 projection row by row: the chunked head rounds as the model's own head does
+    for whole, part in ((low.chosen, chunked.chosen), (low.rejected, chunked.rejected)):
+        assert float((part - whole).abs().max()) < 1e-3 * float(whole.abs().max())
 
 
 def test_training_in_bf16_learns(sample_dataset):
