@@ -8,13 +8,17 @@ from typing import Any
 
 from dpo_state.commit import COMMIT_FILE
 from dpo_state.export_record import CARD_ROWS
-from dpo_state.files import read_json
 from dpo_state.layout import step_dir
 from dpo_state.run_logs import EVAL_LOG, by_step, read_log
 from dpo_train.config.sections import ModelConfig, TrainConfig
+from dpo_train.export.hub_metadata import base_licence, dataset_names, hub_model_id
 
 _EVAL_ROWS = ("accuracy", "loss", "margin", "logp_accuracy", "nll")
 """The held-out metrics the card compares before and after training (those an eval record has)."""
+_SHARES = {"accuracy", "logp_accuracy"}
+"""Held-out metrics that are shares of pairs: shown as percentages."""
+_USAGE_REPO = "YOUR-NAME/YOUR-MODEL"
+"""The repo id in the card's usage snippet: the export does not know where it will be pushed."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,11 @@ def run_facts(identity: dict, lineage: dict, step: int, store: Any, out: Path) -
 
 
 def base_model(model: ModelConfig) -> str | None:
-    """The base model's portable name, never a local path: the Hub name its config.json records as
-    `_name_or_path` when that is one, else model.path's directory name; None for a random init."""
+    """The base model's portable name, never a local path: its Hub id where one is known
+    (`hub_metadata.hub_model_id`), else model.path's directory name; None for a random init."""
     if not model.path:
         return None
-    recorded = read_json(Path(model.path) / "config.json").get("_name_or_path")
-    if isinstance(recorded, str) and recorded and not recorded.startswith(("/", ".", "~")) and "\\" not in recorded:
-        return recorded
-    return Path(model.path).resolve().name
+    return hub_model_id(model) or Path(model.path).resolve().name
 
 
 def loss_types(config: TrainConfig) -> list[str]:
@@ -61,14 +62,16 @@ def card_text(config: TrainConfig, facts: RunFacts, library: str, merged: bool) 
 
     lora = facts.identity["model"]["lora"]
     data = ModelCardData(
-        base_model=base_model(config.model),
-        datasets=list(facts.source_pairs),
+        base_model=hub_model_id(config.model),  # a Hub id or nothing: the Hub links it
+        datasets=dataset_names(config.data.paths),
+        **base_licence(config.model),
         library_name=library,
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(["dpo-toolkit", "dpo", *loss_types(config), *(["lora"] if lora else [])])),
     )
     sections = [
         _title(config, facts, library, merged),
+        _usage(config, facts, library),
         _objective(facts),
         _hyperparameters(config, facts),
         _data(facts),
@@ -181,8 +184,53 @@ def _evaluation(config: TrainConfig, facts: RunFacts) -> str | None:
     first, last = records[0], records[-1]
     head = f"| held-out ({last['pairs']} pairs) | step {first['step']} (before) | step {last['step']} (after) |\n"
     head += "|---|---|---|\n"
-    rows = [f"| {k} | {_cell(first.get(k))} | {_cell(last.get(k))} |" for k in _EVAL_ROWS if k in last]
+    rows = [f"| {k} | {_metric(k, first.get(k))} | {_metric(k, last.get(k))} |" for k in _EVAL_ROWS if k in last]
     return "## Held-out evaluation\n\n" + head + "\n".join(rows)
+
+
+def _metric(name: str, value: Any) -> str:
+    """A held-out metric as people read it: a share of pairs as a percentage to 0.1, anything else (losses,
+    margins) to 4 significant digits, trailing zeros kept (0.6931, 5.400)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"  # a field an older eval record lacks
+    if name in _SHARES:
+        return f"{value:.1%}"
+    return f"{value:#.4g}".rstrip(".")  # `#` keeps trailing zeros, and a dot after 1235: dropped
+
+
+def _usage(config: TrainConfig, facts: RunFacts, library: str) -> str:
+    """How to load the pushed repo with transformers and generate, through the chat template when the run's
+    tokenizer has one (a plain-text run prompts with text)."""
+    chat = facts.identity["tokenizer"]["attestation"]["components"].get("chat_template") is not None
+    prompt = (
+        'messages = [{"role": "user", "content": "What is the capital of France?"}]\n'
+        "inputs = tokenizer.apply_chat_template(\n"
+        '    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"\n'
+        ")\n"
+        if chat
+        else 'inputs = tokenizer("The capital of France is", return_tensors="pt")\n'
+    )
+    code = (
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        f'repo = "{_USAGE_REPO}"  # the repo `dpo-state push` sent this folder to, or the folder\'s path\n'
+        "tokenizer = AutoTokenizer.from_pretrained(repo)\n"
+        "model = AutoModelForCausalLM.from_pretrained(repo)\n"
+        f"{prompt}"
+        "output = model.generate(**inputs, max_new_tokens=64)\n"
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))'
+    )
+    return f"## Usage\n\n```python\n{code}\n```" + (_adapter_note(config) if library == "peft" else "")
+
+
+def _adapter_note(config: TrainConfig) -> str:
+    base = hub_model_id(config.model)
+    if base:
+        return f"\n\nAn adapter: transformers loads it with `peft` installed, over its base model `{base}`."
+    return (
+        f"\n\nAn adapter: transformers loads it with `peft` installed, over its base model, which has no Hub id: "
+        f"set `base_model_name_or_path` in adapter_config.json (now `{base_model(config.model)}`) to the base's "
+        "Hub id or local path first."
+    )
 
 
 def _code() -> str:

