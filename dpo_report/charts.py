@@ -17,6 +17,8 @@ REPORT_DIR = "report"
 PNG_META = {"Software": None}  # no version string: a regenerated chart differs only when the run does
 PLOT_LIMIT = 1e300  # matplotlib's ticks overflow on an axis spanning about 1e308; values beyond are not drawn
 LABEL_CHARS = 40  # a source name is any string: its legend entry is cut to this many characters
+EVAL_LINE_POINTS = 3
+"""Evaluations are drawn as points, joined by a line from this many on: two (before and after) are not a trend."""
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 0.0) -> Path:
@@ -81,14 +83,23 @@ def _steps_done(report: dict) -> list[int]:
 
 
 def _panel(
-    ax, report: dict, title: str, lines: dict[str, list], x: list | None = None, legend: bool | None = None
+    ax,
+    report: dict,
+    title: str,
+    lines: dict[str, list],
+    x: list | None = None,
+    legend: bool | None = None,
+    points: bool = False,
 ) -> None:
+    """One chart of `lines` over steps done (or `x`). `points`: a few measurements (evaluations), drawn as
+    markers, joined only from EVAL_LINE_POINTS on and never smoothed."""
     x = _steps_done(report) if x is None else x
-    marker = "." if len(x) < 40 else None
-    smoothing = report.get("smoothing", 0.0)
+    marker = "o" if points else "." if len(x) < 40 else None
+    joined = not points or len(x) >= EVAL_LINE_POINTS
+    smoothing = 0.0 if points else report.get("smoothing", 0.0)
     drawn = []
     for k, values in enumerate(lines.values()):  # dashed after the ten colours of matplotlib's cycle
-        style = "-" if k < 10 else "--"
+        style = ("-" if k < 10 else "--") if joined else "none"
         if not smoothing:
             drawn.append(ax.plot(x, _values(values), marker=marker, linestyle=style)[0])
             continue
@@ -214,9 +225,9 @@ def _eval(plt, report: dict):
         return None
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     lines = {"margin > 0 (vs reference)": e["accuracy"], "chosen logp > rejected (policy)": e["logp_accuracy"]}
-    _panel(axes[0], report, "held-out accuracy", lines, x=e["step"])
-    _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"])
-    _panel(axes[2], report, "held-out loss (the run's objective)", _loss_lines(e), x=e["step"])
+    _panel(axes[0], report, "held-out accuracy", lines, x=e["step"], points=True)
+    _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"], points=True)
+    _panel(axes[2], report, "held-out loss (the run's objective)", _loss_lines(e), x=e["step"], points=True)
     return figure
 
 
@@ -277,12 +288,12 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             + ("" if s["finished"] else " (no final/ yet: running or stopped)"),
         ),
         ("pairs trained", str(s["pairs"])),
-        ("wall time", f"{_secs(s['wall_seconds'])} ({_secs(s['train_seconds'])} in steps)"),
+        ("wall time", _wall_time(s)),
         (
             "held-out accuracy",
             f"{held_out(s['eval_before'])} before; final {held_out(s['eval_final'])}; best {held_out(s['eval_best'])}",
         ),
-        ("checkpoints", ", ".join(map(str, s["checkpoints"])) or "none"),
+        ("checkpoints", _checkpoints(s["checkpoints"])),
         ("incomplete last line", ", ".join(s["torn_last_lines"]) or "none"),
         (
             "config problems",
@@ -291,6 +302,27 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             else "none",
         ),
     ]
+
+
+def _wall_time(s: dict) -> str:
+    """The run's wall time: with a precomputed reference, the precompute's too (the run could not start
+    without it), each part named; a precompute of unknown time is said so, not counted as 0."""
+    train = f"training {_secs(s['wall_seconds'])} ({_secs(s['train_seconds'])} in steps)"
+    precompute = s.get("precompute")
+    if precompute is None:
+        return train
+    if precompute["seconds"] is None:
+        return f"{train}; reference precompute not counted, its time unknown: {precompute['unknown']}"
+    total = None if s["wall_seconds"] is None else s["wall_seconds"] + precompute["seconds"]
+    total = total if total is not None and math.isfinite(total) else None  # a hand-edited log's overflow
+    return f"{_secs(total)}: reference precompute {_secs(precompute['seconds'])} + {train}"
+
+
+def _checkpoints(steps: list[int]) -> str:
+    """The committed checkpoints still on disk, counted, then their steps: `3 kept (steps 2, 4, 6)`."""
+    if not steps:
+        return "none kept"
+    return f"{len(steps)} kept (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
 
 
 def _secs(seconds: float | None) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from dpo_state.errors import DocumentError, ToolkitError
 from dpo_state.layout import list_checkpoints
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, current_metrics, read_log, step_scalars
+from dpo_state.sidecar_record import read_sidecar_record
 from dpo_state.strict_yaml import read_yaml_file
 
 REPORT_FORMAT_VERSION = 3
@@ -79,6 +80,7 @@ def _summary(run: Path, steps: list[dict], evals: list[dict], torn: list[str]) -
         "pairs": sum(r["pairs"] for r in steps),
         "wall_seconds": _finite(_wall_seconds(steps)),
         "train_seconds": _finite(sum(_seconds(r) for r in steps)),
+        "precompute": _precompute(config, identity, problems),
         "eval_before": evals[0] if evals and evals[0]["step"] == 0 else None,
         "eval_final": trained[-1] if trained else None,
         "eval_best": best,
@@ -150,6 +152,28 @@ def _dataset(identity: dict | None, config: dict, problems: list[str]) -> dict:
         return {"fingerprint": identity["dataset"]["fingerprint"], "pairs": identity["dataset"]["num_pairs"]}
     path = _config_field(config, "data", "path", (str, list), "a string or a list of strings", problems)
     return {"fingerprint": None, "pairs": None, "path": path}
+
+
+def _precompute(config: dict, identity: dict | None, problems: list[str]) -> dict | None:
+    """The reference precompute of a run that read a precomputed sidecar (reference.mode precomputed): the
+    sidecar's directory and the wall time its reference.json records; `seconds` None and `unknown` saying why
+    where it cannot be known. None for any other reference."""
+    if _config_field(config, "reference", "mode", (str,), "a string", problems) != "precomputed":
+        return None
+    path = _config_field(config, "reference", "path", (str,), "a string", problems)
+    if path is None:
+        return {"sidecar": None, "seconds": None, "unknown": f"{CONFIG} names no reference.path"}
+    try:
+        record = read_sidecar_record(path)
+    except (DocumentError, OSError) as e:  # a sidecar moved, removed or damaged since: the charts still draw
+        return {"sidecar": path, "seconds": None, "unknown": f"its sidecar cannot be read: {e}"}
+    used = identity["reference"].get("sidecar_table") if identity else None
+    if used is not None and used != record["table"]["sha256"]:
+        why = "the sidecar there was recomputed after this run (its table is not the one the run's checkpoints name)"
+        return {"sidecar": path, "seconds": None, "unknown": why}
+    seconds = record.get("seconds")
+    why = None if seconds is not None else "the sidecar was written before the precompute's time was recorded"
+    return {"sidecar": path, "seconds": seconds, "unknown": why}
 
 
 def _finite(value: float) -> float | None:

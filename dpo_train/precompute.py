@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from dpo_train.config import TrainConfig
@@ -17,6 +18,7 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False, progress:
     Under torchrun every rank scores its share of the packed micro-batches; rank 0 writes. An existing
     sidecar is replaced only with `overwrite` (a run may be bound to it).
     """
+    started = time.perf_counter()  # the wall time the sidecar records: what a report adds to the run's
     if not config.reference.path:
         raise ConfigError("--precompute-reference needs reference.path: the sidecar directory to write")
     existing = Path(config.reference.path) / SIDECAR_DOCUMENT
@@ -35,6 +37,7 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False, progress:
     scores = score_pairs(model, store, run, budget, progress=shown)
     path = Path(config.reference.path)
     if run.rank == 0:
-        write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init")
+        seconds = time.perf_counter() - started
+        write_sidecar(path, scores, store, weights, place.precision, layout, config.model.path or "init", seconds)
     barrier()
     return path

@@ -13,14 +13,15 @@ import torch
 
 from dpo_state.digest import DIGEST_PREFIX, file_digest
 from dpo_state.errors import DocumentError
-from dpo_state.files import file_problems, read_document, write_json_atomic
+from dpo_state.files import file_problems, write_json_atomic
+from dpo_state.sidecar_record import (  # the document's format; dpo_state owns it so that the report reads it too
+    SIDECAR_DOCUMENT,
+    SIDECAR_FORMAT_VERSION,
+    SIDECAR_SCHEMA,
+    SIDECAR_TABLE,
+    read_sidecar_record,
+)
 from dpo_train.errors import SidecarError
-
-SIDECAR_FORMAT_VERSION = 1
-SIDECAR_SCHEMA = "reference-sidecar"
-SIDECAR_DOCUMENT = "reference.json"
-SIDECAR_TABLE = "logps.safetensors"
-_MAX_DOCUMENT_BYTES = 1 << 20  # the document is small; a larger file is refused before parsing
 
 
 def weights_fingerprint(model: Any) -> str:
@@ -80,9 +81,17 @@ _INITIAL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (5e-2, 0.1)}
 
 
 def write_sidecar(
-    path: str | Path, scores, store, weights: str, precision: str, layout: str, model_source: str
+    path: str | Path,
+    scores,
+    store,
+    weights: str,
+    precision: str,
+    layout: str,
+    model_source: str,
+    seconds: float | None = None,
 ) -> Path:
-    """Write the table, then `reference.json` (by rename, last): a sidecar without it is not one."""
+    """Write the table, then `reference.json` (by rename, last): a sidecar without it is not one. `seconds`:
+    the precompute's wall time so far, recorded for the report of a run that uses the sidecar."""
     from safetensors.numpy import save_file
 
     from dpo_data import __version__
@@ -115,6 +124,7 @@ def write_sidecar(
         },
         "table": {"path": SIDECAR_TABLE, "bytes": table.stat().st_size, "sha256": file_digest(table)},
         "producer": {"name": "dpo-toolkit", "version": __version__},
+        **({} if seconds is None else {"seconds": round(seconds, 3)}),
     }
     write_json_atomic(path / SIDECAR_DOCUMENT, document, schema=SIDECAR_SCHEMA)
     return path
@@ -166,9 +176,7 @@ def _read_document(path: Path) -> Any:
     if not doc.is_file():
         raise SidecarError(_message(path, [f"{doc} does not exist (no sidecar, or one never finished)"]))
     try:
-        return read_document(
-            doc, SIDECAR_SCHEMA, SIDECAR_FORMAT_VERSION, _MAX_DOCUMENT_BYTES, fix="recompute it with this version"
-        )
+        return read_sidecar_record(path)
     except DocumentError as e:
         raise SidecarError(_message(path, [str(e)])) from None
 

@@ -259,3 +259,83 @@ def test_smoothing_is_tensorboards_debiased_moving_average_and_keeps_gaps():
     assert out[1] == pytest.approx((0.5 * 0.5 * 1 + 0.5 * 3) / (1 - 0.25))
     assert math.isnan(out[2]) and out[3] == pytest.approx((0.5 * (0.25 * 1 + 0.5 * 3) + 0.5 * 3) / (1 - 0.125))
     assert smoothed([2.0, 4.0], 0.0) == [2.0, 4.0]
+
+
+def _eval_line(step: int, accuracy: float) -> dict:
+    record = {"format_version": 3, "step": step, "pairs": 8, "accuracy": accuracy, "ties": 0.0, "margin": 0.1}
+    return record | {"logp_accuracy": accuracy, "loss": 0.69, "pair_loss": 0.69, "nll": 1.0}
+
+
+@pytest.mark.parametrize(("evaluations", "joined"), [(2, False), (3, True)])
+def test_evaluations_are_drawn_as_points_joined_only_when_they_make_a_series(tmp_path, evaluations, joined):
+    """Before and after (two evaluations) are two markers, not a line that claims a trend between them; from
+    three on the markers are joined."""
+    from dpo_report.charts import _eval, _pyplot
+    from dpo_report.summary import run_report
+
+    lines = [_metrics_line(3, k, 0.7, 0.7, 0.6) for k in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    steps = [0, 4] if evaluations == 2 else [0, 2, 4]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(_eval_line(s, 0.5 + s / 10)) + "\n" for s in steps))
+    plt = _pyplot()
+    figure = _eval(plt, run_report(tmp_path))
+    drawn = [line for ax in figure.axes for line in ax.lines]
+    plt.close(figure)
+    assert len(drawn) == 4  # accuracy twice (margin and policy log-probs), margin, loss
+    assert {(line.get_marker(), line.get_linestyle()) for line in drawn} == {("o", "-" if joined else "None")}
+    assert [list(line.get_xdata()) for line in drawn] == [steps] * 4
+
+
+@pytest.mark.parametrize(
+    ("steps", "shown"), [([], "none kept"), ([24], "1 kept (step 24)"), ([8, 16, 24], "3 kept (steps 8, 16, 24)")]
+)
+def test_the_checkpoints_row_counts_them_and_names_their_steps(steps, shown):
+    from dpo_report.charts import _checkpoints
+
+    assert _checkpoints(steps) == shown
+
+
+def test_the_wall_time_of_a_precomputed_run_adds_the_precompute_its_sidecar_records(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """--precompute-reference records its wall time in reference.json; the report of a run on that sidecar
+    adds it to the run's own, and says why where it cannot (a sidecar recomputed since, written before the time
+    was recorded, or gone); a live run's wall time is its training alone."""
+    from dpo_report.charts import _summary_rows
+    from dpo_report.summary import run_report
+    from tests.harness import train_here
+    from tests.train.test_sidecar_guards import _precomputed_config
+
+    path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
+    train_here(run_cli, path, "--precompute-reference")
+    train_here(run_cli, path, "--set", "train.max_steps=2", "--set", "train.save_every=2")
+    document = json.loads((sidecar / "reference.json").read_text())
+    assert document["seconds"] > 0
+
+    def wall(run):
+        summary = run_report(run)["summary"]
+        return summary["precompute"], dict(_summary_rows(summary))["wall time"], summary
+
+    precompute, row, summary = wall(tmp_path / "run")
+    assert precompute == {"sidecar": str(sidecar), "seconds": document["seconds"], "unknown": None}
+    w, t, p = summary["wall_seconds"], summary["train_seconds"], document["seconds"]
+    assert row == f"{w + p:.1f} s: reference precompute {p:.1f} s + training {w:.1f} s ({t:.1f} s in steps)"
+    assert dict(_summary_rows(summary))["checkpoints"] == "1 kept (step 2)"
+
+    recomputed = {**document, "table": {**document["table"], "sha256": "sha256:" + "1" * 64}}
+    (sidecar / "reference.json").write_text(json.dumps(recomputed))
+    precompute, row, _ = wall(tmp_path / "run")
+    assert precompute["seconds"] is None and "recomputed after this run" in precompute["unknown"]
+    assert row.startswith(f"training {w:.1f} s ({t:.1f} s in steps); reference precompute not counted")
+    (sidecar / "reference.json").write_text(json.dumps({k: v for k, v in document.items() if k != "seconds"}))
+    precompute, _, _ = wall(tmp_path / "run")
+    assert precompute["unknown"] == "the sidecar was written before the precompute's time was recorded"
+    (sidecar / "reference.json").unlink()
+    precompute, _, _ = wall(tmp_path / "run")
+    assert precompute["unknown"] == f"its sidecar cannot be read: {sidecar / 'reference.json'} is missing"
+
+    live = ["--set", "reference.mode=live", "--set", f"train.output_dir={tmp_path / 'live'}"]
+    train_here(run_cli, path, *live, "--set", "train.max_steps=1")
+    precompute, row, summary = wall(tmp_path / "live")
+    w, t = summary["wall_seconds"], summary["train_seconds"]
+    assert precompute is None and row == f"training {w:.1f} s ({t:.1f} s in steps)"
