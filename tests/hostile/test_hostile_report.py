@@ -12,17 +12,17 @@ from tests.harness import state_cli
 
 
 def _record(step: int, sources: dict | None = None, **fields) -> dict:
-    """A metrics.jsonl record of format 2 (the trainer's current one), `fields` replacing its values."""
+    """A metrics.jsonl record of format 3 (the trainer's current one), `fields` replacing its values."""
     record = {
-        "format_version": 2,
+        "format_version": 3,
         "step": step,
         "world_size": 1,
-        **dict.fromkeys(("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "nll"), 0.5),
+        **dict.fromkeys(("loss", "pair_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "nll"), 0.5),
         **dict.fromkeys(("rewards/margins", "logps/chosen", "logps/rejected", "grad_norm", "lr"), 0.1),
         **{"packing_efficiency": 0.5, "pairs/s": 2.0, "tokens/s": 20.0, "time": 1000.0 + 2 * step},
         **{"pairs": 4, "input_tokens": 40, "supervised_tokens": 20, "skipped_steps": 0, "microbatches": 1},
         "fill_histogram": [0] * 9 + [1],
-        "sources": {"s": {"pairs": 4, "loss": 0.5, "accuracy": 1.0}} if sources is None else sources,
+        "sources": {"s": {"pairs": 4, "pair_loss": 0.5, "accuracy": 1.0}} if sources is None else sources,
     }
     record.update(fields)
     return record
@@ -211,7 +211,7 @@ def test_two_thousand_sources_draw_the_twelve_largest_and_list_the_rest(tmp_path
     listed with their pairs, in --json and on the page."""
     names = [f"src{k:04d}" for k in range(2000)]
     per_step = {n: k % 7 + 1 for k, n in enumerate(names)}
-    sources = {n: {"pairs": p, "loss": 0.5, "accuracy": 1.0, "margin": 0.1} for n, p in per_step.items()}
+    sources = {n: {"pairs": p, "pair_loss": 0.5, "accuracy": 1.0, "margin": 0.1} for n, p in per_step.items()}
     run = _run(tmp_path / "run", [_record(step, sources) for step in range(3)])
     listed = _report_json(run_cli, run)["sources"]
     ranked = sorted(names, key=lambda n: (-per_step[n], n))
@@ -227,12 +227,12 @@ NAMES = ["a/b", "a/b/loss", "$x^$", r"$\frac{$", "_hidden", "", "new\nline", "<b
 
 
 def test_every_source_name_renders_in_the_html_and_json(tmp_path, run_cli):
-    sources = {n: {"pairs": 2, "loss": 0.25, "accuracy": 0.5} for n in NAMES}
+    sources = {n: {"pairs": 2, "pair_loss": 0.25, "accuracy": 0.5} for n in NAMES}
     run = _run(tmp_path / "run", [_record(0, sources), _record(1, sources)])
     report = _report_json(run_cli, run)
     assert sorted(x["name"] for x in report["sources"]) == sorted(NAMES)
     for name in NAMES:
-        assert report["series"][f"sources/{name}/loss"] == [0.25, 0.25]
+        assert report["series"][f"sources/{name}/pair_loss"] == [0.25, 0.25]
     page = _report_html(run_cli, run)
     assert "10 source(s); drawn: the 10 with the most pairs (ties by name).</p>" in page
     assert "<b>&" not in page and "data:image/png;base64," in page
@@ -241,7 +241,7 @@ def test_every_source_name_renders_in_the_html_and_json(tmp_path, run_cli):
 @pytest.mark.parametrize(
     "name, label",
     [
-        ("a/b", "a/b"),  # `sources/a/b/loss` was split at its first `/`: KeyError
+        ("a/b", "a/b"),  # `sources/a/b/pair_loss` was split at its first `/`: KeyError
         ("$x^$", r"\$x^\$"),  # mathtext: a parse error when drawn
         (r"$\frac{$", r"\$\frac{\$"),
         ("_hidden", "_hidden"),  # matplotlib leaves out a collected label starting with `_`
@@ -256,7 +256,10 @@ def test_a_source_name_is_its_own_legend_entry(tmp_path, name, label):
     from dpo_report.charts import _pyplot, _sources
     from dpo_report.summary import run_report
 
-    sources = {name: {"pairs": 3, "loss": 0.5, "accuracy": 1.0}, "other": {"pairs": 1, "loss": 0.7, "accuracy": 0.0}}
+    sources = {
+        name: {"pairs": 3, "pair_loss": 0.5, "accuracy": 1.0},
+        "other": {"pairs": 1, "pair_loss": 0.7, "accuracy": 0.0},
+    }
     plt = _pyplot()
     figure = _sources(plt, run_report(_run(tmp_path / "run", [_record(0, sources), _record(1, sources)])))
     try:
@@ -278,16 +281,16 @@ def test_extreme_values_the_schemas_allow_are_drawn_or_named_never_a_crash(tmp_p
     cannot place on an axis are left out with a note; non-numbers are null."""
     big = 2**64 - 1
     records = [
-        _record(0, {"s": {"pairs": 2, "loss": 1e308, "accuracy": "high", "margin": [1]}}, loss=1e308, time=-1e308),
+        _record(0, {"s": {"pairs": 2, "pair_loss": 1e308, "accuracy": "high", "margin": [1]}}, loss=1e308, time=-1e308),
         _record(
             1,
-            {"s": {"pairs": "two", "loss": -1e308, "accuracy": True}, "t": {"pairs": big, "loss": {"a": 1}}},
+            {"s": {"pairs": "two", "pair_loss": -1e308, "accuracy": True}, "t": {"pairs": big, "pair_loss": {"a": 1}}},
             loss=-1e308,
             grad_norm=1.7e308,
             time=1e308,
             **{"pairs/s": 5e-324, "fill_histogram": [big] * 10, "input_tokens": big, "microbatches": big},
         ),
-        _record(big, {"s": {"pairs": -5, "loss": 0.5}}, lr=5e-324, time=1e308),
+        _record(big, {"s": {"pairs": -5, "pair_loss": 0.5}}, lr=5e-324, time=1e308),
     ]
     run = _run(tmp_path / "run", records)
     report = _report_json(run_cli, run)
@@ -295,9 +298,9 @@ def test_extreme_values_the_schemas_allow_are_drawn_or_named_never_a_crash(tmp_p
     assert summary["wall_seconds"] is None and summary["train_seconds"] is None
     assert summary["last_step"] == big and series["step"] == [0, 1, big]
     assert series["loss"] == [1e308, -1e308, 0.5] and series["lr"] == [0.1, 0.1, 5e-324]
-    assert series["sources/s/loss"] == [1e308, -1e308, 0.5]
+    assert series["sources/s/pair_loss"] == [1e308, -1e308, 0.5]
     assert series["sources/s/accuracy"] == [None, None, None]  # "high", True: not numbers
-    assert series["sources/s/margin"] == [None, None, None] and series["sources/t/loss"] == [None, None, None]
+    assert series["sources/s/margin"] == [None, None, None] and series["sources/t/pair_loss"] == [None, None, None]
     assert series["sources/s/pairs"] == [2, None, -5]
     assert report["sources"] == [
         {"name": "t", "pairs": big, "charted": True},
@@ -305,7 +308,7 @@ def test_extreme_values_the_schemas_allow_are_drawn_or_named_never_a_crash(tmp_p
     ]
     assert report["microbatches"]["fill_counts"] == [big] * 9 + [big + 2]  # past int64: drawn as floats
     page = _report_html(run_cli, run)
-    assert "<tr><th>wall time</th><td>? s (overflow) (? s (overflow) in steps)</td></tr>" in page
+    assert "<tr><th>wall time</th><td>training ? s (overflow) (? s (overflow) in steps)</td></tr>" in page
     assert page.count("data:image/png;base64,") == 3
 
 
