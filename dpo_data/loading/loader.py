@@ -23,6 +23,22 @@ LOADER_STATE_VERSION = 2
 """2: the version key is spelled `format_version`, as in every other document."""
 
 
+WORKER_PRELOAD = ("torch", __name__)
+"""What the workers' fork server imports once, so that each worker, forked from it, starts with torch and the
+stream's module loaded instead of importing them itself (seconds a worker; workers start again at every `iter()`,
+each epoch and each resume). The server is a fresh interpreter, without the rank's gloo threads."""
+
+
+def _worker_context() -> Any:
+    """The fork-server context the workers start from, preloading WORKER_PRELOAD (it takes effect when the
+    process's fork server starts: the first workers)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
+
+
 class MicrobatchStream(IterableDataset):
     """This rank's micro-batches, epoch after epoch from `start` (until `max_epochs`, if set).
 
@@ -158,7 +174,7 @@ class DPOLoader:
         # Workers come from a fork server, not a fork of the rank: a rank runs gloo's threads, and a fork taken
         # while one of them holds a lock of the interpreter deadlocks the child in CPython's after-fork
         # clean-up (seen: a worker stuck in _PyThreadState_DeleteExcept). The stream pickles as its paths.
-        context = "forkserver" if self.config.num_workers else None
+        context = _worker_context() if self.config.num_workers else None
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(
