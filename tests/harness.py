@@ -186,15 +186,25 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GLOO_TIMEOUT)
 
 
+SPAWN_PRELOAD = ("torch", "transformers", "dpo_train.trainer")
+"""What the ranks' fork server imports once per test process: each rank is a fresh process forked from it, so it
+starts with these loaded instead of importing them itself (seconds a rank, a dozen spawns in the suite). The
+server is a fresh interpreter started at the first spawn (or loader worker) of the test process: a rank sees the
+environment of that moment, so a worker sets what it needs itself (as `join_gloo` does)."""
+
+
 def spawn(worker: Any, world: int, *args: Any, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
-    """Run `worker(rank, world, port, *args)` in `world` spawned processes; a rank's exception fails the
-    test (torch re-raises it), and ranks still running after `timeout_s` are killed and the test fails."""
+    """Run `worker(rank, world, port, *args)` in `world` new processes (from a fork server, SPAWN_PRELOAD
+    preloaded); a rank's exception fails the test (torch re-raises it), and ranks still running after
+    `timeout_s` are killed and the test fails."""
+    import multiprocessing
     import time
 
     import torch.multiprocessing as mp
 
+    multiprocessing.set_forkserver_preload(list(SPAWN_PRELOAD))  # takes effect when the server starts
     context = mp.start_processes(
-        worker, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=False
+        worker, args=(world, free_port(), *args), nprocs=world, start_method="forkserver", join=False
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
