@@ -166,12 +166,14 @@ def build(
 
 
 def _summary(result) -> str:
+    from dpo_data.progress import duration  # the build's progress line ends with the same time
+
     if result.skipped:
         return _part_line(result)
     rate = result.rows_read / result.seconds if result.seconds else 0.0
     lines = [
         f"read {result.rows_read} rows: kept {result.pairs} pairs, rejected {result.rejected} "
-        f"({result.seconds:.1f} s, {rate:.0f} rows/s, {result.pairs / max(result.seconds, 1e-9):.0f} pairs/s)",
+        f"({duration(result.seconds)}, {rate:.0f} rows/s, {result.pairs / max(result.seconds, 1e-9):.0f} pairs/s)",
     ]
     if result.manifest:
         lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")

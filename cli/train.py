@@ -283,11 +283,14 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
     """One rank's run. Bad input: a one-line error and exit 2. Anything else: the rank's traceback and
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
-    from dpo_state.errors import ToolkitError
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel import collectives
+    from dpo_train.run.progress import stage  # imports no torch: the line shows while torch loads
 
     rank = int(os.environ.get("RANK", "0"))
+    with stage("imports", not quiet and rank == 0):
+        from dpo_state.errors import ToolkitError
+        from dpo_train.config.loading import load_config
+        from dpo_train.parallel import collectives
+
     prefix = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         resolved = load_config(config, overrides)

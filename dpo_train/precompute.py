@@ -29,7 +29,7 @@ def precompute_reference(config: TrainConfig, overwrite: bool = False, progress:
         )
     run = precompute_run(config, progress)
     store, place, layout = run.data, run.place, config.data.layout
-    model, weights = load_initial_policy(config, place, run.mesh)  # the trainer's own: weights_from included
+    model, weights = load_initial_policy(config, place, run.mesh, shown=run.shown)  # the trainer's own
     run.check_model(model)
     model.to(place.device)
     shown = "precompute: the reference scores every training pair" if run.shown else None

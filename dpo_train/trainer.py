@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
-from dpo_data.progress import Stage
+from dpo_data.progress import Stage, say
 from dpo_state.faults import step_fault
 from dpo_train.attention import check_same_row, pair_logps, row_inputs
 from dpo_train.checkpoint import (
@@ -31,7 +30,7 @@ from dpo_train.export import export, run_facts
 from dpo_train.model import apply_lora, embedding_rows
 from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
-from dpo_train.run import Progress, Run, RunLog, load_initial_policy, training_run
+from dpo_train.run import Progress, Run, RunLog, load_initial_policy, stage, training_run
 from dpo_train.step import (
     EarlyStopping,
     SortScores,
@@ -65,7 +64,9 @@ class Trainer:
         self.mesh, self.sources = run.mesh, store.sources
         torch.manual_seed(config.train.seed)
         # the initial policy: the reference's weights, as --precompute-reference builds them
-        policy, self.weights = load_initial_policy(config, place, self.mesh, config.train.activation_checkpointing)
+        policy, self.weights = load_initial_policy(
+            config, place, self.mesh, config.train.activation_checkpointing, run.shown
+        )
         arch = type(policy).__name__
         self.router_aux_coef = router_aux_coef(
             config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
@@ -73,7 +74,8 @@ class Trainer:
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)
-        self.reference = build_reference(run, policy, self.weights)
+        with stage("reference", run.shown):
+            self.reference = build_reference(run, policy, self.weights)
         self.policy, self.model = policy, wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
@@ -272,7 +274,7 @@ def _run(run: Run) -> Path:
     checkpoints = Checkpoints(run, trainer.checkpointable(loader), trainer.identity())
     # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
     evaluator = Evaluator(run, trainer.reference.initial) if run.held_out else None
-    checkpoints.resume()
+    _resume(checkpoints, run)
     fault, epochs_note = step_fault(rank), _epochs_note(config, rank)
     with (
         RunLog(run, checkpoints.resumed_at) as log,
@@ -282,7 +284,8 @@ def _run(run: Run) -> Path:
         if evaluator and checkpoints.resumed_at is None:
             _evaluate(evaluator, trainer, log, watch)
         if _stopped(watch) and rank == 0:  # resumed from the checkpoint where it stopped
-            print(watch.reason(), file=sys.stderr, flush=True)
+            say(watch.reason())
+        bar.begin()
         for batch in loader if trainer.state.step < config.train.max_steps and not _stopped(watch) else ():
             fault(trainer.state.step)
             epochs_note(batch["epoch"])
@@ -295,7 +298,7 @@ def _run(run: Run) -> Path:
             if evaluator and config.eval.every and trainer.state.step % config.eval.every == 0:
                 stopped = _evaluate(evaluator, trainer, log, watch)
                 if stopped and rank == 0:
-                    print(watch.reason(), file=sys.stderr, flush=True)
+                    say(watch.reason())
             done = trainer.state.step >= config.train.max_steps or _stopped(watch)
             checkpoints.after_step(done)
             if done:
@@ -307,6 +310,16 @@ def _run(run: Run) -> Path:
     with Stage(f"export {out / 'final'}", enabled=run.shown):
         export(trainer.policy, config, run.tokenizer, out, rank, facts)
     return out
+
+
+def _resume(checkpoints: Checkpoints, run: Run) -> None:
+    """Restore the checkpoint to resume from, if any, as a start-up stage; then say where the run stands."""
+    if checkpoints.resume_from is None:
+        return
+    with stage("resume", run.shown, checkpoint=checkpoints.resume_from):
+        checkpoints.resume()
+    if run.rank == 0:
+        say(f"resumed from {checkpoints.resume_from} at step {checkpoints.resumed_at}")
 
 
 def _evaluate(evaluator: Evaluator, trainer: Trainer, log: RunLog, watch: EarlyStopping | None) -> bool:
@@ -338,12 +351,10 @@ def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
         nonlocal said
         if not said and epoch >= config.train.epochs:
             said = True
-            print(
+            say(
                 f"note: train.max_steps {config.train.max_steps} goes on into epoch {epoch + 1} of the data, "
                 f"past train.epochs {config.train.epochs}: max_steps decides when set (max_steps: null trains "
-                "train.epochs epochs; docs/train-config.md)",
-                file=sys.stderr,
-                flush=True,
+                "train.epochs epochs; docs/train-config.md)"
             )
 
     return note

@@ -13,9 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = {"dpo_data", "dpo_state", "dpo_report", "dpo_train", "dpo_cli", "cli"}
-# What each part may import, among the project's own parts (dpo_data.errors and dpo_data.progress, which
-# import nothing of the project, are shared by all of dpo_data and the trainer).
-SHARED = {"dpo_data", "dpo_data.errors", "dpo_data.progress", "dpo_state"}
+# What each part may import, among the project's own parts (dpo_data.errors, dpo_data.progress and
+# dpo_data.tokenizer, which import nothing of the project, are shared by all of dpo_data and the trainer).
+SHARED = {"dpo_data", "dpo_data.errors", "dpo_data.progress", "dpo_data.tokenizer", "dpo_state"}
 ALLOWED = {
     "dpo_state": {"dpo_state"},
     "dpo_data.dataset": {"dpo_data.dataset", *SHARED},
@@ -255,6 +255,43 @@ def test_the_data_pipeline_imports_without_the_trainer_or_npu():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_build_with_a_real_tokenizer_imports_no_torch(smollm2_dir, tmp_path):
+    """`dpo-data build` needs a tokenizer, not a model: AutoTokenizer's import alone costs `import torch`
+    (seconds); the build loads the same class without it (dpo_data/tokenizer.py)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "2 + 2?", "chosen": " 4", "rejected": " 5"}\n')
+    code = (
+        "import sys\nfrom dpo_cli.data import main\n"
+        f"main(['build', {str(rows)!r}, '--tokenizer', {str(smollm2_dir)!r}, '--out', {str(tmp_path / 'out')!r}],"
+        " standalone_mode=False)\n"
+        "print(sorted(n for n in ('torch', 'transformers') if n in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.splitlines()[-1] == "['transformers']"
+    assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_dpo_state_commands_that_read_no_tensors_import_no_torch(small_dataset, smollm2_dir, tmp_path, run_cli):
+    """inspect, diff (without --values) and report --json read JSON documents only: a fresh interpreter runs
+    each on a real checkpoint without importing torch (verify reads DCP's metadata through torch's classes)."""
+    from tests.harness import tiny_config, train_here, write_yaml
+
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "c.yaml", tiny_config(small_dataset, smollm2_dir, out, max_steps=1, save_every=1))
+    train_here(run_cli, config)
+    step = out / "checkpoints" / "step-000001"
+    commands = [["inspect", str(step)], ["diff", str(step), str(step)], ["report", str(out), "--json"]]
+    code = (
+        "import sys\nfrom dpo_cli.state import main\n"
+        f"for args in {commands!r}:\n"
+        "    try:\n        main(args)\n    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.splitlines()[-1] == "False"
 
 
 @pytest.mark.parametrize("package", ["dpo_data", "dpo_state"])

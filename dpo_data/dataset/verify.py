@@ -344,12 +344,11 @@ def _check_inputs(m: dict, inputs: list[str]) -> list[str]:
 
 
 def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
-    from transformers import AutoTokenizer
-
+    from dpo_data.tokenizer import load_tokenizer
     from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as e:
         return [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"]
     template = recorded_chat_template(m)

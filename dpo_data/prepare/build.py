@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
 from dpo_data.prepare.template import TEMPLATE_FAILURES, read_chat_template, render_chars, unrenderable
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_data.progress import Stage
+from dpo_data.tokenizer import load_tokenizer
 from dpo_state.attestation import tokenizer_attestation
 from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
@@ -263,9 +263,15 @@ def _numbered(inputs: list[InputFile], options: BuildOptions) -> Iterator[tuple[
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
-    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract."""
-    started = time.perf_counter()
-    out = Path(out)
+    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract. Its `seconds` are
+    the whole build's, the time its progress line ends with."""
+    with _progress(options.progress) as bar:
+        result = _build(inputs, tokenizer_dir, Path(out), options, bar)
+    result.seconds = bar.seconds
+    return result
+
+
+def _build(inputs: list[str], tokenizer_dir: str, out: Path, options: BuildOptions, bar: Stage) -> BuildResult:
     files = _open_inputs(inputs, options)
     chars = render_chars(options.max_row_bytes)
     template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
@@ -282,15 +288,12 @@ def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: Build
         if options.part is not None:
             plan = build_plan(options.recorded(template), attestation, entries, options.part)
             if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
-                done.seconds = time.perf_counter() - started
                 return done
-        result = commit_staged(
+        return commit_staged(
             out,
             options.overwrite,
-            lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan),
+            lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan, bar),
         )
-    result.seconds = time.perf_counter() - started
-    return result
 
 
 def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildResult | None:
@@ -316,13 +319,14 @@ def _build_into(
     options: BuildOptions,
     template: dict | None,
     plan: dict | None,
+    bar: Stage,
 ) -> BuildResult:
     """Everything but the commit: shards, rejects and (unless refused) the manifest, or a part's part.json,
-    all in `staging`."""
+    all in `staging`; `bar` counts the rows read."""
     tally = Tally(inputs=entries, columns=[Counter() for _ in files], forms=[Counter() for _ in files])
     writer = ShardWriter(staging)
     renders = _Renders()
-    with open(staging / REJECTS_NAME, "wb") as rejects_file, _progress(options.progress) as bar:
+    with open(staging / REJECTS_NAME, "wb") as rejects_file:
         for result in _run(files, tokenizer, options, tally, bar):
             _consume(result, tally, writer, rejects_file)
             renders.add(result)
@@ -389,12 +393,10 @@ def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
 
 
 def _load_tokenizer(tokenizer_dir: str) -> Any:
-    from transformers import AutoTokenizer
-
     if not Path(tokenizer_dir).is_dir():
         raise DataError(f"--tokenizer {tokenizer_dir}: not a directory; pass a local Hugging Face tokenizer directory")
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
+        return load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as e:
         raise DataError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})") from None
 
@@ -420,7 +422,8 @@ def _input_digest(f: InputFile) -> str:
 
 
 def _progress(enabled: bool) -> Stage:
-    """A bar counting rows on a terminal; in a log, a line at most every 30 s (rows read, elapsed)."""
+    """The whole build's stage: a bar counting rows on a terminal; in a log, a line at most every 30 s (rows
+    read, elapsed); its time is the build's."""
     return Stage("build", enabled=enabled, unit="rows", bar=True)
 
 

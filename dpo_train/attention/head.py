@@ -4,13 +4,13 @@ chunk of logits, in forward and in backward (which recomputes each chunk's logit
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dpo_data.progress import say
 from dpo_train.attention.features import wrapped
 
 
@@ -254,10 +254,8 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
 def note(model: Any, why: str) -> None:
     """The one stderr line saying the chunked head is off for this model (rank 0 only under torchrun)."""
     if os.environ.get("RANK", "0") == "0":
-        print(
+        say(
             f"note: {type(_inner(model)).__name__}: the chunked vocabulary head is off for this model ({why}); its "
             "own head scores every micro-batch, holding all of its logits at once (train.logits_budget_mib, "
-            "docs/train-config.md)",
-            file=sys.stderr,
-            flush=True,
+            "docs/train-config.md)"
         )

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dpo_data.progress import say
 from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config, wrapped
 
 ATTENTION = "unpacked"
@@ -69,13 +69,11 @@ def note(model: Any, why: str) -> None:
     """The one stderr line saying packing is off for this model (rank 0 only under torchrun)."""
     if os.environ.get("RANK", "0") != "0":
         return
-    print(
+    say(
         f"note: {type(model).__name__}: packing is off for this model ({why}); model.attention unpacked runs "
         "each chosen and rejected sequence alone in a right-padded batch, through the model's own "
         f"{model_config(model)._attn_implementation} attention: exact, but it costs the padding to each "
-        "micro-batch's longest sequence, and a shared prompt is run once per completion (docs/train-config.md)",
-        file=sys.stderr,
-        flush=True,
+        "micro-batch's longest sequence, and a shared prompt is run once per completion (docs/train-config.md)"
     )
 
 

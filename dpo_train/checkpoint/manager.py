@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from dpo_data.progress import Stage
 from dpo_train.checkpoint.parts import Checkpointable, RunView, new_lineage
 from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
@@ -34,8 +32,6 @@ class Checkpoints:
         abandon_later(self.run.out, self.resume_from, self.run.rank, self.run.world)
         self.lineage = {**state["lineage"], "parent": self.resume_from.name, "resumed_from": str(self.resume_from)}
         self.resumed_at = self._saved_step = self.parts.train.step
-        if self.run.rank == 0:
-            print(f"resumed from {self.resume_from} at step {self.resumed_at}", file=sys.stderr, flush=True)
 
     def after_step(self, done: bool) -> None:
         """Save when the step just taken is on the cadence, or is the run's last."""

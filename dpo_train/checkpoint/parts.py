@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
+from dpo_data.progress import say
 from dpo_state.dcp_io import (
     merge_tensors,
     split_tensors,
@@ -187,4 +187,4 @@ def dcp_tensors(parts: Checkpointable, model_state: dict) -> dict:
 
 def warn(rank: int, message: str) -> None:
     if rank == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        say(f"warning: {message}")

@@ -9,7 +9,7 @@ __all__, __getattr__ = front(
     {
         "initial_policy": ("load_initial_policy",),
         "log": ("RunLog",),
-        "progress": ("Progress",),
+        "progress": ("Progress", "stage"),
         "setup": ("Run", "precompute_run", "training_run"),
     },
 )

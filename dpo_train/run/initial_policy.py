@@ -15,21 +15,29 @@ from dpo_train.model.load import load_model
 from dpo_train.model.policy import prepare_for_training
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
+from dpo_train.run.progress import stage
 
 
 def load_initial_policy(
-    config: TrainConfig, place: Placement, mesh: SequenceMesh, activation_checkpointing: bool = False
+    config: TrainConfig,
+    place: Placement,
+    mesh: SequenceMesh,
+    activation_checkpointing: bool = False,
+    shown: bool = False,
 ) -> tuple[Any, str]:
     """The model as step 1 starts from it, on the CPU, and its weights' fingerprint: loaded through the
     attention path, `train.weights_from` applied, dropout off, the packing probe passed. A sidecar
-    precomputed from anything else would be bound to other weights and refused by the run."""
-    model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
-    check_heads(model.config, mesh.ulysses)
-    if config.train.weights_from:
-        load_weights(model, config.train.weights_from)
-    prepare_for_training(model, activation_checkpointing)
+    precomputed from anything else would be bound to other weights and refused by the run. `shown`: say
+    each stage (rank 0 unless --quiet)."""
+    with stage("model", shown):
+        model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
+        check_heads(model.config, mesh.ulysses)
+        if config.train.weights_from:
+            load_weights(model, config.train.weights_from)
+        prepare_for_training(model, activation_checkpointing)
     if config.train.probe_packing:
-        probe(model, config.data.layout)
+        with stage("probe", shown):
+            probe(model, config.data.layout)
     budget = config.train.logits_budget_mib
     why = check_head(model, config.data.layout) if budget is not None else None
     if why:

@@ -4,11 +4,11 @@ and on resume the lines of steps to be trained again dropped first."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import orjson
 
+from dpo_data.progress import say
 from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, read_log
 from dpo_train.run.setup import Run
 from dpo_train.run.sinks import MetricSinks
@@ -36,11 +36,7 @@ class RunLog:
     def _replace_later_lines(self) -> None:
         dropped = truncate_logs(self.out, self.resumed_at or 0)
         if dropped and self.resumed_at is None:
-            print(
-                f"warning: {self.out} held logs of an earlier run without a checkpoint to resume; they are replaced",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"warning: {self.out} held logs of an earlier run without a checkpoint to resume; they are replaced")
 
     def step(self, record: dict) -> None:
         """One optimizer step's record, every `train.log_every` steps."""

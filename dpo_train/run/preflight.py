@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.dataset.verify import shard_problems
 from dpo_data.errors import DataError
+from dpo_data.progress import say
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
@@ -60,12 +60,10 @@ def apply_dataset_template(tokenizer: Any | None, config: TrainConfig, key: str,
         return
     tokenizer.chat_template = template["text"]
     if rank == 0:
-        print(
+        say(
             f"note: {key} {', '.join(store.dirs)} was built with --chat-template {template['file']} "
             f"({template['sha256']}); the run's tokenizer ({_label(config)}) uses that template instead of its own, "
-            "and final/ saves it",
-            file=sys.stderr,
-            flush=True,
+            "and final/ saves it"
         )
 
 

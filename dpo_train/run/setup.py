@@ -30,6 +30,7 @@ from dpo_train.run.preflight import (
     check_vocabulary,
     load_run_tokenizer,
 )
+from dpo_train.run.progress import datasets, stage
 from dpo_train.run.sinks import check_report_to, check_sinks
 
 
@@ -71,32 +72,35 @@ class Run:
 def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
     """The run `dpo-train` trains: set up, its output directory started and locked for the whole run (rank 0),
     its sinks checked, the loader's plan read and every dataset checked."""
-    config, place, rank, world, mesh, tokenizer = _placed(config)
+    config, place, rank, world, mesh, tokenizer = _placed(config, progress)
     check_report_to(config.train.report_to)
     out = check_output_dir(config)
+    shown = progress and rank == 0
     with run_lock(out, rank):
         if rank == 0:
             start_run_dir(out, config)
             check_sinks(config.train.report_to, out)
-        loader = DPOLoader(
-            config.data.paths,
-            _geometry(config, mesh),
-            max_epochs=None if config.train.max_steps is not None else config.train.epochs,
-            pad_to_multiple_of=8,
-        )
-        config = _with_total_steps(config, loader)
-        held_out = PairStore([config.eval.path]) if config.eval.path else None
-        _check_datasets(config, tokenizer, rank, world, loader.stream.store, held_out)
-        shown = progress and rank == 0
+        with stage("datasets", shown, datasets=_count(config)):
+            loader = DPOLoader(
+                config.data.paths,
+                _geometry(config, mesh),
+                max_epochs=None if config.train.max_steps is not None else config.train.epochs,
+                pad_to_multiple_of=8,
+            )
+            config = _with_total_steps(config, loader)
+            held_out = PairStore([config.eval.path]) if config.eval.path else None
+            _check_datasets(config, tokenizer, rank, world, loader.stream.store, held_out)
         yield Run(config, place, rank, world, mesh, loader.stream.store, held_out, tokenizer, out, loader, shown)
 
 
 def precompute_run(config: TrainConfig, progress: bool = True) -> Run:
     """The run `--precompute-reference` scores: set up, with data.path checked (it writes no run directory)."""
-    config, place, rank, world, mesh, tokenizer = _placed(config)
-    data = PairStore(config.data.paths)
-    _check_datasets(config, tokenizer, rank, world, data, None)
-    return Run(config, place, rank, world, mesh, data, tokenizer=tokenizer, shown=progress and rank == 0)
+    config, place, rank, world, mesh, tokenizer = _placed(config, progress)
+    shown = progress and rank == 0
+    with stage("datasets", shown, datasets=datasets(len(config.data.paths))):
+        data = PairStore(config.data.paths)
+        _check_datasets(config, tokenizer, rank, world, data, None)
+    return Run(config, place, rank, world, mesh, data, tokenizer=tokenizer, shown=shown)
 
 
 def local_run(
@@ -108,14 +112,21 @@ def local_run(
     return Run(config, place, rank, world, run_mesh(config, rank, world), data, out=out)
 
 
-def _placed(config: TrainConfig) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
+def _placed(config: TrainConfig, progress: bool) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
     """Check the config and the model paths, place this rank, join the process group torchrun describes, and
     load the run's tokenizer: where every run starts."""
     check_config(config)
     check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
-    return config, place, rank, world, run_mesh(config, rank, world), load_run_tokenizer(config)
+    with stage("tokenizer", progress and rank == 0 and bool(config.model.tokenizer or config.model.path)):
+        tokenizer = load_run_tokenizer(config)
+    return config, place, rank, world, run_mesh(config, rank, world), tokenizer
+
+
+def _count(config: TrainConfig) -> str:
+    """The datasets a training run verifies: data.path's directories and eval.path."""
+    return datasets(len(config.data.paths) + bool(config.eval.path))
 
 
 def _geometry(config: TrainConfig, mesh: SequenceMesh) -> LoaderConfig:
