@@ -263,37 +263,44 @@ def _numbered(inputs: list[InputFile], options: BuildOptions) -> Iterator[tuple[
 
 
 def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
-    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract. Its `seconds` are
-    the whole build's, the time its progress line ends with."""
-    with _progress(options.progress) as bar:
-        result = _build(inputs, tokenizer_dir, Path(out), options, bar)
-    result.seconds = bar.seconds
-    return result
-
-
-def _build(inputs: list[str], tokenizer_dir: str, out: Path, options: BuildOptions, bar: Stage) -> BuildResult:
+    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract. What can be refused
+    up front is, before the build's progress line starts; its `seconds` are the time that line ends with (from
+    the tokenizer's load to the commit)."""
+    out = Path(out)
     files = _open_inputs(inputs, options)
     chars = render_chars(options.max_row_bytes)
     template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
+    if not Path(tokenizer_dir).is_dir():
+        raise DataError(f"--tokenizer {tokenizer_dir}: not a directory; pass a local Hugging Face tokenizer directory")
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
         if options.part is None:  # at once (again before the build); a part first needs its plan, to see
             check_replaceable(out, options.overwrite)  # whether it is already built
-        tokenizer = _load_tokenizer(tokenizer_dir)
-        if template is not None:  # before the attestation, so the dataset attests the template it was built with
-            tokenizer.chat_template = template["text"]
-        attestation = tokenizer_attestation(tokenizer)
-        entries = [_input_entry(f) for f in files]
-        plan = None
-        if options.part is not None:
-            plan = build_plan(options.recorded(template), attestation, entries, options.part)
-            if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
-                return done
-        return commit_staged(
-            out,
-            options.overwrite,
-            lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan, bar),
-        )
+        with _progress(options.progress) as bar:
+            result = _build(files, template, tokenizer_dir, out, options, bar)
+    result.seconds = bar.seconds
+    return result
+
+
+def _build(
+    files: list[InputFile], template: dict | None, tokenizer_dir: str, out: Path, options: BuildOptions, bar: Stage
+) -> BuildResult:
+    """Load the tokenizer, then build (or find a part already built) and commit."""
+    tokenizer = _load_tokenizer(tokenizer_dir)
+    if template is not None:  # before the attestation, so the dataset attests the template it was built with
+        tokenizer.chat_template = template["text"]
+    attestation = tokenizer_attestation(tokenizer)
+    entries = [_input_entry(f) for f in files]
+    plan = None
+    if options.part is not None:
+        plan = build_plan(options.recorded(template), attestation, entries, options.part)
+        if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
+            return done
+    return commit_staged(
+        out,
+        options.overwrite,
+        lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan, bar),
+    )
 
 
 def _finished_part(out: Path, part: Part, plan: dict, overwrite: bool) -> BuildResult | None:
@@ -393,8 +400,6 @@ def _open_inputs(inputs: list[str], options: BuildOptions) -> list[InputFile]:
 
 
 def _load_tokenizer(tokenizer_dir: str) -> Any:
-    if not Path(tokenizer_dir).is_dir():
-        raise DataError(f"--tokenizer {tokenizer_dir}: not a directory; pass a local Hugging Face tokenizer directory")
     try:
         return load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as e:
