@@ -109,7 +109,9 @@ _RDZV_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a key in the rendezvous store
     "there is refused unless --overwrite is given.",
 )
 @click.option("--overwrite", is_flag=True, help="With --precompute-reference: replace the sidecar at reference.path.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress line (metrics.jsonl is written as always).")
+@click.option(
+    "--quiet", "-q", is_flag=True, help="No start-up lines, no progress line (metrics.jsonl is written as always)."
+)
 @click.version_option(package_name="dpo-toolkit")
 def main(
     config,
@@ -132,8 +134,11 @@ def main(
     pair-weighted over the whole step), OUTPUT/eval.jsonl with eval.path (held-out preference accuracy
     before and after) and the final policy in OUTPUT/final/ (a Hugging Face directory; with model.lora,
     a PEFT adapter directory and/or the merged model, per train.export; weights in train.export_dtype).
-    On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA (in a log, a line per step with
-    elapsed time and ETA); scoring, checkpoint saves and the export say when they start and end. `dpo-state
+    Before step 1, each start-up stage is one line on stderr with its time (importing torch, loading the
+    tokenizer, verifying the datasets, loading the model, the probe, the reference, a resume, the first step:
+    docs/train-config.md). On a terminal a progress line shows step, loss, accuracy, pairs/s and ETA (in a
+    log, a line per step with elapsed time and ETA); scoring, checkpoint saves and the export say when they
+    start and end. --quiet prints none of these. `dpo-state
     report OUTPUT` draws the run (docs/report.md); train.report_to: [tensorboard] also writes
     OUTPUT/tensorboard/, [wandb] a W&B run (WANDB_* variables; docs/report.md).
 
