@@ -259,17 +259,18 @@ def test_the_data_pipeline_imports_without_the_trainer_or_npu():
 
 def test_a_build_with_a_real_tokenizer_imports_no_torch(smollm2_dir, tmp_path):
     """`dpo-data build` needs a tokenizer, not a model: AutoTokenizer's import alone costs `import torch`
-    (seconds); the build loads the same class without it (dpo_data/tokenizer.py)."""
+    (seconds); the build loads the same class without it (dpo_data/tokenizer.py), and writes shards without
+    pandas."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "2 + 2?", "chosen": " 4", "rejected": " 5"}\n')
     code = (
         "import sys\nfrom dpo_cli.data import main\n"
         f"main(['build', {str(rows)!r}, '--tokenizer', {str(smollm2_dir)!r}, '--out', {str(tmp_path / 'out')!r}],"
         " standalone_mode=False)\n"
-        "print(sorted(n for n in ('torch', 'transformers') if n in sys.modules))"
+        "print(sorted(n for n in ('torch', 'transformers', 'pandas') if n in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.splitlines()[-1] == "['transformers']"
+    assert out.stdout.splitlines()[-1] == "['transformers']"  # pandas: pyarrow's pa.array imports it
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 

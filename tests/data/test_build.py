@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -279,3 +281,21 @@ def test_bad_options_are_errors_naming_the_value(mixed_inputs, smollm2_dir, tmp_
     assert r.exit_code == 2 and "--max-length is 1; it must be at least 2" in r.output
     r = build(run_cli, tmp_path / "nowhere", tmp_path / "o", mixed_inputs / "chat.jsonl")
     assert r.exit_code == 2 and "not a directory" in r.output
+
+
+@pytest.mark.parametrize("row_ids", [["a", None, "é" * 3, ""] * 3, ["x", "y"], [None, None, None], []])
+def test_shard_columns_built_from_buffers_write_the_bytes_pa_array_writes(row_ids):
+    """Shards build their columns from buffers (`pa.array` imports pandas on first use); the IPC bytes must be
+    those `pa.array` gives, nulls and multi-byte text included, so fingerprints stay pinned."""
+    from dpo_data.dataset.shards import _numbers, _strings
+
+    def ipc(array: pa.Array) -> bytes:
+        sink, batch = io.BytesIO(), pa.RecordBatch.from_arrays([array], names=["c"])
+        with pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        return sink.getvalue()
+
+    assert ipc(_strings(row_ids)) == ipc(pa.array(row_ids, pa.string()))
+    lengths = np.arange(3 * len(row_ids), dtype=np.int32).reshape(-1, 3)
+    assert ipc(_numbers(lengths[:, 1])) == ipc(pa.array(np.ascontiguousarray(lengths[:, 1])))
+    assert _strings(row_ids).to_pylist() == row_ids

@@ -68,8 +68,9 @@ def test_progress_is_a_line_per_step_in_logs_and_quiet_silences_it(
     single, sample_dataset, smollm2_dir, tmp_path, run_cli
 ):
     stderr = (single / "stderr.txt").read_text().splitlines()
-    lines = [x for x in stderr if x.startswith("step ")]
+    lines = [x for x in stderr if re.match(r"step \d+/", x)]
     assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"] and "pairs/s" in lines[0]
+    assert any(re.fullmatch(r"step 1: first forward and backward \.\.\. \d+\.\d s", x) for x in stderr)
     assert all(re.search(r"elapsed \d:\d\d:\d\d  eta \d:\d\d:\d\d$", x) for x in lines), lines
     # every long stage says that it starts and when it is done (a log has no bar): one line, or two when
     # something was said in between
