@@ -1,4 +1,4 @@
-"""Long stages' progress: a tqdm bar on a terminal; in a log, timed lines (count, elapsed, ETA)."""
+"""Long stages' progress: a tqdm bar on a terminal, else one timed line (timed progress lines in a log); `say`."""
 
 from __future__ import annotations
 
