@@ -198,14 +198,19 @@ def test_each_front_door_lends_names_its_modules_define(room):
         package.nothing_here  # noqa: B018
 
 
+def _last_line(code: str) -> str:
+    """The last line `code` prints in a fresh interpreter (what it imported is its own, not this process's)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return done.stdout.splitlines()[-1]
+
+
 def test_importing_one_module_of_a_room_leaves_the_rest_unimported():
     """The front doors are lazy: the CLI's `model.bundled` and `export.hub` come without torch."""
     code = (
         "import sys; import dpo_train.model.bundled, dpo_train.export.hub; "
         "print(sorted(m for m in ('torch', 'transformers', 'dpo_train.model.policy') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert done.stdout.strip() == "[]"
+    assert _last_line(code) == "[]"
 
 
 def test_the_room_rule_walk_catches_a_forbidden_import(tmp_path):
@@ -253,8 +258,7 @@ def test_the_data_pipeline_imports_without_the_trainer_or_npu():
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in ('dpo_train', 'dpo_cli', 'cli', 'torch_npu')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    assert _last_line(code) == "[]"
 
 
 def test_a_build_with_a_real_tokenizer_imports_no_torch(smollm2_dir, tmp_path):
@@ -269,8 +273,7 @@ def test_a_build_with_a_real_tokenizer_imports_no_torch(smollm2_dir, tmp_path):
         " standalone_mode=False)\n"
         "print(sorted(n for n in ('torch', 'transformers', 'pandas') if n in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.splitlines()[-1] == "['transformers']"  # pandas: pyarrow's pa.array imports it
+    assert _last_line(code) == "['transformers']"  # pandas: pyarrow's pa.array imports it
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 
@@ -291,8 +294,7 @@ def test_dpo_state_commands_that_read_no_tensors_import_no_torch(small_dataset, 
         "    try:\n        main(args)\n    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.splitlines()[-1] == "False"
+    assert _last_line(code) == "False"
 
 
 @pytest.mark.parametrize("package", ["dpo_data", "dpo_state"])
@@ -303,8 +305,7 @@ def test_every_public_name_resolves_and_importing_the_facade_is_cheap(package):
         f"missing = [n for n in {package}.__all__ if getattr({package}, n, None) is None]\n"
         "print(heavy, missing)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[] []"
+    assert _last_line(code) == "[] []"
 
 
 def test_every_user_facing_error_derives_from_the_one_base():
