@@ -8,9 +8,11 @@ PAIRS_PER_STEP = 8
 HYPER = {"beta": 0.1, "lr": 1.0e-5}  # both trainers: sigmoid loss, AdamW at a constant lr, clipping at 1.0
 
 
-def trl_trainer(model: str, pairs: list, work: Path, micro: int, steps: int, precomputed: bool):
+def trl_trainer(
+    model: str, pairs: list, work: Path, micro: int, steps: int, precomputed: bool, pairs_per_step: int = PAIRS_PER_STEP
+):
     """A `DPOTrainer` on `pairs` (records with `prompt`, `chosen`, `rejected` id arrays) in this order, through
-    a sequential sampler: `micro` pairs per micro-batch, PAIRS_PER_STEP per optimizer step, fp32 on CPU, no
+    a sequential sampler: `micro` pairs per micro-batch, `pairs_per_step` per optimizer step, fp32 on CPU, no
     warm-up, weight decay or truncation (`max_length=None`: TRL's default 1024 would cut long pairs, other
     work). With `precomputed`, TRL's own reference pass runs here, so callers do not time it."""
     import datasets
@@ -31,7 +33,7 @@ def trl_trainer(model: str, pairs: list, work: Path, micro: int, steps: int, pre
         bf16=False,
         seed=0,
         per_device_train_batch_size=micro,
-        gradient_accumulation_steps=PAIRS_PER_STEP // micro,
+        gradient_accumulation_steps=pairs_per_step // micro,
         learning_rate=HYPER["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,
