@@ -258,7 +258,7 @@ def part_table(part, model, model_name, lengths, extra, args, work, results) -> 
     for length in lengths:
         data = dataset(work, length, args.steps)
         for side in sides(args.budget) + (extra if length in args.speed_lengths else []):
-            if side in failed:
+            if side in failed or (args.sides and side not in args.sides):
                 continue
             got = measure(side, model, data, length, args, work, args.cap_gib, args.steps)
             results.append({"part": part, "model": model_name, "length": length, "side": side, **got})
@@ -300,6 +300,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration (the last is reported)")
     parser.add_argument("--smol-lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--narrow-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--sides", nargs="*", default=None, help="only these sides in parts smollm2 and narrow")
     parser.add_argument("--budget", type=int, default=1024, help="logits_budget_mib of ours' chunked sides")
     parser.add_argument("--speed-budgets", type=int, nargs="*", default=[256], help="more budgets, SmolLM2 only")
     parser.add_argument("--speed-lengths", type=int, nargs="*", default=[512, 2048], help="lengths of --speed-budgets")
