@@ -148,11 +148,11 @@ class TrainSection:
     """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
-    logits_budget_mib: int | None = None
+    logits_budget_mib: int | None = 1024
     """The memory the vocabulary head's logits may take in one forward and backward: past it, the head runs in
     chunks of scored positions, each chunk's logits recomputed in backward (dpo_train/attention/head.py); within
-    it, the model's own head, unchanged. null (the default until benchmarks/long_pairs.py sets one): always the
-    model's own head."""
+    it, the model's own head, unchanged. 1024 by default (docs/benchmarks.md, long pairs: never slower than the
+    whole head on SmolLM2, 3 GiB lighter at 2k tokens); null: always the model's own head."""
     check_microbatches: bool = True
     """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
     feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""

@@ -38,8 +38,10 @@ def load_initial_policy(
     if config.train.probe_packing:
         with stage("probe", shown):
             probe(model, config.data.layout)
-    budget = config.train.logits_budget_mib
-    why = check_head(model, config.data.layout) if budget is not None else None
+    budget, why = config.train.logits_budget_mib, None
+    if budget is not None:
+        with stage("head", shown):
+            why = check_head(model, config.data.layout)
     if why:
         head_note(model, why)
     mark_budget(model, None if why or budget is None else budget * 2**20)

@@ -14,6 +14,7 @@ STAGES = {
     "datasets": "setup: verifying {datasets}",
     "model": "setup: loading the model",
     "probe": "setup: probing the attention path",
+    "head": "setup: checking the chunked vocabulary head",
     "reference": "setup: building the reference",
     "resume": "setup: restoring {checkpoint}",
     "first step": "step {step}: first forward and backward",
