@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dpo_data.progress import say
-from dpo_train.attention.features import wrapped
+from dpo_train.attention.features import model_config, wrapped
 
 
 @dataclass(frozen=True)
@@ -221,11 +221,12 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
     """Why the chunked head cannot stand in for `model`'s own, or None when it can: `head_of` reads the head, and
     the start-up probe's pairs (`probe.probe_pairs`), scored by `pair_logps` through the run's attention path
     and `layout`, sum to the same log-probs through the chunked head (chunks of 5 positions) as through the
-    model's own head (whatever that applies after the projection), within 1e-5 relative. Leaves no budget
-    marked."""
+    model's own head (whatever that applies after the projection), within 1e-5 relative. Runs in this process
+    alone, so a run's attention that needs a group or a device is swapped for the segment attention
+    (`probe.checkable`): the head is what is checked. Leaves no budget marked."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.probe import probe_pairs
+    from dpo_train.attention.probe import checkable, probe_pairs
 
     head = head_of(_inner(model))
     if head is None:
@@ -233,7 +234,9 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     batch = pack(probe_pairs(model), pad_to_multiple_of=8)
     sums = []
-    training = model.training
+    config, training = model_config(model), model.training
+    saved = config._attn_implementation
+    config._attn_implementation = checkable(saved)
     model.eval()
     try:
         with torch.no_grad():
@@ -243,6 +246,7 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
                 sums.append(torch.stack([out.chosen, out.rejected]).double())
     finally:
         mark(model, None)
+        config._attn_implementation = saved
         model.train(training)
     own, chunked = sums
     error = float(((chunked - own).abs() / own.abs().clamp(min=1e-6)).max())

@@ -82,9 +82,8 @@ def probe(model: Any, layout: str) -> float:
 
     config = model_config(model)
     saved, training = config._attn_implementation, model.training
-    tried = saved if saved in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
+    tried = checkable(saved)
     label = f"unpacked ({saved})" if runs_unpacked(model) else saved
-    segments.register()
     pairs = probe_pairs(model)
     model.eval()
     try:
@@ -106,6 +105,14 @@ def probe(model: Any, layout: str) -> float:
         f"packing would train on wrong numbers; {advice}. Supported architectures: docs/train-config.md; "
         "train.probe_packing: false skips this check at your own risk"
     )
+
+
+def checkable(attention: str | None) -> str:
+    """The attention a start-up check runs in this one process: the run's own where it can (eager, sdpa, the
+    segment attention), else the segment attention (sequence parallelism needs its group, flash-attention
+    CUDA), registered."""
+    segments.register()
+    return attention if attention in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
 
 
 def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: torch.Tensor | None = None):
