@@ -23,7 +23,12 @@ def main() -> None:
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @click.option(
-    "--tokenizer", "tokenizer_dir", required=True, metavar="DIR", help="Local Hugging Face tokenizer directory."
+    "--tokenizer",
+    "tokenizer_dir",
+    required=True,
+    metavar="DIR",
+    help="Local Hugging Face tokenizer directory, loaded as transformers' AutoTokenizer loads it (read with the "
+    "tokenizers library alone where its rules are reproduced: docs/data-build.md).",
 )
 @click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
 @click.option(
@@ -249,7 +254,13 @@ def inspect(data_dir, as_json) -> None:
 
 @main.command()
 @click.argument("data_dir", metavar="DIR")
-@click.option("--tokenizer", "tokenizer_dir", default=None, metavar="DIR", help="Also check the tokenizer attestation.")
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    default=None,
+    metavar="DIR",
+    help="Also check the tokenizer attestation (DIR loaded as the build loads it).",
+)
 @click.option("--strict", is_flag=True, help="Files in DIR that the manifest does not name are failures, not notes.")
 @click.option(
     "--inputs",

@@ -261,19 +261,28 @@ def test_the_data_pipeline_imports_without_the_trainer_or_npu():
     assert _last_line(code) == "[]"
 
 
-def test_a_build_with_a_real_tokenizer_imports_no_torch(smollm2_dir, tmp_path):
-    """`dpo-data build` needs a tokenizer, not a model: AutoTokenizer's import alone costs `import torch`
-    (seconds); the build loads the same class without it (dpo_data/tokenizer.py), and writes shards without
-    pandas."""
+def test_a_build_with_a_real_tokenizer_imports_neither_torch_nor_transformers(smollm2_dir, tmp_path):
+    """`dpo-data build` and `dpo-data verify --tokenizer` need a tokenizer, not a model: SmolLM2's directory is
+    read with `tokenizers` and our own chat-template environment (dpo_data/tokenizer/light.py), so neither
+    imports transformers (about a second), torch (seconds) or PIL; shards are written without pandas."""
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"prompt": "2 + 2?", "chosen": " 4", "rejected": " 5"}\n')
+    rows.write_text(
+        '{"prompt": "2 + 2?", "chosen": " 4", "rejected": " 5"}\n'
+        '{"prompt": [{"role": "user", "content": "2 + 2?"}], "chosen": [{"role": "assistant", "content": "4"}],'
+        ' "rejected": [{"role": "assistant", "content": "5"}]}\n'
+    )
+    out, tokenizer = str(tmp_path / "out"), str(smollm2_dir)
+    heavy = "print(sorted(n for n in ('torch', 'transformers', 'pandas', 'PIL') if n in sys.modules))\n"
     code = (
         "import sys\nfrom dpo_cli.data import main\n"
-        f"main(['build', {str(rows)!r}, '--tokenizer', {str(smollm2_dir)!r}, '--out', {str(tmp_path / 'out')!r}],"
-        " standalone_mode=False)\n"
-        "print(sorted(n for n in ('torch', 'transformers', 'pandas') if n in sys.modules))"
+        f"main(['build', {str(rows)!r}, '--tokenizer', {tokenizer!r}, '--out', {out!r}], standalone_mode=False)\n"
+        f"{heavy}main(['verify', {out!r}, '--tokenizer', {tokenizer!r}], standalone_mode=False)\n{heavy}"
     )
-    assert _last_line(code) == "['transformers']"  # pandas: pyarrow's pa.array imports it
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    after_build, after_verify = done.stdout.splitlines()[-3], done.stdout.splitlines()[-1]
+    assert after_build == "[]"
+    assert after_verify == "['pandas']"  # verify reads the shards' columns through pandas
+    assert f"OK: {out} verified (tokenizer attested)" in done.stdout
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 

@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from dpo_data.errors import DataError
 from dpo_data.prepare.inputs import MAX_ROW_BYTES
 from dpo_data.prepare.rows import RowReject
+from dpo_data.tokenizer.chat import alias_reasoning, chat_environment, template_data
 from dpo_state.digest import bytes_digest
 
 _PLAIN_KEYS = frozenset(("role", "content"))
@@ -170,16 +171,11 @@ class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
 
 
 def _budgeted_environment(budget: _Budget) -> _BudgetedEnvironment:
-    """A copy of the environment transformers compiles chat templates in (its options, globals, filters and
-    extensions, as `Environment.overlay` copies them), with the budget's hooks and no loader."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    base = _compile_jinja_template("").environment  # transformers builds it inside a function: take a compiled one's
-    env = object.__new__(_BudgetedEnvironment)
-    env.__dict__.update(base.__dict__)
-    env.extensions = {key: extension.bind(env) for key, extension in base.extensions.items()}
-    env.globals = {**base.globals, "namespace": _budgeted_namespace(budget, base.globals["namespace"])}
-    env.filters = {name: _budgeted_filter(budget, f) for name, f in base.filters.items()}
+    """The environment transformers compiles chat templates in (its options, globals, filters and extensions, as
+    dpo_data/tokenizer/chat.py builds it), with the budget's hooks and no loader."""
+    env = chat_environment(_BudgetedEnvironment)
+    env.globals["namespace"] = _budgeted_namespace(budget, env.globals["namespace"])
+    env.filters = {name: _budgeted_filter(budget, f) for name, f in env.filters.items()}
     env.filters["sum"] = _budgeted_sum(budget, env.filters["sum"])
     env.filters[_ITERATE] = budget.iterate
     env.loader = _SelfContained()
@@ -235,9 +231,11 @@ class ChatRenderer:
     reasoning aliases and None values). Messages that are plain `{"role": str, "content": str}` dicts
     need none of it, so for them the template is rendered directly with the variables transformers passes
     (messages, tools, documents, add_generation_prompt, the special-token map). Anything else (tool calls,
-    other message keys, a `tools` list) goes through `apply_chat_template` itself, after the same rendering
-    under the budget (so the work transformers then does is known to fit). tests/data/test_template.py pins the
-    equality.
+    other message keys, a `tools` list) goes through the tokenizer's `apply_chat_template` itself (transformers',
+    or the light tokenizer's, which renders by the same rules), after the same rendering under the budget (so the
+    work it then does is known to fit). tests/data/test_template.py and test_light_tokenizer.py pin the equality.
+    The environment is transformers' as dpo_data/tokenizer/chat.py builds it, so rendering imports no
+    transformers.
 
     The budget of a row (`row()`, or one rendering alone): `RENDER_SECONDS` of CPU time in all, `chars`
     characters for the output of one rendering and for any value made inside it, numbers of at most
@@ -366,11 +364,9 @@ def _constant_expressions(node: nodes.Node) -> Iterator[nodes.Expr]:
 def _as_transformers_passes(messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
     """Messages and tools as `apply_chat_template` hands them to the template (None values dropped, plain data,
     reasoning under its aliases), so the budgeted rendering does the work transformers' own will do."""
-    from transformers.utils import chat_template_utils as utils
-
-    plain = getattr(utils, "_plain_template_data", lambda value: value)  # not in every transformers version
-    alias = getattr(utils, "_alias_reasoning_fields", lambda value: value)
-    return alias(plain([{k: v for k, v in m.items() if v is not None} for m in messages])), plain(tools)
+    return alias_reasoning(template_data([{k: v for k, v in m.items() if v is not None} for m in messages])), (
+        template_data(tools)
+    )
 
 
 def _as_reject(e: BaseException) -> RowReject:

@@ -1,4 +1,6 @@
-"""The build's tokenizer load: AutoTokenizer's own choice, without importing torch where it is the generic class."""
+"""The build's tokenizer load: AutoTokenizer's own choice, read without transformers where the light reader
+reproduces it (tests/data/test_light_tokenizer.py holds the two equal) and without torch where it is the generic
+class."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import pytest
 
 from dpo_data.tokenizer import PLAIN_MODEL_TYPES, load_tokenizer, takes_generic_class
+from dpo_data.tokenizer.light import LightTokenizer
 from dpo_state.attestation import tokenizer_attestation
 from tests.data.test_tool_calls import TOOL_TEMPLATE, with_template
 
@@ -38,9 +41,9 @@ def test_only_the_generic_class_of_a_plain_model_skips_autotokenizer(tokenizer_c
 
 
 @pytest.mark.parametrize("copy", ["model", "tokenizer saved alone", "tool template"])
-def test_the_torch_free_load_is_autotokenizers_tokenizer(copy, smollm2_dir, tmp_path):
-    """Same class, same attestation, same ids through the chat template, for the model directory and for
-    tokenizers saved alone (no config.json), the tool-calling template's copy among them."""
+def test_the_light_load_is_autotokenizers_tokenizer(copy, smollm2_dir, tmp_path):
+    """The light reader takes the model directory and tokenizers saved alone (no config.json), the tool-calling
+    template's copy among them: same attestation, same ids through the chat template."""
     from transformers import AutoTokenizer
 
     directory = smollm2_dir
@@ -52,7 +55,7 @@ def test_the_torch_free_load_is_autotokenizers_tokenizer(copy, smollm2_dir, tmp_
     assert (directory / "config.json").is_file() == (copy == "model")
     assert json.loads((directory / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
     ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
-    assert type(ours) is type(theirs)
+    assert isinstance(ours, LightTokenizer)
     assert tokenizer_attestation(ours) == tokenizer_attestation(theirs)
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
     ids = ours.apply_chat_template(chat, tokenize=True, return_dict=False)

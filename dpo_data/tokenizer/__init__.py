@@ -1,4 +1,5 @@
-"""A tokenizer directory loaded as transformers' AutoTokenizer loads it, without importing torch where it can."""
+"""A tokenizer directory loaded as transformers' AutoTokenizer loads it, without importing transformers (or torch)
+where the light reader reproduces its rules (light.py)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,19 @@ tests/data/test_tokenizer_load.py checks the installed version)."""
 
 
 def load_tokenizer(directory: str | Path) -> Any:
-    """The tokenizer AutoTokenizer would load from `directory`. A directory whose files name the generic fast
-    class for a plain model type is loaded with that class directly: AutoTokenizer would pick the same one, but
-    importing it imports torch (its model configs do), seconds of a build's start-up. Anything else goes
-    through AutoTokenizer. OSError/ValueError as transformers raises them."""
+    """The tokenizer AutoTokenizer would load from `directory`, or one that reads the same.
+
+    A directory the light reader reproduces (the generic fast class of a plain model type with a tokenizer.json,
+    settings it knows; `light.refusal` says why not) is read with the `tokenizers` library and our own chat
+    template environment: importing transformers alone costs about a second, torch more. A directory naming the
+    generic fast class otherwise is loaded with that class directly: AutoTokenizer would pick the same one, but
+    importing it imports torch (its model configs do). Anything else goes through AutoTokenizer.
+    OSError/ValueError as transformers raises them."""
+    from dpo_data.tokenizer.light import read_light
+
+    light = read_light(directory)
+    if light is not None:
+        return light
     if takes_generic_class(_document(directory, "tokenizer_config.json"), _document(directory, "config.json")):
         if (Path(directory) / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
