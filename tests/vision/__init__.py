@@ -1,0 +1,1 @@
+"""Vision-language tests: tiny random VLMs, packed rows scored exactly."""
