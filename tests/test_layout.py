@@ -80,6 +80,7 @@ ROOMS = {
     "checkpoint": {*EVERY_ROOM, "config", "step", "parallel", "model", "reference"},
     "export": {*EVERY_ROOM, "config", "model", "parallel"},
     "run": {*EVERY_ROOM, "config", "parallel", "attention", "model", "reference", "checkpoint"},
+    "vision": {*EVERY_ROOM, "attention"},  # packed vision-language rows, scored through the attention room
 }
 # The top floor: the entry points (`trainer.train`, `precompute.precompute`), the held-out evaluation the trainer
 # and its tests call, and EVERY_ROOM, which every room shares and which imports nothing of dpo_train.

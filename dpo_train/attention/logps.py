@@ -10,7 +10,7 @@ import torch
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
 from dpo_train.attention import head, unpacked
-from dpo_train.attention.inputs import row_inputs
+from dpo_train.attention.inputs import passed_inputs, row_inputs
 from dpo_train.parallel import collectives
 
 
@@ -116,6 +116,7 @@ def pair_logps(
     every = targets(batch)
     view = unpacked.unpack(batch) if unpacked.runs_unpacked(model) else None
     if view is not None:  # one sequence per row: a packed position becomes its place in the padded batch
+        passed_inputs(batch, "unpacked")
         inputs, shard = dict(view.inputs), None
         mine = torch.ones_like(every.position, dtype=torch.bool)
         label, segment = every.label, every.segment
