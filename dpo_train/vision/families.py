@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from dpo_data.errors import DataError
 from dpo_train.errors import ConfigError
 
 
@@ -42,13 +42,14 @@ class Family:
             return {}
         if self.model_type == "qwen2_5_vl":  # patches of every image, one after another, and their grids
             return {key: torch.cat([p[key] for p in parts]) for key in self.image_keys}
-        # idefics3: crops [N, C, H, W] of one sample; crops of different sizes padded as its processor pads them
-        height = max(p["pixel_values"].shape[-2] for p in parts)
-        width = max(p["pixel_values"].shape[-1] for p in parts)
-        pad = lambda t: F.pad(t, (0, width - t.shape[-1], 0, height - t.shape[-2]))
-        pixels = torch.cat([pad(p["pixel_values"]) for p in parts])
-        mask = torch.cat([pad(p["pixel_attention_mask"]) for p in parts])
-        return {"pixel_values": pixels[None], "pixel_attention_mask": mask[None]}
+        # idefics3: crops [N, C, H, W], all of the processor's one crop size (its max_image_size), so no padding
+        sizes = {tuple(p["pixel_values"].shape[-2:]) for p in parts}
+        if len(sizes) > 1:
+            raise DataError(
+                f"idefics3 crops of different sizes {sorted(sizes)} in one row; every image must be processed by "
+                "the same processor (one max_image_size)"
+            )
+        return {key: torch.cat([p[key] for p in parts])[None] for key in self.image_keys}
 
     def sequence_inputs(self, ids: torch.Tensor, images: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """The model's inputs for one sequence run alone, as its processor hands them over (the truth's inputs)."""

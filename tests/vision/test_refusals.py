@@ -83,3 +83,15 @@ def test_paths_that_would_drop_the_images_refuse_the_row(qwen):
         vision_pair_logps(model, batch, mesh=mesh)
     with torch.no_grad():
         assert vision_pair_logps(model, batch).chosen.isfinite().all()  # the model itself is fine
+
+
+def test_idefics3_crops_of_different_sizes_in_one_row_are_refused(vlm_dirs, images):
+    """The processor makes every crop one size (its max_image_size); a pair processed otherwise is named."""
+    from transformers import AutoConfig
+
+    path = vlm_dirs["idefics3"]
+    pairs = vision_pairs(load_processor(path), images, "idefics3")
+    small = {k: v[..., :24, :24] for k, v in pairs[1].images.items()}  # as if cropped at 24 px
+    odd = dataclasses.replace(pairs[1], images=small)
+    with pytest.raises(DataError, match=r"idefics3 crops of different sizes \[\(24, 24\), \(32, 32\)\] in one row"):
+        pack_vision([pairs[0], odd], AutoConfig.from_pretrained(path))
