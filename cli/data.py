@@ -25,10 +25,28 @@ def main() -> None:
 @click.option(
     "--tokenizer",
     "tokenizer_dir",
-    required=True,
+    default=None,
     metavar="DIR",
-    help="Local Hugging Face tokenizer directory, loaded as transformers' AutoTokenizer loads it (read with the "
-    "tokenizers library alone where its rules are reproduced: docs/data-build.md).",
+    help="Local Hugging Face tokenizer directory (text data), loaded as transformers' AutoTokenizer loads it (read "
+    "with the tokenizers library alone where its rules are reproduced: docs/data-build.md). Give this or --processor.",
+)
+@click.option(
+    "--processor",
+    "processor_dir",
+    default=None,
+    metavar="DIR",
+    help="Vision data (rows with images): a vision-language model's directory holding its processor (tokenizer, "
+    "image processor, chat template), loaded with AutoProcessor. Images are stored in the shards and the processor "
+    "is attested. Give this or --tokenizer.",
+)
+@click.option(
+    "--max-image-pixels",
+    type=int,
+    default=1 << 25,
+    show_default=True,
+    metavar="N",
+    help="--processor builds: an image declaring more pixels (width x height) is rejected as image_too_large; at "
+    "most PIL's decompression-bomb threshold (89478485).",
 )
 @click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
 @click.option(
@@ -92,9 +110,9 @@ def main() -> None:
     default=None,
     metavar="FIELD=COLUMN,...",
     help="Read row fields from other column names, e.g. prompt=question,chosen=response_j,rejected=response_k. "
-    "Fields: prompt, chosen, rejected, id, source, tools. FIELD= with no column drops a column: prompt= reads no "
-    "prompt, whatever column a file has (chosen and rejected then hold the prompt). Recorded in the manifest and "
-    "its fingerprint.",
+    "Fields: prompt, chosen, rejected, id, source, tools, images, image. FIELD= with no column drops a column: "
+    "prompt= reads no prompt, whatever column a file has (chosen and rejected then hold the prompt). Recorded in the "
+    "manifest and its fingerprint.",
 )
 @click.option(
     "--chat-template",
@@ -117,6 +135,8 @@ def main() -> None:
 def build(
     inputs,
     tokenizer_dir,
+    processor_dir,
+    max_image_pixels,
     out,
     max_length,
     overlength,
@@ -140,6 +160,9 @@ def build(
     fraction exceeds --max-reject-fraction or a --chat-template is not prefix-stable on a row (nothing
     is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out); 2 on a
     usage, input-file or template-file error. With --part, the refusals on counts wait for dpo-data merge.
+
+    Rows with images (TRL's vision shape: an 'images' list, {"type": "image"} parts in the prompt's messages) need
+    --processor; with --tokenizer such a row stops the build (exit 2). See docs/data-build.md, vision pairs.
     """
     from dpo_data import BuildOptions
     from dpo_data import build as run_build
@@ -163,8 +186,9 @@ def build(
             overwrite=overwrite,
             progress=True,
             part=chosen_part,
+            max_image_pixels=max_image_pixels,
         )
-        result = run_build(list(inputs), tokenizer_dir, out, options)
+        result = run_build(list(inputs), tokenizer_dir, out, options, processor_dir=processor_dir)
     click.echo(_summary(result))
     if result.error:
         fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
@@ -183,6 +207,10 @@ def _summary(result) -> str:
     if result.manifest:
         lines.append(f"tokens: prompt {result.prompt_tokens}, completions {result.completion_tokens}")
         lines.append(f"pairs by row form (docs/data-build.md, row formats): {_forms(result.manifest)}")
+        if "images" in result.manifest:
+            images = result.manifest["images"]
+            stored = f"{images['count']} in {images['pairs']} pairs ({images['bytes']} bytes, in the shards)"
+            lines.append(f"images: {stored}")
     for reason, n in sorted(result.rejects_by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  rejected {n:>7}  {reason}")
     if result.ignored_columns:
@@ -244,7 +272,8 @@ def merge(part_dirs, out, overwrite) -> None:
 @click.argument("data_dir", metavar="DIR")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
 def inspect(data_dir, as_json) -> None:
-    """Show what a built dataset holds: pairs, tokens, sources, length percentiles, rejects, tokenizer."""
+    """Show what a built dataset holds: pairs, tokens, sources, length percentiles, rejects, tokenizer (and a
+    vision dataset's images and processor)."""
     from dpo_data import format_inspection, inspect_dataset
 
     with user_errors():
@@ -256,10 +285,12 @@ def inspect(data_dir, as_json) -> None:
 @click.argument("data_dir", metavar="DIR")
 @click.option(
     "--tokenizer",
+    "--processor",
     "tokenizer_dir",
     default=None,
     metavar="DIR",
-    help="Also check the tokenizer attestation (DIR loaded as the build loads it).",
+    help="Also check the tokenizer attestation (DIR loaded as the build loads it); for a vision dataset, DIR "
+    "holds the processor and its attestation (image processor, processor settings, tokenizer) is checked too.",
 )
 @click.option("--strict", is_flag=True, help="Files in DIR that the manifest does not name are failures, not notes.")
 @click.option(
@@ -272,7 +303,8 @@ def inspect(data_dir, as_json) -> None:
 def verify(data_dir, tokenizer_dir, strict, inputs) -> None:
     """Check the manifest (schema, version, self-consistency), every shard's bytes, sha256, footer, schema
     and rows, the rejects file, and recompute from the shards what the manifest states (token totals,
-    length statistics, largest token id, per-source pairs).
+    length statistics, largest token id, per-source pairs; a vision dataset's images, each against its
+    sha256, naming the pair).
 
     Exit 0 when all hold; 1 with every failure named. Files the manifest does not name are listed as
     notes (failures with --strict).

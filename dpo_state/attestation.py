@@ -131,3 +131,71 @@ def _cache_key(tokenizer: Any) -> tuple:
         template if isinstance(template, str) else repr(template),
         tuple(sorted(map(str, tokenizer.special_tokens_map.items()))),
     )
+
+
+# -- processors (vision datasets) ------------------------------------------------------------------
+
+PROCESSOR_ATTESTATION_VERSION = 1
+_PROCESSOR_PREFIX = f"p{PROCESSOR_ATTESTATION_VERSION}:"
+# What a processor's to_dict holds besides its own settings: its parts (attested on their own, or not read: videos,
+# audio) and load-time records.
+_PROCESSOR_PARTS = frozenset(
+    {"image_processor", "tokenizer", "video_processor", "audio_processor", "feature_extractor", "chat_template"}
+)
+_LOAD_TIME = frozenset({"auto_map", "processor_class", "_processor_class"})
+
+
+def processor_attestation(processor: Any, tokenizer: dict) -> dict:
+    """`{"format_version": 1, "fingerprint": "p1:<sha256>", "components": {...}, ...}` for a vision processor whose
+    tokenizer attests as `tokenizer` (`tokenizer_attestation` of it with the chat template the build rendered with).
+
+    Components (each the sha256 of canonical JSON): `image_processor`, its preprocessing config (`to_dict()`:
+    sizes, patch and merge sizes, resampling, normalization, splitting) less load-time records; `processor`, the
+    processor's own settings (its class, image token and id, e.g. Idefics3's `image_seq_len`) less its parts;
+    `tokenizer`, the tokenizer's v2 fingerprint. Paths appear in none of them. `processor_class`, `image_token` and
+    `image_token_id` are repeated beside them for readers; `image_processor_class` (the backend transformers
+    picked: PIL or torchvision) is recorded there and not hashed: the ids a build writes do not depend on it."""
+    image_processor = {
+        k: v for k, v in processor.image_processor.to_dict().items() if k not in _LOAD_TIME and not k.startswith("_")
+    }
+    settings = {k: v for k, v in processor.to_dict().items() if k not in _PROCESSOR_PARTS and k not in _LOAD_TIME}
+    image_token, image_token_id = _image_token(processor)
+    settings.update(processor_class=type(processor).__name__, image_token=image_token, image_token_id=image_token_id)
+    components = {
+        "image_processor": sha256_json(image_processor),
+        "processor": sha256_json(settings),
+        "tokenizer": sha256_json(tokenizer["fingerprint"]),
+    }
+    return {
+        "format_version": PROCESSOR_ATTESTATION_VERSION,
+        "fingerprint": _PROCESSOR_PREFIX + sha256_json(components),
+        "components": components,
+        "processor_class": type(processor).__name__,
+        "image_processor_class": type(processor.image_processor).__name__,
+        "image_token": image_token,
+        "image_token_id": image_token_id,
+    }
+
+
+def processor_attestation_problems(attestation: dict) -> list[str]:
+    """Whether a recorded processor attestation is self-consistent: its fingerprint is the digest of its components."""
+    expected = _PROCESSOR_PREFIX + sha256_json(attestation.get("components", {}))
+    if attestation.get("fingerprint") != expected:
+        return [
+            f"processor fingerprint {attestation.get('fingerprint')} is not the digest of the recorded components "
+            f"({expected}): the attestation was edited"
+        ]
+    return []
+
+
+def _image_token(processor: Any) -> tuple[str, int]:
+    """The processor's image placeholder token and its id (the token its chat template writes for an image part)."""
+    token = getattr(processor, "image_token", None)
+    if not isinstance(token, str):
+        raise AttestationError(
+            f"processor {type(processor).__name__} names no image token (image_token); it cannot place images"
+        )
+    token_id = getattr(processor, "image_token_id", None)
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(token)
+    return token, int(token_id)

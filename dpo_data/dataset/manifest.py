@@ -27,14 +27,19 @@ PERCENTILES = (50, 90, 99)
 
 
 def dataset_fingerprint(
-    tokenizer_fingerprint: str, sources: list[dict], shards: list[dict], columns: dict | None = None
+    tokenizer_fingerprint: str,
+    sources: list[dict],
+    shards: list[dict],
+    columns: dict | None = None,
+    processor_fingerprint: str | None = None,
 ) -> str:
-    """Content identity of a dataset: tokenizer, source names, every shard's hash, rows and source names, and the
-    column mapping (`--columns`) when one was given.
+    """Content identity of a dataset: tokenizer, source names, every shard's hash, rows and source names (a vision
+    dataset's shards hold its images' bytes, so their hashes cover every image), the column mapping (`--columns`)
+    when one was given, and a vision dataset's processor fingerprint.
 
     Paths of inputs and the other build options are left out: two builds that wrote the same pairs with the
-    same tokenizer are the same dataset, wherever their inputs lay. The mapping is part of what the inputs
-    were read as; it enters only when given, so a build without one keeps the fingerprint it always had.
+    same tokenizer are the same dataset, wherever their inputs lay. The mapping and the processor enter only when
+    present, so a text build keeps the fingerprint it always had.
     """
     content = {
         "format_version": MANIFEST_FORMAT_VERSION,
@@ -44,6 +49,8 @@ def dataset_fingerprint(
     }
     if columns:
         content["columns"] = columns
+    if processor_fingerprint is not None:
+        content["processor"] = processor_fingerprint
     return DIGEST_PREFIX + sha256_json(content)
 
 
@@ -79,9 +86,10 @@ def manifest_problems(m: dict) -> list[str]:
     against the totals. Files are not read (`dpo-data verify` does that)."""
     from dpo_state.attestation import attestation_problems
 
-    problems = attestation_problems(m["tokenizer"])
+    problems = attestation_problems(m["tokenizer"]) + processor_problems(m)
     columns = m["producer"]["options"].get("columns")
-    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns)
+    processor = m["processor"]["fingerprint"] if "processor" in m else None
+    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns, processor)
     if expected != m["fingerprint"]:
         problems.append(f"fingerprint {m['fingerprint']} does not match its content ({expected})")
     problems += _template_problems(m)
@@ -117,6 +125,36 @@ def manifest_problems(m: dict) -> list[str]:
     if totals["input_tokens"] != 2 * totals["prompt_tokens"] + totals["completion_tokens"]:
         problems.append("totals: input_tokens != 2 x prompt_tokens + completion_tokens")
     return problems
+
+
+def processor_problems(m: dict) -> list[str]:
+    """A vision manifest's processor attestation, its images and its options against each other: a self-consistent
+    attestation of the dataset's own tokenizer, and `images` and `max_image_pixels` present with it, or none."""
+    from dpo_state.attestation import processor_attestation_problems
+
+    keys = [k for k in ("processor", "images") if k in m] + (
+        ["producer.options.max_image_pixels"] if "max_image_pixels" in m["producer"]["options"] else []
+    )
+    if not keys:
+        return []
+    if len(keys) < 3:
+        return [f"{', '.join(keys)} without the rest of processor, images and producer.options.max_image_pixels"]
+    problems = processor_attestation_problems(m["processor"])
+    if m["processor"]["components"]["tokenizer"] != sha256_json(m["tokenizer"]["fingerprint"]):
+        problems.append("processor.components.tokenizer is not the digest of the dataset's tokenizer fingerprint")
+    images = m["images"]
+    if (
+        images["pairs"] > m["totals"]["pairs"]
+        or images["count"] < images["pairs"]
+        or (images["max_per_pair"] > images["count"])
+    ):
+        problems.append(f"images {images} cannot hold for {m['totals']['pairs']} pairs")
+    return problems
+
+
+def is_vision(m: dict) -> bool:
+    """Whether a dataset was built with a processor: its shards hold images."""
+    return "processor" in m
 
 
 def recorded_chat_template(m: dict) -> dict | None:

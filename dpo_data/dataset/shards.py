@@ -34,6 +34,21 @@ SHARD_SCHEMA = pa.schema(
     ]
 )
 PARTS = ("prompt", "chosen", "rejected")
+IMAGE_COLUMNS = ("image_bytes", "image_sha256")
+VISION_SHARD_SCHEMA = pa.schema(
+    [
+        *SHARD_SCHEMA,
+        # large_binary: a record batch of 1024 pairs may hold more than 2 GiB of images (int32 offsets would not)
+        pa.field("image_bytes", pa.list_(pa.large_binary()), nullable=False),
+        pa.field("image_sha256", pa.list_(pa.string()), nullable=False),
+    ]
+)
+"""The shards of a vision dataset (built with --processor): SHARD_SCHEMA, then each pair's images' original bytes
+and their hex sha256, in placeholder order (docs/data-build.md, shard columns)."""
+
+
+def shard_schema(vision: bool) -> pa.Schema:
+    return VISION_SHARD_SCHEMA if vision else SHARD_SCHEMA
 
 
 @dataclass
@@ -53,6 +68,10 @@ class PairBlock:
     chosen: np.ndarray
     rejected: np.ndarray
     row_id: list
+    image_bytes: list | None = None
+    """Vision datasets: per pair, its images' bytes in placeholder order (None in a text dataset's blocks)."""
+    image_sha256: list | None = None
+    """Vision datasets: per pair, the hex sha256 of each of its images."""
 
     def __len__(self) -> int:
         return len(self.row_id)
@@ -61,12 +80,14 @@ class PairBlock:
     def concat(blocks: list[PairBlock]) -> PairBlock:
         if len(blocks) == 1:
             return blocks[0]
-        arrays = {
-            f.name: np.concatenate([getattr(b, f.name) for b in blocks])
-            for f in fields(PairBlock)
-            if f.name != "row_id"
-        }
-        return PairBlock(**arrays, row_id=[r for b in blocks for r in b.row_id])
+        joined = {}
+        for f in fields(PairBlock):
+            values = [getattr(b, f.name) for b in blocks]
+            if isinstance(values[0], np.ndarray):
+                joined[f.name] = np.concatenate(values)
+            else:  # lists (row ids, images), or None in every block
+                joined[f.name] = None if values[0] is None else [item for value in values for item in value]
+        return PairBlock(**joined)
 
     def split(self, k: int) -> tuple[PairBlock, PairBlock]:
         """The first k pairs and the rest."""
@@ -75,7 +96,7 @@ class PairBlock:
         for f in fields(PairBlock):
             value = getattr(self, f.name)
             at = int(cut[PARTS.index(f.name)]) if f.name in PARTS else k
-            head[f.name], tail[f.name] = value[:at], value[at:]
+            head[f.name], tail[f.name] = (None, None) if value is None else (value[:at], value[at:])
         return PairBlock(**head), PairBlock(**tail)
 
     def record_batch(self) -> pa.RecordBatch:
@@ -88,7 +109,13 @@ class PairBlock:
             _numbers(self.input_row),
             _strings(self.row_id),
         ]
-        return pa.RecordBatch.from_arrays(columns, schema=SHARD_SCHEMA)
+        if self.image_bytes is None:
+            return pa.RecordBatch.from_arrays(columns, schema=SHARD_SCHEMA)
+        columns += [
+            pa.array(self.image_bytes, type=VISION_SHARD_SCHEMA.field("image_bytes").type),
+            pa.array(self.image_sha256, type=VISION_SHARD_SCHEMA.field("image_sha256").type),
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=VISION_SHARD_SCHEMA)
 
 
 # The columns are built from their buffers, not with `pa.array`: it looks for pandas on every call, and the
@@ -144,8 +171,9 @@ class ShardWriter:
     blocks handed in, so the bytes depend only on the span's pairs.
     """
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, vision: bool = False):
         self.out_dir = out_dir
+        self.schema = shard_schema(vision)
         self.shards: list[ShardInfo] = []
         self.pairs = 0
         self._pending: list[PairBlock] = []
@@ -194,7 +222,7 @@ class ShardWriter:
         self._path = self.out_dir / shard_name(self._span)
         self._sink = pa.OSFile(str(self._path), "wb")
         # No compression: readers memory-map shards zero-copy (compressed IPC decodes per batch per worker).
-        self._writer = pa.ipc.new_file(self._sink, SHARD_SCHEMA)
+        self._writer = pa.ipc.new_file(self._sink, self.schema)
         self._first = self.pairs
 
     def _close_shard(self) -> None:

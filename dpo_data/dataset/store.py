@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dpo_data.dataset.manifest import read_manifest, recorded_chat_template, template_origin
+from dpo_data.dataset.manifest import is_vision, read_manifest, recorded_chat_template, template_origin
 from dpo_data.errors import DataError
 from dpo_state.attestation import differing_parts
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
@@ -38,6 +38,7 @@ class PairStore:
             raise DataError("no dataset directory given")
         self.dirs = [str(d) for d in dirs]
         manifests = [read_manifest(d) for d in self.dirs]
+        _no_images(self.dirs, manifests)
         self.tokenizer_fingerprint = _one_tokenizer(self.dirs, manifests)
         self.dataset_fingerprints = [m["fingerprint"] for m in manifests]
         self.fingerprint = (
@@ -157,3 +158,14 @@ def _one_tokenizer(dirs: list[str], manifests: list[dict]) -> str:
             "(or none)"
         )
     return prints.pop()
+
+
+def _no_images(dirs: list[str], manifests: list[dict]) -> None:
+    """The loader reads token ids only: a vision dataset would train without its images, so it is refused by name."""
+    for d, m in zip(dirs, manifests):
+        if is_vision(m):
+            raise DataError(
+                f"dataset {d} holds images (built with dpo-data build --processor, {m['images']['count']} images); "
+                "the loader and trainer do not read images yet (issue 37: the loader and trainer steps), and training "
+                "on its token ids alone would drop them: train a text dataset, or wait for vision training"
+            )

@@ -12,13 +12,14 @@ import pyarrow as pa
 
 from dpo_data.dataset.manifest import (
     MANIFEST_NAME,
+    is_vision,
     length_histogram,
     length_stats,
     manifest_problems,
     read_manifest,
     recorded_chat_template,
 )
-from dpo_data.dataset.shards import SHARD_SCHEMA, open_shard
+from dpo_data.dataset.shards import open_shard, shard_schema
 from dpo_data.errors import DataError
 from dpo_state.files import file_problems
 
@@ -27,6 +28,7 @@ def inspect_dataset(data_dir: str | Path) -> dict[str, Any]:
     """A summary of a dataset read from its manifest alone (no shard is opened)."""
     m = read_manifest(data_dir)
     totals = m["totals"]
+    vision = {"images": m["images"], "processor_fingerprint": m["processor"]["fingerprint"]} if is_vision(m) else {}
     return {
         "path": str(data_dir),
         "fingerprint": m["fingerprint"],
@@ -41,6 +43,7 @@ def inspect_dataset(data_dir: str | Path) -> dict[str, Any]:
         "lengths": m["lengths"],
         "rejects_by_reason": m["rejects"]["by_reason"],
         "shards": len(m["shards"]),
+        **vision,
     }
 
 
@@ -65,6 +68,13 @@ def format_inspection(info: dict[str, Any]) -> str:
         "rejects by reason" + ("" if info["rejects_by_reason"] else ": none"),
         *(f"  {reason:<28} {n}" for reason, n in info["rejects_by_reason"].items()),
     ]
+    if "images" in info:
+        images = info["images"]
+        lines[5:5] = [
+            f"images       {images['count']} in {images['pairs']} pairs (at most {images['max_per_pair']} a pair), "
+            f"{images['bytes']} bytes",
+            f"processor    {info['processor_fingerprint']}",
+        ]
     if info["truncated_prompts"]:
         lines.insert(
             5,
@@ -83,7 +93,9 @@ def verify_dataset(
     records; what the manifest states about the data, recomputed from the shards (token totals, length
     statistics and histogram, largest token id, per-source pairs, each shard's rows within its span). With
     `tokenizer_dir`, the tokenizer attestation; with `strict`, files the manifest does not name; with `inputs`,
-    the raw input files against their recorded bytes and sha256.
+    the raw input files against their recorded bytes and sha256. A vision dataset's images: each one's sha256
+    against its image_sha256 entry (naming the pair), and the manifest's `images` counts; with `tokenizer_dir`
+    (there, the directory holding the processor) the processor attestation as well.
     """
     root = Path(data_dir)
     try:
@@ -93,7 +105,7 @@ def verify_dataset(
     failures = [f"{MANIFEST_NAME}: {problem}" for problem in manifest_problems(m)]
     tables = []
     for shard in m["shards"]:
-        problems, table = _check_shard(root, shard)
+        problems, table = _check_shard(root, shard, shard_schema(is_vision(m)))
         failures += problems
         tables.append(table)
     rejects = m["rejects"]
@@ -104,6 +116,8 @@ def verify_dataset(
     if tables and all(t is not None for t in tables):
         failures += _check_content(m, pa.concat_tables(tables))
         failures += _check_spans(m, tables)
+        if is_vision(m):
+            failures += _check_images(m, tables)
     if strict:
         failures += [
             f"{name}: in the dataset directory but not named by the manifest (--strict)"
@@ -157,7 +171,7 @@ def unlisted_files(data_dir: str | Path, manifest: dict | None = None) -> list[s
     )
 
 
-def _check_shard(root: Path, shard: dict) -> tuple[list[str], pa.Table | None]:
+def _check_shard(root: Path, shard: dict, schema: pa.Schema) -> tuple[list[str], pa.Table | None]:
     failures = file_problems(root / shard["path"], shard["bytes"], shard["sha256"], shard["path"], "the manifest")
     if failures and "missing" in failures[0]:
         return failures, None
@@ -165,7 +179,7 @@ def _check_shard(root: Path, shard: dict) -> tuple[list[str], pa.Table | None]:
         table = open_shard(root / shard["path"])
     except (pa.ArrowException, OSError, ValueError) as e:
         return failures + [f"{shard['path']}: not a readable Arrow IPC file ({type(e).__name__}: {e})"], None
-    if table.schema != SHARD_SCHEMA:
+    if table.schema != schema:
         return failures + [f"{shard['path']}: columns {table.schema.names} differ from the shard schema"], None
     if table.num_rows != shard["rows"]:
         failures.append(f"{shard['path']}: {table.num_rows} rows, manifest says {shard['rows']}")
@@ -328,6 +342,48 @@ def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
     return failures
 
 
+MAX_NAMED_IMAGES = 20
+"""The image mismatches `verify` names one by one; past them it counts."""
+
+
+def _check_images(m: dict, tables: list[pa.Table]) -> list[str]:
+    """Each image's bytes against its recorded sha256 (naming the pair: its shard, row, input and row id), and the
+    manifest's `images` counts recounted."""
+    from dpo_data.images import image_sha256
+    from dpo_data.prepare.tally import ImageTally
+
+    failures, counted = [], ImageTally()
+    for shard, table in zip(m["shards"], tables):
+        columns = {name: table.column(name).to_pylist() for name in ("image_bytes", "image_sha256", "row_index")}
+        places = zip(table.column("input_index").to_pylist(), table.column("input_row").to_pylist())
+        row_ids = table.column("row_id").to_pylist()
+        for k, (images, digests, row, place, row_id) in enumerate(
+            zip(columns["image_bytes"], columns["image_sha256"], columns["row_index"], places, row_ids)
+        ):
+            counted.add([len(images)], [len(b) for b in images])
+            bad = [i for i, data in enumerate(images) if i >= len(digests) or image_sha256(data) != digests[i]]
+            if bad or len(digests) != len(images):
+                failures.append(_image_failure(m, shard, k, row, place, row_id, bad, len(images), len(digests)))
+    if len(failures) > MAX_NAMED_IMAGES:
+        failures[MAX_NAMED_IMAGES:] = [f"... and {len(failures) - MAX_NAMED_IMAGES} more pairs with changed images"]
+    if counted.record() != m["images"]:
+        failures.append(f"images: manifest says {m['images']}, the shards hold {counted.record()}")
+    return failures
+
+
+def _image_failure(
+    m: dict, shard: dict, k: int, row: int, place: tuple, row_id: str | None, bad: list, count: int, digests: int
+) -> str:
+    inp = m["inputs"][place[0]] if 0 <= place[0] < len(m["inputs"]) else {"path": f"input {place[0]}"}
+    locator = "line" if inp.get("format") in ("jsonl", "jsonl.zst") else "row"
+    pair = f"{shard['path']} pair {k} (row {row}: {inp['path']} {locator} {place[1]}" + (
+        f", id {row_id!r})" if row_id is not None else ")"
+    )
+    if count != digests:
+        return f"{pair}: {count} images but {digests} image_sha256 entries"
+    return f"{pair}: the bytes of image {', '.join(map(str, bad))} do not match their image_sha256 (changed)"
+
+
 def _check_inputs(m: dict, inputs: list[str]) -> list[str]:
     """Re-hash raw input files against the manifest's record of them, matched by file name."""
     recorded = {Path(entry["path"]).name: entry for entry in m["inputs"]}
@@ -347,6 +403,8 @@ def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
     from dpo_data.tokenizer import load_tokenizer
     from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 
+    if is_vision(m):
+        return _check_processor(m, tokenizer_dir)
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as e:
@@ -360,3 +418,30 @@ def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
     if mismatch is None:
         return []
     return [f"{mismatch}; rebuild the dataset with this tokenizer or use the one it was built with"]
+
+
+def _check_processor(m: dict, processor_dir: str) -> list[str]:
+    """A vision dataset's processor attestation (which holds the tokenizer's) against the processor in
+    `processor_dir`, naming every differing component."""
+    from dpo_data.processor import load_processor, rendering_tokenizer
+    from dpo_state.attestation import attestation_mismatch, processor_attestation, tokenizer_attestation
+
+    try:
+        processor = load_processor(processor_dir)
+    except DataError as e:
+        return [str(e)]
+    tokenizer = rendering_tokenizer(processor)
+    template = recorded_chat_template(m)
+    if template is not None:
+        tokenizer.chat_template = template["text"]
+    tokenizer_actual = tokenizer_attestation(tokenizer)
+    actual = processor_attestation(processor, tokenizer_actual)
+    label = f"processor {processor_dir}"
+    failures = []
+    mismatch = attestation_mismatch(m["processor"], actual, label, "the dataset")
+    if mismatch is not None:
+        failures.append(f"{mismatch}; rebuild the dataset with this processor or use the one it was built with")
+    mismatch = attestation_mismatch(m["tokenizer"], tokenizer_actual, f"{label}'s tokenizer", "the dataset")
+    if mismatch is not None:
+        failures.append(f"{mismatch}; rebuild the dataset with this processor or use the one it was built with")
+    return failures

@@ -18,23 +18,26 @@ import orjson
 from dpo_data.dataset.manifest import REJECTS_NAME
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
+from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, pil_pixel_limit
 from dpo_data.prepare.columns import check_columns, rename_columns
 from dpo_data.prepare.hub import hub_files, is_hub_input
 from dpo_data.prepare.inputs import MAX_ROW_BYTES, InputFile, OversizedLine, iter_rows, open_input
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, commit_staged
 from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
-from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
+from dpo_data.prepare.tally import BuildResult, ImageTally, Tally, conclude, refusal
 from dpo_data.prepare.template import TEMPLATE_FAILURES, read_chat_template, render_chars, unrenderable
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
+from dpo_data.prepare.vision import VisionEncoder
 from dpo_data.progress import Stage
 from dpo_data.tokenizer import load_tokenizer
-from dpo_state.attestation import tokenizer_attestation
+from dpo_state.attestation import processor_attestation, tokenizer_attestation
 from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 
 __all__ = ["BuildOptions", "BuildResult", "build"]
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker, within one span
+VISION_CHUNK_ROWS = 16  # a vision build's chunks carry their images' bytes back from the workers: fewer rows
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
 
 
@@ -49,7 +52,10 @@ class BuildOptions:
     the manifest records its name, sha256 and text, and the build is refused when it is not prefix-stable.
 
     `pairs_per_shard` rows read make a span, and each span's pairs one shard (so at most that many pairs a
-    shard). `part` builds only every `part.count`-th span from the `part.index`-th, into a part directory."""
+    shard). `part` builds only every `part.count`-th span from the `part.index`-th, into a part directory.
+
+    `max_image_pixels` bounds the pixels an image of a vision build (`build(..., processor_dir=...)`) may declare;
+    it is recorded for vision builds only."""
 
     max_length: int | None = None
     overlength: str = "reject"
@@ -64,6 +70,7 @@ class BuildOptions:
     overwrite: bool = False
     progress: bool = False
     part: Part | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
@@ -82,11 +89,19 @@ class BuildOptions:
             raise DataError(f"--num-proc is {self.num_proc}; it must be at least 1")
         if self.columns is not None:
             object.__setattr__(self, "columns", check_columns(self.columns))
+        if not 1 <= self.max_image_pixels <= pil_pixel_limit():
+            raise DataError(
+                f"--max-image-pixels is {self.max_image_pixels}; allowed: 1 to {pil_pixel_limit()} (PIL's "
+                "decompression-bomb threshold, above which it flags an image as a bomb whatever this says)"
+            )
 
-    def recorded(self, chat_template: dict | None = None) -> dict[str, Any]:
+    def recorded(self, chat_template: dict | None = None, vision: bool = False) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest; --num-proc never changes a byte), with
-        the override template as `read_chat_template` read it."""
+        the override template as `read_chat_template` read it; `max_image_pixels` for a vision build only, so a
+        text build records what it always did."""
         skip = {"num_proc", "overwrite", "progress", "chat_template", "part"}
+        if not vision:
+            skip.add("max_image_pixels")
         if self.columns is None:
             skip.add("columns")  # left out, not null: a build without a mapping records what it always did
         options = {k: v for k, v in asdict(self).items() if k not in skip}
@@ -100,11 +115,12 @@ class BuildOptions:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
-    """Set up this process's encoder (the build process itself, or a forked pool worker)."""
+def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile], processor: Any = None) -> None:
+    """Set up this process's encoders (the build process itself, or a forked pool worker)."""
     topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos, options.max_row_bytes)
     encoder = PairEncoder(tokenizer, topts, override=options.chat_template)
-    _worker.update(encoder=encoder, options=options, inputs=inputs)
+    vision = None if processor is None else VisionEncoder(encoder, processor, options.max_image_pixels)
+    _worker.update(encoder=encoder, vision=vision, options=options, inputs=inputs)
 
 
 @dataclass
@@ -125,11 +141,11 @@ class ChunkResult:
     """The row form of each pair (`rows.FORMS`), in input order."""
 
 
-def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile]) -> None:
+def _init_pool_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile], processor: Any) -> None:
     """One pool worker per core: its Rust tokenizer stays single-threaded, or N workers would each
     start a thread per core and fight over them (measured: 20% more CPU time at 2 workers)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _init_worker(tokenizer, options, inputs)
+    _init_worker(tokenizer, options, inputs, processor)
 
 
 def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkResult:
@@ -149,8 +165,9 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
         except RowReject as reject:
             rejects.append(_reject(input_index, inp, number, _row_source(row, inp), reject, item))
     kept, sources, forms, truncated, ids = [], [], [], [], {part: [] for part in PARTS}
+    images = None if _worker["vision"] is None else []
     before = encoder.rendered_rows
-    results = encoder.encode_many(pairs)
+    results = _encode(pairs, [(inputs[i], n) for i, n, _, _ in where])
     for (input_index, number, row_index, item), pair, encoded in zip(where, pairs, results):
         source = pair.source or inputs[input_index].source
         if isinstance(encoded, RowReject):
@@ -163,12 +180,50 @@ def _process_chunk(chunk: tuple[int, list[tuple[int, int, int, Any]]]) -> ChunkR
         truncated.append(encoded.truncated_prompt_tokens)
         for part in PARTS:
             ids[part].extend(getattr(encoded, part))
+        if images is not None:
+            images.append(encoded.images)
     rejects.sort(key=lambda r: (r[0], r[1][inputs[r[0]].locator]))  # input order, whichever stage rejected
     rendered = encoder.rendered_rows - before
-    return ChunkResult(span, _block(kept, ids), sources, truncated, rejects, columns, rendered, forms)
+    return ChunkResult(span, _block(kept, ids, images), sources, truncated, rejects, columns, rendered, forms)
 
 
-def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
+def _encode(pairs: list, places: list[tuple[InputFile, int]]) -> list:
+    """Each pair's `EncodedPair` or `RowReject`: by the text encoder, or in a vision build by the vision encoder
+    (every conversation). A text build refuses a row with images by name (a `DataError`) and rejects content
+    given as parts."""
+    encoder, vision = _worker["encoder"], _worker["vision"]
+    results: list[Any] = [None] * len(pairs)
+    text = []
+    for i, (pair, (inp, number)) in enumerate(zip(pairs, places)):
+        if vision is None and pair.images:
+            raise _images_need_processor(pair, inp, number)
+        if vision is None and pair.vision:
+            results[i] = RowReject(
+                "wrong_type",
+                "a message's content is a list of parts, which only a vision build reads: write each content as a "
+                "string, or build with --processor DIR (a vision-language model's processor)",
+            )
+        elif vision is None or pair.kind == "text":
+            text.append(i)
+        else:
+            try:
+                results[i] = vision.encode(pair, inp)
+            except RowReject as reject:
+                results[i] = reject
+    for i, result in zip(text, encoder.encode_many([pairs[i] for i in text])):
+        results[i] = result
+    return results
+
+
+def _images_need_processor(pair: Any, inp: InputFile, number: int) -> DataError:
+    return DataError(
+        f"{inp.path} {inp.locator} {number} has {len(pair.images)} images, but the build was given a tokenizer "
+        "(--tokenizer), which cannot read them; build vision data with --processor DIR, the model directory holding "
+        "the vision-language model's processor (docs/data-build.md, vision pairs)"
+    )
+
+
+def _block(kept: list[tuple], ids: dict[str, list[int]], images: list | None = None) -> PairBlock:
     return PairBlock(
         source_id=np.zeros(len(kept), dtype=np.int32),
         row_index=np.array([k[2] for k in kept], dtype=np.int64),
@@ -177,6 +232,8 @@ def _block(kept: list[tuple], ids: dict[str, list[int]]) -> PairBlock:
         lengths=np.array([k[4:] for k in kept], dtype=np.int32).reshape(-1, 3),
         row_id=[k[3] for k in kept],
         **{part: np.array(ids[part], dtype=np.int32) for part in PARTS},
+        image_bytes=None if images is None else [[data for data, _ in pair] for pair in images],
+        image_sha256=None if images is None else [[digest for _, digest in pair] for pair in images],
     )
 
 
@@ -236,12 +293,12 @@ def _raw_text(item: Any) -> str:
 # -- main process -------------------------------------------------------------------------------
 
 
-def _chunks(inputs: list[InputFile], options: BuildOptions, tally: Tally, progress: Any) -> Iterator[tuple]:
+def _chunks(inputs: list[InputFile], options: BuildOptions, tally: Tally, progress: Any, size: int) -> Iterator[tuple]:
     """(span, rows) of at most CHUNK_ROWS rows of one span, for the spans this build owns (all, or its
     part's); every row is read (and counted in `tally.rows_total`), a part's own rows alone are encoded."""
     for span, in_span in groupby(_numbered(inputs, options), key=lambda row: row[0] // options.pairs_per_shard):
         owned = options.part is None or options.part.owns(span)
-        while batch := list(islice(in_span, CHUNK_ROWS)):
+        while batch := list(islice(in_span, size)):
             tally.rows_total += len(batch)
             progress.update(len(batch))
             if owned:
@@ -262,44 +319,85 @@ def _numbered(inputs: list[InputFile], options: BuildOptions) -> Iterator[tuple[
             row += 1
 
 
-def build(inputs: list[str], tokenizer_dir: str, out: str | Path, options: BuildOptions) -> BuildResult:
-    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract. What can be refused
-    up front is, before the build's progress line starts; its `seconds` are the time that line ends with (from
-    the tokenizer's load to the commit)."""
+def build(
+    inputs: list[str],
+    tokenizer_dir: str | None,
+    out: str | Path,
+    options: BuildOptions,
+    processor_dir: str | None = None,
+) -> BuildResult:
+    """Build an attested dataset directory at `out`; see docs/data-build.md for the contract. Text data is built
+    with a tokenizer (`tokenizer_dir`), vision data with a processor (`processor_dir`, a model directory holding
+    one): exactly one is given. What can be refused up front is, before the build's progress line starts; its
+    `seconds` are the time that line ends with (from the tokenizer's load to the commit)."""
     out = Path(out)
+    if (tokenizer_dir is None) == (processor_dir is None):
+        raise DataError(
+            "give exactly one of --tokenizer DIR (text data) and --processor DIR (data with images: a vision-language "
+            "model's directory with its processor)"
+        )
     files = _open_inputs(inputs, options)
     chars = render_chars(options.max_row_bytes)
     template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
     check_inputs_outside(out, inputs)
-    if not Path(tokenizer_dir).is_dir():
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise DataError(f"--tokenizer {tokenizer_dir}: not a directory; pass a local Hugging Face tokenizer directory")
     with OutputLock(out):  # one build per output path; a second one fails fast, naming the holder
         if options.part is None:  # at once (again before the build); a part first needs its plan, to see
             check_replaceable(out, options.overwrite)  # whether it is already built
         with _progress(options.progress) as bar:
-            result = _build(files, template, tokenizer_dir, out, options, bar)
+            result = _build(files, template, tokenizer_dir, processor_dir, out, options, bar)
     result.seconds = bar.seconds
     return result
 
 
-def _build(
-    files: list[InputFile], template: dict | None, tokenizer_dir: str, out: Path, options: BuildOptions, bar: Stage
-) -> BuildResult:
-    """Load the tokenizer, then build (or find a part already built) and commit."""
-    tokenizer = _load_tokenizer(tokenizer_dir)
-    if template is not None:  # before the attestation, so the dataset attests the template it was built with
+@dataclass(frozen=True)
+class _Model:
+    """What a build encodes with: the tokenizer and, for a vision build, the processor, with their attestations."""
+
+    tokenizer: Any
+    attestation: dict
+    processor: Any = None
+    processor_attestation: dict | None = None
+
+
+def _load_model(tokenizer_dir: str | None, processor_dir: str | None, template: dict | None) -> _Model:
+    """The tokenizer (a vision build's: the processor's, with the processor's chat template), the override
+    template in place (before the attestation, so the dataset attests the template it was built with)."""
+    from dpo_data.processor import load_processor, rendering_tokenizer
+
+    processor = None if processor_dir is None else load_processor(processor_dir)
+    tokenizer = _load_tokenizer(tokenizer_dir) if processor is None else rendering_tokenizer(processor)
+    if template is not None:
         tokenizer.chat_template = template["text"]
     attestation = tokenizer_attestation(tokenizer)
+    if processor is None:
+        return _Model(tokenizer, attestation)
+    return _Model(tokenizer, attestation, processor, processor_attestation(processor, attestation))
+
+
+def _build(
+    files: list[InputFile],
+    template: dict | None,
+    tokenizer_dir: str | None,
+    processor_dir: str | None,
+    out: Path,
+    options: BuildOptions,
+    bar: Stage,
+) -> BuildResult:
+    """Load the tokenizer (or processor), then build (or find a part already built) and commit."""
+    model = _load_model(tokenizer_dir, processor_dir, template)
     entries = [_input_entry(f) for f in files]
     plan = None
     if options.part is not None:
-        plan = build_plan(options.recorded(template), attestation, entries, options.part)
+        recorded = options.recorded(template, vision=model.processor is not None)
+        plan = build_plan(recorded, model.attestation, entries, options.part, model.processor_attestation)
         if (done := _finished_part(out, options.part, plan, options.overwrite)) is not None:
             return done
     return commit_staged(
         out,
         options.overwrite,
-        lambda staging: _build_into(staging, files, entries, tokenizer, attestation, options, template, plan, bar),
+        lambda staging: _build_into(staging, files, entries, model, options, template, plan, bar),
     )
 
 
@@ -321,8 +419,7 @@ def _build_into(
     staging: Path,
     files: list[InputFile],
     entries: list[dict],
-    tokenizer: Any,
-    attestation: dict,
+    model: _Model,
     options: BuildOptions,
     template: dict | None,
     plan: dict | None,
@@ -330,23 +427,27 @@ def _build_into(
 ) -> BuildResult:
     """Everything but the commit: shards, rejects and (unless refused) the manifest, or a part's part.json,
     all in `staging`; `bar` counts the rows read."""
+    vision = model.processor is not None
     tally = Tally(inputs=entries, columns=[Counter() for _ in files], forms=[Counter() for _ in files])
-    writer = ShardWriter(staging)
+    tally.images = ImageTally() if vision else None
+    writer = ShardWriter(staging, vision=vision)
     renders = _Renders()
     with open(staging / REJECTS_NAME, "wb") as rejects_file:
-        for result in _run(files, tokenizer, options, tally, bar):
+        for result in _run(files, model, options, tally, bar):
             _consume(result, tally, writer, rejects_file)
             renders.add(result)
     shards = writer.close()
     if template is not None:
         renders.check(options.chat_template)
     if plan is None:
-        return conclude(staging, tally, shards, attestation, options, template)
+        return conclude(staging, tally, shards, model.attestation, options, template, model.processor_attestation)
     result = BuildResult(staging, None, sum(e["rows_read"] for e in entries), tally.pairs, dict(tally.by_reason), 0.0)
     if template is not None and tally.first_unstable is not None:  # the merge would refuse: say so now
         result.error = refusal(tally, options, template)
         return result
-    result.part = part_document(options.part, plan, tally, shards, attestation, staging)
+    result.part = part_document(
+        options.part, plan, tally, shards, model.attestation, staging, model.processor_attestation
+    )
     write_part(staging, result.part)
     return result
 
@@ -432,16 +533,16 @@ def _progress(enabled: bool) -> Stage:
     return Stage("build", enabled=enabled, unit="rows", bar=True)
 
 
-def _run(files, tokenizer, options, tally, bar) -> Iterator[ChunkResult]:
-    chunks = _chunks(files, options, tally, bar)
+def _run(files, model: _Model, options, tally, bar) -> Iterator[ChunkResult]:
+    chunks = _chunks(files, options, tally, bar, CHUNK_ROWS if model.processor is None else VISION_CHUNK_ROWS)
     if options.num_proc == 1:
-        _init_worker(tokenizer, options, files)
+        _init_worker(model.tokenizer, options, files, model.processor)
         yield from map(_process_chunk, chunks)
         return
     # fork: workers inherit the loaded tokenizer and imported modules (initargs are not pickled), and
     # the parent never encoded anything, so the Rust thread pool was never started before the fork.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(options.num_proc, _init_pool_worker, (tokenizer, options, files)) as pool:
+    with ctx.Pool(options.num_proc, _init_pool_worker, (model.tokenizer, options, files, model.processor)) as pool:
         yield from pool.imap(_process_chunk, chunks, chunksize=1)
 
 
@@ -472,4 +573,6 @@ def _consume(result: ChunkResult, tally: Tally, writer: ShardWriter, rejects_fil
         [tally.max_token_id, *(int(ids.max()) for ids in (block.prompt, block.chosen, block.rejected) if ids.size)]
     )
     tally.pairs += len(block)
+    if tally.images is not None:
+        tally.images.add([len(images) for images in block.image_bytes], [len(b) for i in block.image_bytes for b in i])
     writer.add(block, result.sources, result.span)

@@ -8,7 +8,7 @@ from typing import Any
 from dpo_data.errors import DataError
 from dpo_data.prepare.rows import RowReject
 
-FIELDS = ("prompt", "chosen", "rejected", "id", "source", "tools")
+FIELDS = ("prompt", "chosen", "rejected", "id", "source", "tools", "images", "image")
 """The row fields a build reads (docs/data-build.md, row formats); every other column is ignored."""
 _REQUIRED = ("chosen", "rejected")
 _EXAMPLE = "--columns prompt=question,chosen=response_j,rejected=response_k"

@@ -30,7 +30,7 @@ from dpo_data.dataset.verify import reject_record, truncation_problems
 from dpo_data.errors import DataError
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, commit_staged
 from dpo_data.prepare.parts import Part, plan_differences, read_part
-from dpo_data.prepare.tally import BuildResult, Tally, conclude
+from dpo_data.prepare.tally import BuildResult, ImageTally, Tally, conclude
 from dpo_data.progress import Stage
 from dpo_state.files import file_problems
 
@@ -81,6 +81,7 @@ def _check_parts(dirs: list[Path]) -> list[tuple[Path, dict]]:
     ordered = [by_index[k] for k in range(count)]
     for d, doc in ordered:
         _check_listing(d, doc)
+        _check_processor(d, doc)
     totals = {doc["rows_total"] for _, doc in ordered}
     rows = sum(e["rows_read"] for _, doc in ordered for e in doc["inputs"])
     if len(totals) != 1 or rows != totals.pop():
@@ -124,6 +125,17 @@ def _check_listing(part_dir: Path, doc: dict) -> None:
         if shard["path"] != shard_name(span):
             raise _edited(part_dir, doc, f"lists span {span} as {shard['path']}, not {shard_name(span)}")
         previous = span
+
+
+def _check_processor(part_dir: Path, doc: dict) -> None:
+    """A vision part's processor attestation is its plan's, and self-consistent (the manifest will record it)."""
+    from dpo_state.attestation import processor_attestation_problems
+
+    recorded, planned = doc.get("processor"), doc["plan"].get("processor")
+    if recorded is None and planned is None:
+        return
+    if recorded is None or planned != recorded["fingerprint"] or processor_attestation_problems(recorded):
+        raise _edited(part_dir, doc, "records a processor attestation that is not its plan's processor")
 
 
 def _part(doc: dict) -> Part:
@@ -176,7 +188,7 @@ def _merge_into(staging: Path, parts: list[tuple[Path, dict]], progress: bool) -
     for (part_dir, doc), recount in zip(parts, recounts):
         _check_counts(part_dir, doc, recount)
     options, template = _options(first["plan"]["options"])
-    return conclude(staging, tally, shards, first["tokenizer"], options, template)
+    return conclude(staging, tally, shards, first["tokenizer"], options, template, first.get("processor"))
 
 
 @dataclass
@@ -268,6 +280,7 @@ def _tally(parts: list[tuple[Path, dict]]) -> Tally:
     keys = ("path", "format", "default_source", "bytes", "sha256")
     inputs = [{k: entry[k] for k in keys} | {"rows_read": 0, "pairs": 0, "rejected": 0} for entry in docs[0]["inputs"]]
     tally = Tally(inputs=inputs, columns=[Counter() for _ in inputs], forms=[Counter() for _ in inputs])
+    tally.images = ImageTally() if "processor" in docs[0]["plan"] else None  # counted from the shards as linked
     for doc in docs:
         for entry, seen, forms, theirs in zip(tally.inputs, tally.columns, tally.forms, doc["inputs"]):
             for key in ("rows_read", "pairs", "rejected"):
@@ -307,6 +320,8 @@ def _link_shards(
             lengths = _check_shard(part_dir, doc, shard, table)
             recounts[doc["part"]["index"]].add_shard(shard, table, lengths)
             tally.lengths.append(lengths)
+            if tally.images is not None:
+                _count_images(named=f"{part_dir}/{shard['path']}", table=table, images=tally.images)
             for name in shard["sources"]:
                 tally.sources.setdefault(name, len(tally.sources))
             shards.append(
@@ -362,6 +377,16 @@ def _check_shard(part_dir: Path, doc: dict, shard: dict, table: pa.Table) -> np.
     if problems:
         raise DataError(f"{named}: {'; '.join(problems)}; the shard is not its span's: rebuild that part")
     return lengths.astype(np.int32)
+
+
+def _count_images(named: str, table: pa.Table, images: ImageTally) -> None:
+    """A vision shard's images, counted as the build counts them."""
+    if "image_bytes" not in table.column_names:
+        raise DataError(f"{named}: a shard of a vision build without its image_bytes column; rebuild that part")
+    column = table.column("image_bytes")
+    per_pair = pc.list_value_length(column).to_numpy(zero_copy_only=False).tolist()
+    sizes = pc.binary_length(pc.list_flatten(column)).to_numpy(zero_copy_only=False).tolist()
+    images.add(per_pair, sizes)
 
 
 def _max_token_id(table: pa.Table) -> int:

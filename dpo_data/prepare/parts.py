@@ -118,17 +118,23 @@ def resolve_part(given: str | None, env: Mapping[str, str] = os.environ) -> Part
     return Part(values["SLURM_ARRAY_TASK_ID"] - first, count, origin)
 
 
-def build_plan(options: dict, attestation: dict, entries: list[dict], part: Part) -> dict:
-    """What every part of one build shares: the code, the recorded options, the tokenizer, the inputs
-    (paths as given, bytes, sha256) and the number of parts. Parts of different plans never merge."""
+def build_plan(
+    options: dict, attestation: dict, entries: list[dict], part: Part, processor: dict | None = None
+) -> dict:
+    """What every part of one build shares: the code, the recorded options, the tokenizer (and a vision build's
+    processor), the inputs (paths as given, bytes, sha256) and the number of parts. Parts of different plans never
+    merge."""
     keys = ("path", "format", "default_source", "bytes", "sha256")
-    return {
+    plan = {
         "producer": {"name": "dpo-toolkit", "version": __version__},
         "options": options,
         "tokenizer": attestation["fingerprint"],
         "inputs": [{key: e[key] for key in keys} for e in entries],
         "parts": part.count,
     }
+    if processor is not None:
+        plan["processor"] = processor["fingerprint"]
+    return plan
 
 
 def plan_differences(a: dict, b: dict) -> list[str]:
@@ -138,13 +144,28 @@ def plan_differences(a: dict, b: dict) -> list[str]:
         for k in sorted(set(a["options"]) | set(b["options"]))
         if a["options"].get(k) != b["options"].get(k)
     ]
-    labels = {"producer": "producer version", "tokenizer": "tokenizer", "inputs": "inputs", "parts": "number of parts"}
-    found += [label for key, label in labels.items() if a[key] != b[key]]
+    labels = {
+        "producer": "producer version",
+        "tokenizer": "tokenizer",
+        "processor": "processor",
+        "inputs": "inputs",
+        "parts": "number of parts",
+    }
+    found += [label for key, label in labels.items() if a.get(key) != b.get(key)]
     return found
 
 
-def part_document(part: Part, plan: dict, tally, shards: list[ShardInfo], attestation: dict, staging: Path) -> dict:
-    """part.json: the plan, this part's counts and its shards, everything the merge needs to add it up."""
+def part_document(
+    part: Part,
+    plan: dict,
+    tally,
+    shards: list[ShardInfo],
+    attestation: dict,
+    staging: Path,
+    processor: dict | None = None,
+) -> dict:
+    """part.json: the plan, this part's counts and its shards, everything the merge needs to add it up (a vision
+    part's images are counted again from its shards by the merge, which reads them all)."""
     rejects = staging / REJECTS_NAME
     inputs = [
         {**entry, "columns": dict(sorted(seen.items())), "forms": dict(sorted(forms.items()))}
@@ -157,6 +178,7 @@ def part_document(part: Part, plan: dict, tally, shards: list[ShardInfo], attest
         "plan": plan,
         "plan_sha256": DIGEST_PREFIX + sha256_json(plan),
         "tokenizer": attestation,
+        **({} if processor is None else {"processor": processor}),
         "rows_total": tally.rows_total,
         "inputs": inputs,
         "counts": {

@@ -39,6 +39,18 @@ class Pair:
     tools: list[dict] | None = None
     form: str = "explicit-text"
     """The row form it was read from (`FORMS`)."""
+    images: tuple = ()
+    """The row's `images` as given (paths, `{"bytes", "path"}` values or bytes), in placeholder order; read and
+    checked by `dpo_data.prepare.vision`, which needs the input's directory."""
+
+    @property
+    def vision(self) -> bool:
+        """Whether the pair needs a processor: it has images, or content given as parts."""
+        return bool(self.images) or (self.kind == "chat" and any(_has_parts(m) for m in self.messages()))
+
+    def messages(self) -> list[dict]:
+        """Every message of a conversational pair: prompt, chosen, rejected."""
+        return [*self.prompt, *self.chosen, *self.rejected]
 
 
 def normalize_row(row: Any) -> Pair:
@@ -48,19 +60,20 @@ def normalize_row(row: Any) -> Pair:
     for field in ("chosen", "rejected"):
         if field not in row or row[field] is None:
             raise RowReject("missing_field", f"field '{field}' is missing; every row needs 'chosen' and 'rejected'")
-    source, row_id, tools = _source(row), _row_id(row), _tools(row)
+    source, row_id, tools, images = _source(row), _row_id(row), _tools(row), _images(row)
     if row.get("prompt") is None:
         if isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
             _no_tools(tools)
+            _no_images(images)
             prompt, chosen, rejected = _implicit_text(row["chosen"], row["rejected"])
             return Pair("text", prompt, chosen, rejected, source, row_id, form="implicit-text")
         prompt, chosen, rejected = _implicit(row["chosen"], row["rejected"])
-        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "implicit-chat")
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "implicit-chat", images)
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     kinds = {f: _part_kind(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if _whole_conversations(prompt, chosen, rejected):
         prompt, chosen, rejected = _strip_prompt(prompt, chosen, rejected)
-        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "whole-conversations")
+        return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "whole-conversations", images)
     if len(set(kinds.values())) > 1:
         found = ", ".join(f"{f} is {k}" for f, k in kinds.items())
         raise RowReject(
@@ -70,12 +83,56 @@ def normalize_row(row: Any) -> Pair:
     if kinds["prompt"] == "text":
         _check_text(prompt, chosen, rejected)
         _no_tools(tools)
+        _no_images(images)
         return Pair("text", prompt, chosen, rejected, source, row_id)
     prompt, chosen, rejected = (
         _messages(f, v) for f, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
     )
     _check_chat(prompt, chosen, rejected)
-    return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "explicit-chat")
+    return Pair("chat", prompt, chosen, rejected, source, row_id, tools, "explicit-chat", images)
+
+
+def _images(row: dict) -> tuple:
+    """The row's images as given: `images` (a list, TRL's field), or `image` (one image, which TRL reads as a list
+    of one); an empty list or null is none."""
+    images, single = row.get("images"), row.get("image")
+    if images is None and single is not None:
+        return (single,)
+    if images is None:
+        return ()
+    if single is not None:
+        raise RowReject(
+            "wrong_type", "the row has both 'images' and 'image'; give its images once, as the list 'images'"
+        )
+    if not isinstance(images, list) or _is_map(images):
+        raise RowReject(
+            "wrong_type",
+            f"field 'images' must be a list of images (file paths relative to the input file, {{\"bytes\", "
+            f'"path"}} objects or binary values), got {_kind(images)}',
+        )
+    return tuple(images)
+
+
+def _no_images(images: tuple) -> None:
+    if images:
+        raise RowReject(
+            "wrong_type",
+            f"field 'images' holds {len(images)} images, but the prompt is plain text; images are placed by "
+            '{"type": "image"} parts of conversational messages: write the prompt as a list of messages',
+        )
+
+
+def _has_parts(message: dict) -> bool:
+    """Whether a message's content is a list of parts (vision rows) rather than a string."""
+    return isinstance(message.get("content"), list)
+
+
+def content_text(message: dict) -> str:
+    """A message's text: its content string, or its text parts joined."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _no_tools(tools: list | None) -> None:
@@ -183,14 +240,36 @@ def _message(where: str, m: Any) -> dict:
     if m["role"] not in ROLES:
         raise RowReject("unknown_role", f"{where}.role is {m['role']!r:.40}; allowed roles are {', '.join(ROLES)}")
     calls = _tool_calls(where, m)
+    if isinstance(m.get("content"), list) and not _is_map(m["content"]):
+        return {**{k: v for k, v in m.items() if v is not None}, "content": _parts(where, m)}
     if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
         got = "missing" if "content" not in m else _kind(m["content"])
         raise RowReject(
             "wrong_type",
             f"{where}.content must be a string (it may be null or absent only on an assistant message with "
-            f"tool_calls), got {got}",
+            f"tool_calls), got {got}; a vision row's content may also be a list of parts ({_PART_SHAPES})",
         )
     return {k: v for k, v in m.items() if v is not None}
+
+
+_PART_SHAPES = '{"type": "text", "text": a string} or {"type": "image"} (the image itself goes in the row\'s images)'
+
+
+def _parts(where: str, m: dict) -> list[dict]:
+    """Content parts (TRL's vision shape), each without None-valued keys (Arrow structs write them): text parts
+    and image placeholders, which only user, system and assistant history messages may hold."""
+    parts = []
+    for j, part in enumerate(m["content"]):
+        part = {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+        text_part = isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        if not (text_part and len(part) == 2) and part != {"type": "image"}:
+            raise RowReject("wrong_type", f"{where}.content[{j}] is {part!r:.120}; a content part is {_PART_SHAPES}")
+        if part["type"] == "image" and m["role"] == "tool":
+            raise RowReject(
+                "wrong_type", f"{where}.content[{j}] is an image part in a tool message; images go in user messages"
+            )
+        parts.append(part)
+    return parts
 
 
 def _tool_calls(where: str, message: dict) -> list:
@@ -221,7 +300,18 @@ def _tool_calls(where: str, message: dict) -> list:
 
 
 def _has_content(message: dict) -> bool:
-    return bool(message.get("content", "").strip() or message.get("tool_calls"))
+    return bool(content_text(message).strip() or message.get("tool_calls"))
+
+
+def _check_text_completion(field: str, completion: list) -> None:
+    """Completions are text: an image part there would be a generated image."""
+    for i, m in enumerate(completion):
+        if _has_parts(m) and any(part["type"] == "image" for part in m["content"]):
+            raise RowReject(
+                "wrong_type",
+                f"{field}[{i}] holds an image part; completions are text, images belong to the prompt: move the "
+                "image part into a prompt message",
+            )
 
 
 def _check_chat(prompt: list, chosen: list, rejected: list) -> None:
@@ -231,6 +321,7 @@ def _check_chat(prompt: list, chosen: list, rejected: list) -> None:
     for field, value in (("chosen", chosen), ("rejected", rejected)):
         if not value or not any(map(_has_content, value)):
             raise RowReject("empty_completion", f"field '{field}' has no message with content or a tool call")
+        _check_text_completion(field, value)
     if chosen == rejected:
         raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
     for field, value in (("chosen", chosen), ("rejected", rejected)):

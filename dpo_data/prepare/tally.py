@@ -59,6 +59,27 @@ class BuildResult:
 
 
 @dataclass
+class ImageTally:
+    """A vision dataset's images: how many, their bytes, the pairs having any, the most a pair has."""
+
+    count: int = 0
+    bytes: int = 0
+    pairs: int = 0
+    max_per_pair: int = 0
+
+    def add(self, per_pair: list[int], sizes: list[int]) -> None:
+        """Count pairs holding `per_pair` images each, whose images have `sizes` bytes."""
+        self.count += sum(per_pair)
+        self.bytes += sum(sizes)
+        self.pairs += sum(1 for n in per_pair if n)
+        self.max_per_pair = max([self.max_per_pair, *per_pair])
+
+    def record(self) -> dict[str, int]:
+        """The manifest's `images`."""
+        return {"count": self.count, "bytes": self.bytes, "pairs": self.pairs, "max_per_pair": self.max_per_pair}
+
+
+@dataclass
 class Tally:
     """Everything the manifest counts, accumulated in output order."""
 
@@ -81,13 +102,22 @@ class Tally:
     """Rows in all inputs, this build's or not (a `--part` build reads every row, builds its own)."""
     first_unstable: dict | None = None
     """The first `template_not_prefix_stable` reject, in input order (an override template is refused for it)."""
+    images: ImageTally | None = None
+    """A vision build's images (None in a text build)."""
 
 
 def conclude(
-    staging: Path, tally: Tally, shards: list[ShardInfo], attestation: dict, options: Any, template: dict | None
+    staging: Path,
+    tally: Tally,
+    shards: list[ShardInfo],
+    attestation: dict,
+    options: Any,
+    template: dict | None,
+    processor: dict | None = None,
 ) -> BuildResult:
     """Check what was counted (a mistyped --columns name is an error; too many rejects a refusal) and, unless
-    refused, write the manifest into `staging`. `options` is the build's `BuildOptions`."""
+    refused, write the manifest into `staging`. `options` is the build's `BuildOptions`; `processor` a vision
+    build's processor attestation."""
     check_mapped_columns(tally, options.columns)
     result = BuildResult(staging, None, tally_rows(tally), tally.pairs, dict(tally.by_reason), 0.0)
     result.ignored_columns = record_ignored_columns(tally, options.columns)
@@ -95,7 +125,8 @@ def conclude(
         entry["forms"] = dict(sorted(forms.items()))
     result.error = refusal(tally, options, template)
     if result.error is None:
-        manifest = manifest_document(tally, shards, attestation, options.recorded(template), staging)
+        recorded = options.recorded(template, vision=processor is not None)
+        manifest = manifest_document(tally, shards, attestation, recorded, staging, processor)
         write_manifest(staging, manifest)
         result.manifest = manifest
         result.prompt_tokens = manifest["totals"]["prompt_tokens"]
@@ -163,19 +194,35 @@ def manifest_shards(shards: list[ShardInfo]) -> list[dict]:
     return [{key: getattr(s, key) for key in keys} for s in shards]
 
 
-def manifest_document(tally: Tally, shards: list[ShardInfo], attestation: dict, options: dict, staging: Path) -> dict:
+def manifest_document(
+    tally: Tally,
+    shards: list[ShardInfo],
+    attestation: dict,
+    options: dict,
+    staging: Path,
+    processor: dict | None = None,
+) -> dict:
     lengths = np.concatenate(tally.lengths).astype(np.int64)
     prompt, chosen, rejected = lengths[:, 0], lengths[:, 1], lengths[:, 2]
     segments = np.concatenate([prompt + chosen, prompt + rejected])
     sources = [{"id": sid, "name": name, "pairs": tally.source_pairs[name]} for name, sid in tally.sources.items()]
     records = manifest_shards(shards)
     rejects_path = staging / REJECTS_NAME
+    fingerprint = dataset_fingerprint(
+        attestation["fingerprint"],
+        sources,
+        records,
+        options.get("columns"),
+        None if processor is None else processor["fingerprint"],
+    )
+    vision = {} if processor is None else {"processor": processor, "images": tally.images.record()}
     return {
         "format_version": MANIFEST_FORMAT_VERSION,
         "kind": "dpo-dataset",
-        "fingerprint": dataset_fingerprint(attestation["fingerprint"], sources, records, options.get("columns")),
+        "fingerprint": fingerprint,
         "producer": {"name": "dpo-toolkit", "version": __version__, "options": options},
         "tokenizer": attestation,
+        **vision,
         "inputs": tally.inputs,
         "sources": sources,
         "shards": records,

@@ -38,6 +38,8 @@ class EncodedPair:
     chosen: list[int]
     rejected: list[int]
     truncated_prompt_tokens: int = 0
+    images: tuple = ()
+    """A vision pair's images as (bytes, hex sha256), in placeholder order."""
 
 
 class PairEncoder:

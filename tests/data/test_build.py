@@ -52,6 +52,16 @@ BAD_ROWS = {
 }
 # these need a custom template: see test_tokenize.py and test_chat_template.py
 TEMPLATE_REASONS = ("template_error", "template_budget", "template_not_prefix_stable")
+# these need a processor and images: tests/vision/test_vision_build.py produces each one
+VISION_REASONS = (
+    "image_unreadable",
+    "image_missing",
+    "image_path_outside",
+    "image_too_large",
+    "image_bomb",
+    "image_count_mismatch",
+    "control_text_in_vision_content",
+)
 
 
 def build(run_cli, tokenizer_dir, out, *inputs, extra=()):
@@ -154,7 +164,7 @@ def test_every_documented_reason_code_is_covered(built):
     from dpo_state.schema import load_schema
 
     documented = set(load_schema("reject-record")["properties"]["reason"]["enum"])
-    assert documented == set(BAD_ROWS) | set(TEMPLATE_REASONS)
+    assert documented == set(BAD_ROWS) | set(TEMPLATE_REASONS) | set(VISION_REASONS)
 
 
 def test_shards_hold_pairs_in_input_order_with_sources_and_ids(built):
