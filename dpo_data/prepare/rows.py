@@ -319,9 +319,9 @@ def _check_chat(prompt: list, chosen: list, rejected: list) -> None:
     if not prompt:
         raise RowReject("empty_prompt", "field 'prompt' is an empty message list")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
+        _check_text_completion(field, value)
         if not value or not any(map(_has_content, value)):
             raise RowReject("empty_completion", f"field '{field}' has no message with content or a tool call")
-        _check_text_completion(field, value)
     if chosen == rejected:
         raise RowReject("identical_completions", "chosen and rejected are identical; the pair carries no preference")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
