@@ -13,9 +13,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = {"dpo_data", "dpo_state", "dpo_report", "dpo_train", "dpo_cli", "cli"}
-# What each part may import, among the project's own parts (dpo_data.errors, dpo_data.progress and
-# dpo_data.tokenizer, which import nothing of the project, are shared by all of dpo_data and the trainer).
-SHARED = {"dpo_data", "dpo_data.errors", "dpo_data.progress", "dpo_data.tokenizer", "dpo_state"}
+# What each part may import, among the project's own parts (dpo_data.errors, dpo_data.progress,
+# dpo_data.tokenizer, dpo_data.images and dpo_data.processor, which import nothing of the project but its errors,
+# are shared by all of dpo_data and the trainer: the build and the readers decode images and load processors alike).
+SHARED = {
+    "dpo_data",
+    "dpo_data.errors",
+    "dpo_data.progress",
+    "dpo_data.tokenizer",
+    "dpo_data.images",
+    "dpo_data.processor",
+    "dpo_state",
+}
 ALLOWED = {
     "dpo_state": {"dpo_state"},
     "dpo_data.dataset": {"dpo_data.dataset", *SHARED},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,27 @@ def dataset_fingerprint(
     if processor_fingerprint is not None:
         content["processor"] = processor_fingerprint
     return DIGEST_PREFIX + sha256_json(content)
+
+
+@dataclass
+class ImageTally:
+    """A vision dataset's images: how many, their bytes, the pairs having any, the most a pair has."""
+
+    count: int = 0
+    bytes: int = 0
+    pairs: int = 0
+    max_per_pair: int = 0
+
+    def add(self, per_pair: list[int], sizes: list[int]) -> None:
+        """Count pairs holding `per_pair` images each, whose images have `sizes` bytes."""
+        self.count += sum(per_pair)
+        self.bytes += sum(sizes)
+        self.pairs += sum(1 for n in per_pair if n)
+        self.max_per_pair = max([self.max_per_pair, *per_pair])
+
+    def record(self) -> dict[str, int]:
+        """The manifest's `images`."""
+        return {"count": self.count, "bytes": self.bytes, "pairs": self.pairs, "max_per_pair": self.max_per_pair}
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from dpo_data.dataset.manifest import (
     MANIFEST_NAME,
+    ImageTally,
     is_vision,
     length_histogram,
     length_stats,
@@ -350,7 +351,6 @@ def _check_images(m: dict, tables: list[pa.Table]) -> list[str]:
     """Each image's bytes against its recorded sha256 (naming the pair: its shard, row, input and row id), and the
     manifest's `images` counts recounted."""
     from dpo_data.images import image_sha256
-    from dpo_data.prepare.tally import ImageTally
 
     failures, counted = [], ImageTally()
     for shard, table in zip(m["shards"], tables):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from dpo_data.dataset.manifest import REJECTS_NAME
+from dpo_data.dataset.manifest import REJECTS_NAME, ImageTally
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
 from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, pil_pixel_limit
@@ -25,7 +25,7 @@ from dpo_data.prepare.inputs import MAX_ROW_BYTES, InputFile, OversizedLine, ite
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, commit_staged
 from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
-from dpo_data.prepare.tally import BuildResult, ImageTally, Tally, conclude, refusal
+from dpo_data.prepare.tally import BuildResult, Tally, conclude, refusal
 from dpo_data.prepare.template import TEMPLATE_FAILURES, read_chat_template, render_chars, unrenderable
 from dpo_data.prepare.tokenize import OVERLENGTH_MODES, PairEncoder, TokenizeOptions
 from dpo_data.prepare.vision import VisionEncoder

@@ -24,13 +24,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpo_data import __version__
-from dpo_data.dataset.manifest import PART_NAME, REJECTS_NAME
+from dpo_data.dataset.manifest import PART_NAME, REJECTS_NAME, ImageTally
 from dpo_data.dataset.shards import PARTS, SHARD_DIR, ShardInfo, open_shard, shard_name
 from dpo_data.dataset.verify import reject_record, truncation_problems
 from dpo_data.errors import DataError
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, commit_staged
 from dpo_data.prepare.parts import Part, plan_differences, read_part
-from dpo_data.prepare.tally import BuildResult, ImageTally, Tally, conclude
+from dpo_data.prepare.tally import BuildResult, Tally, conclude
 from dpo_data.progress import Stage
 from dpo_state.files import file_problems
 

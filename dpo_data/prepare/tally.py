@@ -17,6 +17,7 @@ from dpo_data import __version__
 from dpo_data.dataset.manifest import (
     MANIFEST_FORMAT_VERSION,
     REJECTS_NAME,
+    ImageTally,
     dataset_fingerprint,
     length_histogram,
     length_stats,
@@ -56,27 +57,6 @@ class BuildResult:
     def committed(self) -> bool:
         """A dataset (manifest) or a part (part.json) was written: not refused."""
         return self.manifest is not None or self.part is not None
-
-
-@dataclass
-class ImageTally:
-    """A vision dataset's images: how many, their bytes, the pairs having any, the most a pair has."""
-
-    count: int = 0
-    bytes: int = 0
-    pairs: int = 0
-    max_per_pair: int = 0
-
-    def add(self, per_pair: list[int], sizes: list[int]) -> None:
-        """Count pairs holding `per_pair` images each, whose images have `sizes` bytes."""
-        self.count += sum(per_pair)
-        self.bytes += sum(sizes)
-        self.pairs += sum(1 for n in per_pair if n)
-        self.max_per_pair = max([self.max_per_pair, *per_pair])
-
-    def record(self) -> dict[str, int]:
-        """The manifest's `images`."""
-        return {"count": self.count, "bytes": self.bytes, "pairs": self.pairs, "max_per_pair": self.max_per_pair}
 
 
 @dataclass
