@@ -38,7 +38,7 @@ class PairStore:
             raise DataError("no dataset directory given")
         self.dirs = [str(d) for d in dirs]
         manifests = [read_manifest(d) for d in self.dirs]
-        _no_images(self.dirs, manifests)
+        self.vision = _one_processor(self.dirs, manifests)
         self.tokenizer_fingerprint = _one_tokenizer(self.dirs, manifests)
         self.dataset_fingerprints = [m["fingerprint"] for m in manifests]
         self.fingerprint = (
@@ -67,6 +67,18 @@ class PairStore:
         return next((t for t in map(recorded_chat_template, self._manifests) if t is not None), None)
 
     @property
+    def processor_attestation(self) -> dict | None:
+        """A vision store's processor attestation (one processor for all its datasets); None for text data."""
+        return self._manifests[0]["processor"] if self.vision else None
+
+    @property
+    def max_image_pixels(self) -> int | None:
+        """The --max-image-pixels a vision store's images were built under (the smallest of its datasets')."""
+        if not self.vision:
+            return None
+        return min(m["producer"]["options"]["max_image_pixels"] for m in self._manifests)
+
+    @property
     def num_pairs(self) -> int:
         return int(self.dataset_offsets[-1])
 
@@ -82,6 +94,15 @@ class PairStore:
         views = [values[offsets[row] : offsets[row + 1]] for offsets, values in parts]
         return PairIds(int(index), int(self.source_id[index]), *views)
 
+    def images(self, index: int) -> list[tuple[bytes, str]]:
+        """Pair `index`'s images as stored, in placeholder order: (original bytes, recorded hex sha256) each; []
+        for a pair without images or a text store. The bytes are not checked here (`dpo_data.loading.images`)."""
+        if not self.vision:
+            return []
+        data, digests = self._images[int(self._batch_of[index])]
+        row = int(self._row_of[index])
+        return list(zip(data[row].as_py(), digests[row].as_py()))
+
     def __getstate__(self):
         return {"dirs": self.dirs}
 
@@ -95,6 +116,7 @@ class PairStore:
     def _open(self) -> None:
         self._located: list[tuple[str, str]] = []  # (dataset, shard) of every record batch, in order
         lengths, sources, parts, batch_of, row_of = [], [], [[], [], []], [], []
+        self._images: list[tuple[pa.Array, pa.Array]] = []  # a vision store's image columns, per record batch
         for d, m in zip(self.dirs, self._manifests):
             for shard in m["shards"]:
                 remap = np.array([self.sources.index(name) for name in shard["sources"]], dtype=np.int32)
@@ -115,6 +137,8 @@ class PairStore:
                         batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
                         row_of.append(np.arange(batch.num_rows, dtype=np.int32))
                         self._located.append((d, shard["path"]))
+                        if self.vision:  # memory-mapped too: an image's bytes are read when its pair is packed
+                            self._images.append((batch.column("image_bytes"), batch.column("image_sha256")))
                 except (pa.ArrowException, KeyError, IndexError, ValueError) as e:
                     raise DataError(
                         f"dataset {d}: shard {shard['path']} cannot be read ({type(e).__name__}: {e}); "
@@ -160,12 +184,22 @@ def _one_tokenizer(dirs: list[str], manifests: list[dict]) -> str:
     return prints.pop()
 
 
-def _no_images(dirs: list[str], manifests: list[dict]) -> None:
-    """The loader reads token ids only: a vision dataset would train without its images, so it is refused by name."""
-    for d, m in zip(dirs, manifests):
-        if is_vision(m):
-            raise DataError(
-                f"dataset {d} holds images (built with dpo-data build --processor, {m['images']['count']} images); "
-                "the loader and trainer do not read images yet (issue 37: the loader and trainer steps), and training "
-                "on its token ids alone would drop them: train a text dataset, or wait for vision training"
-            )
+def _one_processor(dirs: list[str], manifests: list[dict]) -> bool:
+    """Whether the datasets hold images (built with dpo-data build --processor): all of them with one processor, or
+    none. A mixture of vision and text datasets, or of two processors, is refused by name."""
+    vision = [d for d, m in zip(dirs, manifests) if is_vision(m)]
+    if not vision:
+        return False
+    if len(vision) < len(dirs):
+        text = [d for d in dirs if d not in vision]
+        raise DataError(
+            f"datasets {', '.join(vision)} hold images (built with --processor) and {', '.join(text)} do not; a "
+            "mixture is one kind: build the text pairs with the same --processor (rows without images are allowed)"
+        )
+    prints = {m["processor"]["fingerprint"] for m in manifests}
+    if len(prints) > 1:
+        listing = ", ".join(f"{d}: {m['processor']['fingerprint'][:15]}" for d, m in zip(dirs, manifests))
+        raise DataError(
+            f"datasets built with different processors cannot be mixed ({listing}); rebuild them with one --processor"
+        )
+    return True

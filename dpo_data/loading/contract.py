@@ -20,7 +20,9 @@ def contract_problems(batch: dict[str, Any]) -> list[str]:
     `cu_seqlens`; roles known; padding never part of a pair and every other segment part of one; exactly
     one chosen and one rejected segment per pair; labels only inside completion segments and never on a
     segment's last token (nothing predicts across a boundary); positions restarting in every segment
-    (separate layout); per-pair fields of `num_pairs` entries; `step_pairs` at least `num_pairs`.
+    (separate layout); per-pair fields of `num_pairs` entries; `step_pairs` at least `num_pairs`; a vision
+    row's images as many as its segments claim (`segment_images`), none on padding, and its model positions
+    one per token.
     """
     missing = [k for k in _REQUIRED if k not in batch]
     if missing:
@@ -39,6 +41,7 @@ def contract_problems(batch: dict[str, Any]) -> list[str]:
     if not torch.equal(batch["cu_seqlens"].long(), expected_cu):
         problems.append("cu_seqlens does not match the segment lengths (starts, then the row's length)")
     problems += _role_problems(batch)
+    problems += _image_problems(batch)
     if not problems:  # token-level checks need consistent segments
         problems += _label_problems(batch, lengths)
     return problems
@@ -110,4 +113,39 @@ def _label_problems(batch: dict[str, Any], lengths: torch.Tensor) -> list[str]:
         starts = ends - lengths + 1
         if bool((batch["position_ids"][0][starts] != 0).any()):
             problems.append("position_ids do not restart at 0 where a segment starts")
+    return problems
+
+
+def _image_problems(batch: dict[str, Any]) -> list[str]:
+    """A vision row (`dpo_data.loading.vision`): `segment_images` per segment, the image inputs holding exactly
+    the images (Qwen2.5-VL: grids, and patches as the grids count them) or crops (Idefics3) it adds up to."""
+    from dpo_data.loading.vision import IMAGE_KEYS, row_family
+
+    family = row_family(batch)
+    if family is None:
+        stray = sorted(k for k in (*IMAGE_KEYS, "model_position_ids") if k in batch)
+        return [f"{', '.join(stray)} without segment_images"] if stray else []
+    counts = batch["segment_images"]
+    if counts.shape != batch["segment_length"].shape:
+        return [f"segment_images has shape {list(counts.shape)}, segment_length {list(batch['segment_length'].shape)}"]
+    problems = []
+    if bool((counts[batch["segment_role"].long() == PADDING] != 0).any()):
+        problems.append("a padding segment holds images")
+    total, present = int(counts.sum()), [k for k in family.image_keys if k in batch]
+    if total and len(present) < len(family.image_keys):
+        problems.append(f"segment_images counts {total} but the row lacks {set(family.image_keys) - set(present)}")
+    elif family.rope and total:
+        grids = batch["image_grid_thw"]
+        if grids.shape[0] != total or batch["pixel_values"].shape[0] != int(grids.prod(-1).sum()):
+            problems.append(
+                f"the row holds {grids.shape[0]} image grids and {batch['pixel_values'].shape[0]} patches; "
+                f"segment_images counts {total} images of {int(grids.prod(-1).sum())} patches"
+            )
+    elif total and any(batch[k].shape[:2] != (1, total) for k in family.image_keys):
+        problems.append(f"the row's crops ({[list(batch[k].shape[:2]) for k in family.image_keys]}) are not {total}")
+    positions = batch.get("model_position_ids")
+    if positions is not None and positions.shape[-1] != batch["input_ids"].shape[1]:
+        problems.append(
+            f"model_position_ids covers {positions.shape[-1]} tokens, the row has {batch['input_ids'].shape[1]}"
+        )
     return problems

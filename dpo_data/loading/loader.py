@@ -24,18 +24,20 @@ LOADER_STATE_VERSION = 2
 
 
 WORKER_PRELOAD = ("torch", __name__)
+VISION_PRELOAD = ("transformers", "dpo_data.loading.images")
+"""What the fork server also imports when the data holds images: the processor's library, once."""
 """What the workers' fork server imports once, so that each worker, forked from it, starts with torch and the
 stream's module loaded instead of importing them itself (seconds a worker; workers start again at every `iter()`,
 each epoch and each resume). The server is a fresh interpreter, without the rank's gloo threads."""
 
 
-def _worker_context() -> Any:
-    """The fork-server context the workers start from, preloading WORKER_PRELOAD (it takes effect when the
-    process's fork server starts: the first workers)."""
+def _worker_context(vision: bool = False) -> Any:
+    """The fork-server context the workers start from, preloading WORKER_PRELOAD (and VISION_PRELOAD for vision
+    data; it takes effect when the process's fork server starts: the first workers)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    context.set_forkserver_preload(list(WORKER_PRELOAD) + (list(VISION_PRELOAD) if vision else []))
     return context
 
 
@@ -45,6 +47,7 @@ class MicrobatchStream(IterableDataset):
     The position lives on the iterator (`iter(stream)`), never on the dataset object, so a restored
     position cannot leak into a later iteration. With DataLoader workers, micro-batch k of the rank's
     stream is built by worker k % num_workers; every worker plans the same steps from lengths alone.
+    A vision store's micro-batches carry their images (`images`: `dpo_data.loading.images.ImageSource`).
     """
 
     def __init__(
@@ -54,8 +57,10 @@ class MicrobatchStream(IterableDataset):
         max_epochs: int | None = None,
         start: PlannerState | None = None,
         pad_to_multiple_of: int | None = None,
+        processor: str | Path | None = None,
     ):
         self.store = PairStore(dirs)
+        self.images = _image_source(self.store, processor)
         self.config = config
         self.max_epochs = max_epochs
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -114,9 +119,17 @@ class StreamIterator:
                 return self._build(self.plan, mine, k)
 
     def _build(self, plan: StepPlan, mine: list[list[int]], k: int) -> dict:
+        try:
+            batch = pack_pairs(
+                self.stream.store,
+                mine[k],
+                self.stream.config.layout,
+                self.stream.pad_to_multiple_of,
+                self.stream.images,
+            )
+        except DataError as e:  # a worker's error reaches the rank as a message, not as its traceback
+            return {FAILED: str(e)}
         store = self.stream.store
-        pack = pack_shared_prompt if self.stream.config.layout == "shared_prompt" else pack_microbatch
-        batch = pack([store.pair(i) for i in mine[k]], self.stream.pad_to_multiple_of)
         step_pairs = [i for rank in plan.ranks for mb in rank for i in mb]
         batch.update(
             epoch=plan.epoch,
@@ -135,6 +148,38 @@ class StreamIterator:
         self._reset(PlannerState.from_dict(state["schedule"]), int(state["microbatch"]), int(state["seq"]))
 
 
+FAILED = "data_error"
+"""The key of the one item a stream yields when it cannot build a micro-batch: the DataError's message, which
+`DPOLoader` raises on the rank (from a worker, the error itself would arrive wrapped in its traceback)."""
+
+
+def pack_pairs(
+    store: PairStore, indices: list[int], layout: str, pad_to_multiple_of: int | None, images: Any = None
+) -> dict[str, Any]:
+    """The packed micro-batch of pairs `indices` of `store` in `layout`: text pairs by `pack_microbatch` or
+    `pack_shared_prompt`, a vision store's with their images by `images` (an `ImageSource`)."""
+    if images is not None:
+        return images.pack(store, indices, layout, pad_to_multiple_of)
+    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
+    return pack([store.pair(i) for i in indices], pad_to_multiple_of)
+
+
+def _image_source(store: PairStore, processor: str | Path | None) -> Any:
+    """The ImageSource of a vision store (`processor`: the model directory holding the processor its datasets
+    attest), None for text data; a vision store without a processor is refused by name."""
+    if not store.vision:
+        return None
+    if processor is None:
+        raise DataError(
+            f"datasets {', '.join(store.dirs)} hold images; the loader prepares them with the processor they were "
+            "built with: pass DPOLoader(..., processor=MODEL_DIR) (dpo-train: model.path, the vision-language "
+            "model's directory)"
+        )
+    from dpo_data.loading.images import ImageSource
+
+    return ImageSource(processor, store)
+
+
 class DPOLoader:
     """The loader a trainer uses: a `StatefulDataLoader` (batch_size=None: items are micro-batches)
     plus a versioned state that records its geometry and is copied on save and on restore.
@@ -151,14 +196,16 @@ class DPOLoader:
         max_epochs: int | None = None,
         pad_to_multiple_of: int | None = None,
         start: PlannerState | None = None,
+        processor: str | Path | None = None,
     ):
-        self.dirs, self.config, self.max_epochs, self.pad = (
+        self.dirs, self.config, self.max_epochs, self.pad, self.processor = (
             [str(d) for d in dirs],
             config,
             max_epochs,
             pad_to_multiple_of,
+            processor,
         )
-        self.stream = MicrobatchStream(self.dirs, config, max_epochs, start, pad_to_multiple_of)
+        self.stream = MicrobatchStream(self.dirs, config, max_epochs, start, pad_to_multiple_of, processor)
         self.loader = self._make_loader(self.stream)
         self._next = {"epoch": self.stream.start.epoch, "step": self.stream.start.step, "microbatch": 0}
 
@@ -174,7 +221,7 @@ class DPOLoader:
         # Workers come from a fork server, not a fork of the rank: a rank runs gloo's threads, and a fork taken
         # while one of them holds a lock of the interpreter deadlocks the child in CPython's after-fork
         # clean-up (seen: a worker stuck in _PyThreadState_DeleteExcept). The stream pickles as its paths.
-        context = _worker_context() if self.config.num_workers else None
+        context = _worker_context(stream.images is not None) if self.config.num_workers else None
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital on every construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(
@@ -189,6 +236,8 @@ class DPOLoader:
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.loader:
+            if FAILED in batch:
+                raise DataError(batch[FAILED])
             last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
             self._next = {
                 "epoch": batch["epoch"],
@@ -248,6 +297,6 @@ class DPOLoader:
                 f"{position['microbatch']}); changing {', '.join(differ)} needs a state saved at a step boundary"
             )
         start = PlannerState(epoch=position["epoch"], step=position["step"])
-        self.stream = MicrobatchStream(self.dirs, self.config, self.max_epochs, start, self.pad)
+        self.stream = MicrobatchStream(self.dirs, self.config, self.max_epochs, start, self.pad, self.processor)
         self.loader = self._make_loader(self.stream)
         self._next = dict(position)

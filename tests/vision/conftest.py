@@ -40,3 +40,22 @@ def idefics3(vlm_dirs):
 def images() -> list[bytes]:
     """Four small deterministic images (PNG and JPEG, square and oblong) as encoded bytes."""
     return sample_images()
+
+
+class VisionDatasets:
+    """Each family's vision dataset (tests.vision.datasets.build_vision), built on first use and kept."""
+
+    def __init__(self, factory, dirs: VLMDirs):
+        self.factory, self.dirs, self.made = factory, dirs, {}
+
+    def __getitem__(self, family: str):
+        from tests.vision.datasets import build_vision
+
+        if family not in self.made:
+            self.made[family] = build_vision(self.dirs[family], self.factory.mktemp(f"{family}-data") / "train")
+        return self.made[family]
+
+
+@pytest.fixture(scope="session")
+def vision_datasets(tmp_path_factory, vlm_dirs) -> VisionDatasets:
+    return VisionDatasets(tmp_path_factory, vlm_dirs)
