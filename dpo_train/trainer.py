@@ -87,7 +87,7 @@ class Trainer:
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
         self.facts = {  # what step 1's parity guard names
             "arch": arch,
-            "attention": policy.config._attn_implementation,
+            "attention": policy.config.get_text_config()._attn_implementation,  # a VLM's decoder's
             "layout": config.data.layout,
             "rank": rank,
         }

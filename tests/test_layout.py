@@ -84,11 +84,11 @@ ROOMS = {
     "attention": {*EVERY_ROOM, "parallel"},
     "step": {*EVERY_ROOM, "parallel", "attention"},
     "config": {*EVERY_ROOM, "step"},
-    "model": {*EVERY_ROOM, "config", "attention"},
+    "model": {*EVERY_ROOM, "config", "attention", "vision"},  # a vision-language model's family, tower, LoRA scope
     "reference": {*EVERY_ROOM, "config", "parallel", "attention"},
     "checkpoint": {*EVERY_ROOM, "config", "step", "parallel", "model", "reference"},
     "export": {*EVERY_ROOM, "config", "model", "parallel"},
-    "run": {*EVERY_ROOM, "config", "parallel", "attention", "model", "reference", "checkpoint"},
+    "run": {*EVERY_ROOM, "config", "parallel", "attention", "model", "reference", "checkpoint", "vision"},
     "vision": {*EVERY_ROOM, "attention"},  # packed vision-language rows, scored through the attention room
 }
 # The top floor: the entry points (`trainer.train`, `precompute.precompute`), the held-out evaluation the trainer

@@ -6,7 +6,7 @@ import importlib.util
 from typing import Any
 
 from dpo_train.attention import segments, sequence_parallel, unpacked
-from dpo_train.attention.features import model_attention, model_config, text_config
+from dpo_train.attention.features import model_attention, text_config
 from dpo_train.errors import ConfigError
 
 _ALL = frozenset(
@@ -78,7 +78,7 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
     can keep its segments apart (a model it cannot is refused, naming auto and unpacked, unless it runs
     unpacked); under auto a path that cannot is replaced by the segment attention. Returns the
     implementation name the model then runs."""
-    config = model_config(model)
+    config = text_config(model)  # a vision-language model: its decoder's (the vision tower runs its own)
     attention = config._attn_implementation
     if unpacked.runs_unpacked(model):  # the model's own attention over whole sequences: nothing to express
         return attention

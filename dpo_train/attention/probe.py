@@ -27,9 +27,21 @@ def probe_pairs(model: Any) -> list[PairIds]:
     long = min(span + 4, 48)
     vocab = model.get_input_embeddings().num_embeddings
     rng = np.random.default_rng(0)
-    ids = lambda k: rng.integers(0, vocab, size=k).astype(np.int32)
+    media = _media_tokens(model)  # a vision-language model would look for the images of such a token
+
+    def ids(k: int) -> np.ndarray:
+        drawn = rng.integers(0, vocab, size=k)
+        return np.where(np.isin(drawn, media), 0, drawn).astype(np.int32)
+
     shapes = [(long // 2 + 1, long, 3), (1, 1, 1), (3, long // 2, long)]
     return [PairIds(i, 0, ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(shapes)]
+
+
+def _media_tokens(model: Any) -> list[int]:
+    """The token ids a vision-language model fills with image or video features (none for a text model)."""
+    config = model_config(model)
+    keys = ("image_token_id", "video_token_id", "image_token_index", "vision_start_token_id", "vision_end_token_id")
+    return [int(v) for v in (getattr(config, k, None) for k in keys) if isinstance(v, int)]
 
 
 def thresholds(model: Any) -> list[int]:
@@ -50,8 +62,8 @@ def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     known not to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi) its sdpa."""
     from dpo_train.attention.unpacked import eager_wrong
 
-    config = model_config(model)
-    truth = "sdpa" if eager_wrong(text_config(model)) else "eager"
+    config = text_config(model)  # the decoder's attention only: a vision-language model's tower keeps its own
+    truth = "sdpa" if eager_wrong(config) else "eager"
     saved, config._attn_implementation = config._attn_implementation, truth
     device = next(model.parameters()).device
     try:
@@ -80,7 +92,7 @@ def probe(model: Any, layout: str) -> float:
     the row is a ConfigError too, never a traceback."""
     from dpo_train.attention.unpacked import runs_unpacked
 
-    config = model_config(model)
+    config = text_config(model)  # a vision-language model: its decoder's (the probe's rows are text)
     saved, training = config._attn_implementation, model.training
     tried = checkable(saved)
     label = f"unpacked ({saved})" if runs_unpacked(model) else saved
@@ -118,21 +130,21 @@ def checkable(attention: str | None) -> str:
 def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: torch.Tensor | None = None):
     """`call()`, with a failure of the model's own code (transformers raising inside a model that cannot
     run this way) turned into a ConfigError naming the model, what failed and what runs instead."""
-    saved = model_config(model)._attn_implementation
+    saved = text_config(model)._attn_implementation
     try:
         return call()
     except ToolkitError:
         raise
     except Exception as e:  # noqa: BLE001 - any model transformers builds: a named error, never a traceback
         said = " ".join(str(e).split())[:200]
-        tried = model_config(model)._attn_implementation
+        tried = text_config(model)._attn_implementation
         advice = _advice(model, tried, layout, probe_pairs(model), truth) if truth is not None else ""
         raise ConfigError(
             f"{type(model).__name__} cannot {what} ({type(e).__name__}: {said}); "
             f"{advice or 'it does not run as transformers models do'}. Supported architectures: docs/train-config.md"
         ) from None
     finally:
-        model_config(model)._attn_implementation = saved
+        text_config(model)._attn_implementation = saved
 
 
 def _advice(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> str:
@@ -156,7 +168,7 @@ def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], trut
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention.logps import pair_logps
 
-    model_config(model)._attn_implementation = path
+    text_config(model)._attn_implementation = path
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     device = next(model.parameters()).device
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(pairs, pad_to_multiple_of=8).items()}

@@ -105,7 +105,10 @@ def run_mesh(config: Any, rank: int, world: int) -> SequenceMesh:
 
 
 def check_heads(model_config: Any, ulysses: int) -> None:
-    """Ulysses hands each rank H / U query heads and K / U key/value heads: both must divide."""
+    """Ulysses hands each rank H / U query heads and K / U key/value heads: both must divide (the decoder's
+    heads: a vision-language model's text config)."""
+    if hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config()
     heads = int(model_config.num_attention_heads)
     kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
     if heads % ulysses or kv_heads % ulysses:

@@ -366,12 +366,19 @@ def _sync_value_problems(ref: ReferenceConfig) -> list[str]:
 
 
 def _train_rules(config: TrainConfig) -> list[str]:
-    """train.weights_from starts afresh (no resume PATH); train.export chooses among LoRA exports only."""
+    """train.weights_from starts afresh (no resume PATH); train.export chooses among LoRA exports only; a vision
+    tower trains in full fine-tuning only."""
     problems = []
     if config.train.weights_from and config.train.resume not in ("auto", "never"):
         problems.append(
             "train.weights_from starts a new run from a checkpoint's weights; it cannot be combined "
             f"with train.resume: {config.train.resume}; drop one of the two"
+        )
+    if config.model.train_vision_tower and config.model.lora:
+        problems.append(
+            "model.train_vision_tower is true, but model.lora is set: LoRA adapts the language model only and "
+            "freezes every base weight, the vision tower's too; drop model.lora (full fine-tuning) or set "
+            "model.train_vision_tower: false"
         )
     if config.train.export != "adapter" and not config.model.lora:
         problems.append(

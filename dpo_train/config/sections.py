@@ -35,7 +35,17 @@ class ModelConfig:
     lora: dict | None = None
     """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
     (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the
-    live reference is the same model with its adapters disabled. null: full fine-tuning."""
+    live reference is the same model with its adapters disabled. null: full fine-tuning. On a vision-language
+    model the adapters go on its language model only."""
+    train_vision_tower: bool = False
+    """Vision-language models (docs/vision.md): false keeps the vision tower (its image encoder) frozen, as it
+    was loaded; true trains it with the language model (full fine-tuning only: not with model.lora)."""
+
+    @property
+    def processor(self) -> str | None:
+        """Where a vision dataset's images are prepared from (the processor its manifest attests, and the model's
+        config): `tokenizer` when given, else `path` (docs/vision.md)."""
+        return self.tokenizer or self.path
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dpo_state.errors import ToolkitError
 from dpo_train.attention import segments, unpacked
 from dpo_train.attention.choice import attention_for, first_line, fit_model, packing_refused
 from dpo_train.errors import ConfigError
-from dpo_train.model.policy import init_config, load_policy
+from dpo_train.model.policy import init_config, is_vision_model, load_policy
 
 
 def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> Any:
@@ -17,6 +17,8 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     own refusal of an attention (sdpa for Gemma2 or GPT-OSS) becomes a named ConfigError; under auto a
     refused flash-attention falls back to the segment attention. A model packing cannot serve (its
     config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
+    if spec.path and is_vision_model(spec.path):
+        _check_vision_paths(spec.path, requested, mesh)
     arch, why = _unpacked_reason(spec)
     if requested == unpacked.ATTENTION or why and requested == "auto":
         return _load_unpacked(spec, mesh, arch, why)
@@ -45,6 +47,22 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
             ) from None
     fit_model(model, requested, layout)
     return model
+
+
+def _check_vision_paths(path: str, requested: str, mesh: Any) -> None:
+    """A vision-language model trains packed, through its decoder's packed path: the unpacked path (which would
+    run each sequence without its images) and sequence parallelism (which would split an image's tokens over
+    ranks) are refused by name, as is a family the packed path cannot express (at load)."""
+    if requested == unpacked.ATTENTION:
+        raise ConfigError(
+            f"model.attention unpacked cannot train the vision-language model {path} (its rows would run without "
+            "their images); use model.attention auto, segments, sdpa or eager (docs/vision.md)"
+        )
+    if mesh is not None and mesh.active:
+        raise ConfigError(
+            f"distributed.sequence_parallel cannot train the vision-language model {path} yet (an image's tokens "
+            "would be split over ranks); remove it (data parallelism and FSDP still apply; docs/vision.md)"
+        )
 
 
 def _unpacked_reason(spec: Any) -> tuple[str, str | None]:

@@ -26,11 +26,14 @@ def lora_settings(lora: dict) -> dict:
 
 
 def apply_lora(model: Any, lora: dict) -> Any:
-    """The PEFT model around `model`: adapters on `target_modules`, every base weight frozen. The adapters'
-    B matrices start at zero, so before the first step the policy equals the base model (the reference)."""
+    """The PEFT model around `model`: adapters on `target_modules` (of a vision-language model's language model
+    only), every base weight frozen. The adapters' B matrices start at zero, so before the first step the policy
+    equals the base model (the reference)."""
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("model.lora needs PEFT: pip install 'dpo-toolkit[lora]' (or pip install peft)")
     from peft import LoraConfig, get_peft_model
+
+    from dpo_train.vision.families import lora_excluded
 
     settings = lora_settings(lora)
     config = LoraConfig(
@@ -38,6 +41,7 @@ def apply_lora(model: Any, lora: dict) -> Any:
         lora_alpha=settings["alpha"],
         lora_dropout=settings["dropout"],
         target_modules=settings["target_modules"],
+        exclude_modules=lora_excluded(model),  # a vision-language model's tower and connector: language model only
         task_type="CAUSAL_LM",
     )
     shared = _shared_weights(model)  # before PEFT wraps the targets

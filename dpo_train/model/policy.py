@@ -24,6 +24,8 @@ def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
     hf_logging.disable_progress_bar()  # our own progress line is the one to read
 
     check_model_paths(config)
+    if config.path and is_vision_model(config.path):
+        return _load_vision(config.path, attention)
     if config.path:
         try:
             return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation=attention)
@@ -37,6 +39,51 @@ def load_policy(config: ModelConfig, attention: str = "sdpa") -> Any:
     hf_config._attn_implementation = attention
     torch.manual_seed(int(config.init.get("seed", 0)))
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model at `path` is a vision-language model (its config has a vision part): such a model is
+    loaded as one (`_load_vision`), or refused by name where the packed path cannot express its family."""
+    from transformers import AutoConfig
+
+    from dpo_train.vision.families import FAMILIES, NOT_YET
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):  # unreadable: the causal LM load names the problem
+        return False
+    return config.model_type in FAMILIES or config.model_type in NOT_YET
+
+
+def _load_vision(path: str, attention: str) -> Any:
+    """A vision-language model of a family the packed path expresses (`dpo_train.vision.families`; any other is
+    refused by name), with `attention` in its decoder only: the vision tower keeps eager attention, which runs
+    each image alone (the packed paths are for the decoder's packed row)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from dpo_train.vision.families import family_of
+
+    family_of(AutoConfig.from_pretrained(path))
+    implementation = {"text_config": attention, "vision_config": "eager", "": "eager"}
+    try:
+        return AutoModelForImageTextToText.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=implementation
+        )
+    except OSError as e:
+        raise ConfigError(f"model.path {path}: cannot load the model ({e}); pass a complete model directory") from None
+
+
+def freeze_vision_tower(model: Any) -> list[str]:
+    """Freeze a vision-language model's vision tower (`dpo_train.vision.families.TOWERS`) unless
+    model.train_vision_tower says train it; returns the frozen module's name ([] for a text model)."""
+    from dpo_train.vision.families import tower_of
+
+    found = tower_of(model)
+    if found is None:
+        return []
+    name, tower = found
+    tower.requires_grad_(False)
+    return [name]
 
 
 def init_config(spec: str | dict) -> Any:

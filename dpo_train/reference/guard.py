@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from dpo_data.loading.microbatch import CHOSEN, PADDING, PROMPT, REJECTED
+from dpo_data.loading.vision import reorder_images
 from dpo_train.errors import ParityError
 
 TOLERANCE = {"fp32": (2e-6, 1e-4), "bf16": (5e-3, 5e-2)}
@@ -26,7 +27,8 @@ CAUSES = (
 def reordered(batch: dict[str, Any]) -> dict[str, Any]:
     """The same micro-batch with its row's segments in another order: pairs last to first, each pair's
     completions rejected before chosen (a shared prompt stays first, ahead of both), padding last.
-    Per-pair results come out in the same slots. A model that packs exactly scores every pair of it as
+    Per-pair results come out in the same slots; a vision row's images and model positions move with their
+    segments. A model that packs exactly scores every pair of it as
     of `batch`; one whose segments leak into each other, or that reads a token's index in the row, does
     not: every segment but at most one moves, and sees other neighbours."""
     order = _segment_order(batch)
@@ -39,6 +41,7 @@ def reordered(batch: dict[str, Any]) -> dict[str, Any]:
     for key in ("segment_pair", "segment_role", "segment_length", "segment_first_label"):
         if key in batch:
             out[key] = batch[key][order.to(batch[key].device)]
+    out.update(reorder_images(batch, order, tokens))  # a vision row's images follow their segments
     cu = torch.zeros_like(batch["cu_seqlens"])
     cu[1:] = torch.cumsum(out["segment_length"].to(cu.dtype), 0)
     out["cu_seqlens"] = cu

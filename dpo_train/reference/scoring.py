@@ -12,7 +12,8 @@ import torch.distributed as dist
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.binpack import first_fit_decreasing
-from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_data.loading.images import ImageSource
+from dpo_data.loading.loader import pack_pairs
 from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
 from dpo_train.attention.logps import pair_logps
@@ -52,7 +53,7 @@ def score_pairs(
     """
     layout, ld_alpha, mesh = run.config.data.layout, run.config.loss.ld_alpha, run.mesh
     sizes = store.segment_tokens(np.arange(store.num_pairs), layout)
-    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
+    images = ImageSource(run.config.model.processor, store) if store.vision else None
     too_long = np.flatnonzero(sizes > max_tokens)
     if len(too_long):
         raise DataError(
@@ -72,7 +73,7 @@ def score_pairs(
     rounds = -(-len(bins) // world)  # equal forwards on every rank: FSDP all-gathers in each one
 
     def score(members: list) -> None:
-        batch = pack([store.pair(i) for i in sorted(members)], pad_to_multiple_of=8)
+        batch = pack_pairs(store, sorted(members), layout, 8, images)  # a vision store's with their images
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with run.place.autocast():
             if not members:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpo_data.progress import say
 from dpo_train.attention.head import check_head
 from dpo_train.attention.head import mark as mark_budget
 from dpo_train.attention.head import note as head_note
@@ -12,10 +13,11 @@ from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
 from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.load import load_model
-from dpo_train.model.policy import prepare_for_training
+from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 from dpo_train.run.progress import stage
+from dpo_train.vision.families import tower_of
 
 
 def load_initial_policy(
@@ -26,7 +28,8 @@ def load_initial_policy(
     shown: bool = False,
 ) -> tuple[Any, str]:
     """The model as step 1 starts from it, on the CPU, and its weights' fingerprint: loaded through the
-    attention path, `train.weights_from` applied, dropout off, the packing probe passed. A sidecar
+    attention path, `train.weights_from` applied, dropout off, a vision-language model's vision tower frozen
+    unless `model.train_vision_tower`, the packing probe passed. A sidecar
     precomputed from anything else would be bound to other weights and refused by the run. `shown`: say
     each stage (rank 0 unless --quiet)."""
     with stage("model", shown):
@@ -35,9 +38,17 @@ def load_initial_policy(
         if config.train.weights_from:
             load_weights(model, config.train.weights_from)
         prepare_for_training(model, activation_checkpointing)
+        if not config.model.train_vision_tower:
+            freeze_vision_tower(model)
     if config.train.probe_packing:
         with stage("probe", shown):
             probe(model, config.data.layout)
+        if shown and tower_of(model) is not None:
+            say(
+                f"note: {type(model).__name__}: the start-up probe checked its decoder on packed text rows; rows "
+                "with images are checked by step 1's parity guard on the run's own pairs (train.parity_guard) and "
+                "by tests/vision (docs/vision.md)"
+            )
     budget, why = config.train.logits_budget_mib, None
     if budget is not None:
         with stage("head", shown):

@@ -109,3 +109,16 @@ def check_vocabulary(model: Any, stores: dict[str, PairStore]) -> None:
                 f"{rows} ids (0 to {rows - 1}); use the model whose tokenizer built the data, or rebuild "
                 "the data with this model's tokenizer"
             )
+
+
+def check_sees_images(model: Any, stores: dict[str, PairStore]) -> None:
+    """Refuse (ConfigError) a vision dataset with a model that has no vision tower: its images would be dropped."""
+    from dpo_train.vision.families import tower_of
+
+    for key, store in stores.items():
+        if store.vision and tower_of(model) is None:
+            raise ConfigError(
+                f"{key} {', '.join(store.dirs)} holds images, but the model ({type(model).__name__}) is not a "
+                "vision-language model and would train without them; set model.path to the vision-language model "
+                "the data was built for (docs/vision.md)"
+            )

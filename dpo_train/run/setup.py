@@ -14,6 +14,7 @@ from typing import Any
 from dpo_data.dataset.manifest import template_origin
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
+from dpo_data.loading.images import ImageSource
 from dpo_data.loading.loader import DPOLoader
 from dpo_state.attestation import attestation_mismatch
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
@@ -26,6 +27,7 @@ from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
 from dpo_train.run.preflight import (
     apply_dataset_template,
     check_data,
+    check_sees_images,
     check_tokenizer,
     check_vocabulary,
     load_run_tokenizer,
@@ -64,8 +66,10 @@ class Run:
         return _geometry(self.config, self.mesh)
 
     def check_model(self, model: Any) -> None:
-        """Refuse a model that cannot embed every token id of the run's datasets."""
+        """Refuse a model that cannot embed every token id of the run's datasets, or that cannot see the images
+        a vision dataset holds."""
         check_vocabulary(model, _named(self.data, self.held_out))
+        check_sees_images(model, _named(self.data, self.held_out))
 
 
 @contextlib.contextmanager
@@ -86,6 +90,7 @@ def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
                 _geometry(config, mesh),
                 max_epochs=None if config.train.max_steps is not None else config.train.epochs,
                 pad_to_multiple_of=8,
+                processor=config.model.processor,  # a vision dataset's images: prepared by the model's processor
             )
             config = _with_total_steps(config, loader)
             held_out = PairStore([config.eval.path]) if config.eval.path else None
@@ -146,11 +151,15 @@ def _check_datasets(
     config: TrainConfig, tokenizer: Any, rank: int, world: int, data: PairStore, held_out: PairStore | None
 ) -> None:
     """Refuse a dataset whose shards differ from their manifests, built with another tokenizer than the run's,
-    or than the run's other dataset (a random init has no tokenizer to compare)."""
+    or than the run's other dataset (a random init has no tokenizer to compare); a vision dataset built with
+    another processor than the model's (`dpo_data.loading.images.ImageSource`, which loads it once)."""
     for key, store in _named(data, held_out).items():
         if store.tokenizer_fingerprint != data.tokenizer_fingerprint:
             raise ConfigError(_two_tokenizers(key, store, "data.path", data))
         check_data({key: store}, config.data.verify, rank, world)
+        if store.vision:  # its processor's attestation holds the tokenizer's: compared by the loader's ImageSource
+            ImageSource(config.model.processor, store)
+            continue
         apply_dataset_template(tokenizer, config, key, store, rank)
         check_tokenizer(tokenizer, config, {key: store})
 

@@ -33,3 +33,31 @@ def family_of(config: Any) -> Family:
         f"model type {model_type}: cannot train packed vision-language pairs on it ({why}); supported: "
         f"{', '.join(sorted(FAMILIES))} (docs/vision.md)"
     )
+
+
+TOWERS = {"qwen2_5_vl": "visual", "idefics3": "vision_model"}
+"""model_type -> the vision tower's module under the model (`model.model.<name>`): the image encoder, with
+Qwen2.5-VL's patch merger inside it; Idefics3's connector (its projection into the decoder) is not part of it."""
+
+
+def tower_of(model: Any) -> tuple[str, Any] | None:
+    """(name, module) of a vision-language model's vision tower, through PEFT's wrapper; None for a text model."""
+    config = getattr(model, "config", None)
+    name = TOWERS.get(getattr(config, "model_type", None))
+    if name is None:
+        return None
+    for path, module in model.named_modules():
+        if path.split(".")[-1] == name:
+            return path, module
+    return None
+
+
+NOT_LANGUAGE = {"qwen2_5_vl": ("visual",), "idefics3": ("vision_model", "connector")}
+"""model_type -> the modules outside its language model (tower, connector): no LoRA adapter goes on them."""
+
+
+def lora_excluded(model: Any) -> str | None:
+    """PEFT's `exclude_modules` pattern for a vision-language model: every module under its vision tower and
+    connector, so that LoRA adapts the language model only; None for a text model."""
+    names = NOT_LANGUAGE.get(getattr(getattr(model, "config", None), "model_type", None))
+    return rf"(.*\.)?({'|'.join(names)})(\..*)?" if names else None
