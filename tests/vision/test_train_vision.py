@@ -135,3 +135,18 @@ def test_what_a_vision_language_model_cannot_take_is_refused_by_name(
         result = train_here(run_cli, write_yaml(tmp_path / f"c{k}.yaml", config), code=2)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_precomputed_reference_trains_as_the_live_one(vlm_dirs, vision_datasets, run_cli, tmp_path):
+    """`--precompute-reference` scores the vision pairs with their images (its sidecar passes step 1's check
+    against the policy), and training on it logs what training on the live reference logs."""
+    model_dir, data = vlm_dirs["idefics3"], vision_datasets["idefics3"]
+    live = tmp_path / "live"
+    train_here(run_cli, write_yaml(tmp_path / "live.yaml", vision_config(model_dir, data, live)))
+    side, out = tmp_path / "sidecar", tmp_path / "pre"
+    sections = {"reference": {"mode": "precomputed", "path": str(side)}}
+    config = write_yaml(tmp_path / "pre.yaml", vision_config(model_dir, data, out, **sections))
+    train_here(run_cli, config, "--precompute-reference")
+    train_here(run_cli, config)
+    for got, want in zip(metrics(out), metrics(live), strict=True):
+        assert abs(got["loss"] - want["loss"]) < 1e-6 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-5
