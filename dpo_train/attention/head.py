@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dpo_data.progress import say
-from dpo_train.attention.features import model_config, wrapped
+from dpo_train.attention.features import text_config, wrapped
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     batch = pack(probe_pairs(model), pad_to_multiple_of=8)
     sums = []
-    config, training = model_config(model), model.training
+    config, training = text_config(model), model.training  # a vision-language model: its decoder's
     saved = config._attn_implementation
     config._attn_implementation = checkable(saved)
     model.eval()
