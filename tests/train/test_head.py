@@ -86,7 +86,8 @@ def test_a_chunk_boundary_off_by_one_is_seen(cut):
     """The check above can fail: a row scored in two chunks doubles its gradient; a row in none is never
     scored."""
     errors = _errors(_head("bias"), 5, spans=cut)
-    assert max(errors.values()) > 1e-3, errors
+    # a row in no chunk keeps torch.empty's bytes: its error may be NaN, which is seen too (max() would skip it)
+    assert not all(error <= 1e-3 for error in errors.values()), errors
 
 
 # each head transform the zoo's models apply: none (tied and untied), Gemma 2's softcap, Granite's scaling,
@@ -244,6 +245,14 @@ def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
 
     model.forward = shifted.__get__(model)
     assert "differs from the chunked one" in check_head(model)
+
+    def nan(self, *args, **kwargs):  # a model whose own logits are NaN somewhere: never "equal"
+        out = own(self, *args, **kwargs)
+        out.logits[..., 0, -1] = float("nan")
+        return out
+
+    model.forward = nan.__get__(model)
+    assert "differs from the chunked one by nan" in check_head(model)
     del model.forward
     model.lm_head = torch.nn.Sequential(model.lm_head)
     why = check_head(model)
