@@ -89,7 +89,8 @@ class BuildOptions:
             raise DataError(f"--num-proc is {self.num_proc}; it must be at least 1")
         if self.columns is not None:
             object.__setattr__(self, "columns", check_columns(self.columns))
-        if not 1 <= self.max_image_pixels <= pil_pixel_limit():
+        # the default needs no check (below PIL's threshold, tests/vision), and a text build no PIL import
+        if self.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS and not 1 <= self.max_image_pixels <= pil_pixel_limit():
             raise DataError(
                 f"--max-image-pixels is {self.max_image_pixels}; allowed: 1 to {pil_pixel_limit()} (PIL's "
                 "decompression-bomb threshold, above which it flags an image as a bomb whatever this says)"

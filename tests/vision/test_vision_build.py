@@ -14,7 +14,6 @@ import pytest
 
 from dpo_data.dataset.manifest import manifest_problems, read_manifest
 from dpo_data.dataset.shards import SHARD_SCHEMA, VISION_SHARD_SCHEMA, open_shard
-from dpo_data.errors import DataError
 from dpo_data.prepare.build import BuildOptions, build
 from tests.harness import data_cli
 from tests.vision.conftest import FAMILIES
@@ -233,13 +232,6 @@ def test_a_part_of_another_processor_does_not_merge(inputs, vlm_dirs, tmp_path):
                  "--out", tmp_path / f"part{k}", "--part", f"{k}/2")  # fmt: skip
     refused = data_cli("merge", tmp_path / "part0", tmp_path / "part1", "--out", tmp_path / "m", code=2).stderr
     assert "is part of another build" in refused and "tokenizer, processor" in refused
-
-
-def test_the_loader_refuses_a_vision_dataset_by_name(built):
-    from dpo_data.dataset.store import PairStore
-
-    with pytest.raises(DataError, match="holds images .* the loader and trainer do not read images yet"):
-        PairStore([built["qwen2_5_vl"]])
 
 
 def test_an_edited_processor_attestation_contradicts_the_manifest(built):

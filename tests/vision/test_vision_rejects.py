@@ -9,6 +9,7 @@ import pytest
 
 from dpo_data.dataset.manifest import read_manifest
 from dpo_data.dataset.shards import open_shard
+from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, pil_pixel_limit
 from tests.data.test_build import VISION_REASONS
 from tests.harness import data_cli
 from tests.vision.conftest import FAMILIES
@@ -140,3 +141,5 @@ def test_max_image_pixels_is_a_cap_recorded_and_bounded(hostile, qwen25vl, tmp_p
     over = data_cli("build", path, "--processor", qwen25vl, "--out", tmp_path / "x", "--max-image-pixels", 10**9,
                     code=2).stderr  # fmt: skip
     assert "--max-image-pixels is 1000000000; allowed: 1 to 89478485" in over
+    # the default goes unchecked (a text build imports no PIL), so it must lie within PIL's threshold
+    assert 1 <= DEFAULT_MAX_IMAGE_PIXELS <= pil_pixel_limit()
