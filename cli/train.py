@@ -110,6 +110,13 @@ _RDZV_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a key in the rendezvous store
 )
 @click.option("--overwrite", is_flag=True, help="With --precompute-reference: replace the sidecar at reference.path.")
 @click.option(
+    "--only-planned",
+    is_flag=True,
+    help="With --precompute-reference: score only the pairs this config's train.max_steps steps read (the "
+    "loader's plan), not every pair; a run that reads any other pair (more steps, another data.seed, batch size "
+    "or world size) is refused before its first step, with the fix (docs/reference.md).",
+)
+@click.option(
     "--quiet", "-q", is_flag=True, help="No start-up lines, no progress line (metrics.jsonl is written as always)."
 )
 @click.version_option(package_name="dpo-toolkit")
@@ -125,6 +132,7 @@ def main(
     rdzv_id,
     precompute_reference,
     overwrite,
+    only_planned,
     quiet,
 ) -> None:
     """Train with DPO from a YAML CONFIG (keys: docs/train-config.md), or translate a TRL config
@@ -170,7 +178,8 @@ def main(
     _counts(nproc_per_node, nnodes)
     if from_trl or not config:
         processes = nproc_per_node * nnodes  # the global batch counts every process of every node
-        sys.exit(_translate(config, from_trl, list(overrides), processes, precompute_reference or overwrite))
+        other = precompute_reference or overwrite or only_planned
+        sys.exit(_translate(config, from_trl, list(overrides), processes, other))
     nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)
     if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
@@ -185,6 +194,7 @@ def main(
             *(a for o in overrides for a in ("--set", o)),
             *(["--precompute-reference"] if precompute_reference else []),
             *(["--overwrite"] if overwrite else []),
+            *(["--only-planned"] if only_planned else []),
             *(["--quiet"] if quiet else []),
         ]
         # rank variables inherited from an enclosing job would mislead torchrun's children: torchrun sets its own
@@ -200,9 +210,10 @@ def main(
         if code:
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)
-    if overwrite and not precompute_reference:
-        fail("--overwrite only applies to --precompute-reference; drop it")
-    sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite))
+    for flag, given in (("--overwrite", overwrite), ("--only-planned", only_planned)):
+        if given and not precompute_reference:
+            fail(f"{flag} only applies to --precompute-reference; drop it")
+    sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite, only_planned))
 
 
 def _counts(nproc_per_node: int, nnodes: int) -> None:
@@ -284,7 +295,14 @@ def _endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
-def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, overwrite: bool = False) -> int:
+def _run_rank(
+    config: str,
+    overrides: list[str],
+    precompute: bool,
+    quiet: bool,
+    overwrite: bool = False,
+    only_planned: bool = False,
+) -> int:
     """One rank's run. Bad input: a one-line error and exit 2. Anything else: the rank's traceback and
     exit 1 without waiting for peers (torchrun then stops the other ranks; a peer blocked in a
     collective sees the closed connection)."""
@@ -302,7 +320,7 @@ def _run_rank(config: str, overrides: list[str], precompute: bool, quiet: bool, 
         if precompute:
             from dpo_train.precompute import precompute_reference
 
-            path = precompute_reference(resolved, overwrite, progress=not quiet)
+            path = precompute_reference(resolved, overwrite, progress=not quiet, only_planned=only_planned)
             if rank == 0:
                 click.echo(f"reference sidecar written: {path}")
             collectives.shutdown()
@@ -341,7 +359,7 @@ def _translate(config: str | None, from_trl: str | None, overrides: list[str], w
         if not from_trl
         else "--from-trl translates a TRL config and trains nothing; give CONFIG or --from-trl, not both"
         if config
-        else "--precompute-reference and --overwrite need CONFIG, not --from-trl"
+        else "--precompute-reference, --overwrite and --only-planned need CONFIG, not --from-trl"
         if other
         else ""
     )

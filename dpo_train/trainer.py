@@ -76,6 +76,11 @@ class Trainer:
         policy.to(place.device)
         with stage("reference", run.shown):
             self.reference = build_reference(run, policy, self.weights)
+            table = self.reference.table
+            if table is not None and table.steps is not None and run.loader is not None:
+                # a sidecar of planned steps only: every pair this run's steps read must be in it, before any step
+                steps = config.train.max_steps
+                table.check_covers(run.loader.stream.schedule.pairs_in(steps), steps)
         self.policy, self.model = policy, wrap(policy, config.distributed.strategy, world, place)
         self.optimizer = _optimizer(policy, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))

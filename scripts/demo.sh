@@ -23,9 +23,9 @@ echo; echo "== dpo-data plan (train, 2 ranks, 32 pairs per step, 512-token micro
 dpo-data plan "$out/train" --batching pairs --world-size 2 --pairs-per-step 32 --max-tokens-per-microbatch 512 --steps 2
 ref=runs/demo/reference
 sets=(--set "model.path=$model" --set "data.path=$out/train" --set "reference.path=$ref" --set "eval.path=$out/heldout")
-echo; echo "== dpo-train --precompute-reference (the reference's log-probs, once)"
+echo; echo "== dpo-train --precompute-reference --only-planned (the reference's log-probs of the pairs the 24 steps read, once)"
 rm -rf runs/demo/train "$ref"
-dpo-train examples/demo-train.yaml "${sets[@]}" --precompute-reference
+dpo-train examples/demo-train.yaml "${sets[@]}" --precompute-reference --only-planned
 echo; echo "== dpo-train (SmolLM2-135M-Instruct, 24 steps of 8 pairs, CPU, a checkpoint every 12 steps)"
 dpo-train examples/demo-train.yaml "${sets[@]}"
 echo; echo "== dpo-state inspect (the last checkpoint) and verify"

@@ -74,6 +74,22 @@ class StepPlanner:
                 plan, state = self.next_step(state)
         return total
 
+    def pairs_in(self, steps: int) -> np.ndarray:
+        """The global pair indices the first `steps` steps read on any rank, sorted and unique (epochs in turn,
+        as the loader runs them): what a reference precomputed for those steps holds (docs/reference.md)."""
+        seen: set[int] = set()
+        state, taken, ended = PlannerState(), 0, False
+        while taken < steps:
+            plan, state = self.next_step(state)
+            if plan is None:
+                if ended:  # two ends in a row: an epoch with no pair at all, nothing more will come
+                    break
+                ended = True
+                continue
+            seen.update(i for rank in plan.ranks for microbatch in rank for i in microbatch)
+            taken, ended = taken + 1, False
+        return np.array(sorted(seen), dtype=np.int64)
+
     def next_step(self, state: PlannerState) -> tuple[StepPlan | None, PlannerState]:
         """The plan of the step at `state` and the state after it; (None, next epoch's start) when the
         epoch is over."""

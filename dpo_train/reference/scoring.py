@@ -40,33 +40,43 @@ class Scores:
 
 
 def score_pairs(
-    model: Any, store: PairStore, run: RunView, max_tokens: int, weighting: bool = False, progress: str | None = None
+    model: Any,
+    store: PairStore,
+    run: RunView,
+    max_tokens: int,
+    weighting: bool = False,
+    progress: str | None = None,
+    pairs: np.ndarray | None = None,
 ) -> Scores:
     """Forward every pair of `store` once, packed in the run's `data.layout` into micro-batches of at most
     `max_tokens`, under the run's autocast and sequence mesh; also LD-DPO's sums where the run's loss sets
     `ld_alpha`, and with `weighting` WPO's weights (as `pair_logps` takes them). `progress`: the stage's name
-    to show it under (`Stage`, on the caller's rank 0), None: silent.
+    to show it under (`Stage`, on the caller's rank 0), None: silent. `pairs`: only these global indices
+    are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0.
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
     that counts pairs), so every rank returns the whole table.
     """
     layout, ld_alpha, mesh = run.config.data.layout, run.config.loss.ld_alpha, run.mesh
-    sizes = store.segment_tokens(np.arange(store.num_pairs), layout)
+    pairs = np.arange(store.num_pairs) if pairs is None else np.asarray(pairs, dtype=np.int64)
+    sizes = store.segment_tokens(pairs, layout)
     images = ImageSource(run.config.model.processor, store) if store.vision else None
     too_long = np.flatnonzero(sizes > max_tokens)
     if len(too_long):
         raise DataError(
-            f"pair {int(too_long[0])} has {int(sizes[too_long[0]])} input tokens (both segments), more "
+            f"pair {int(pairs[too_long[0]])} has {int(sizes[too_long[0]])} input tokens (both segments), more "
             f"than the micro-batch budget {max_tokens}; raise data.max_tokens_per_microbatch, or rebuild "
             "the dataset with a lower --max-length; pairs are never skipped or cut"
         )
-    bins, _ = first_fit_decreasing(sizes, max_tokens)
+    bins = [pairs[b].tolist() for b in first_fit_decreasing(sizes, max_tokens)[0]]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if mesh is not None:
         rank, world = mesh.dp_rank, mesh.dp_size
     writes = mesh is None or mesh.counts_pairs
     table = torch.zeros(7, store.num_pairs, dtype=torch.float64)  # sums, counts, LD sums, WPO weights
+    unscored = np.ones(store.num_pairs, dtype=bool)
+    unscored[pairs] = False
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -96,6 +106,7 @@ def score_pairs(
             stage.advance()
     model.train(was_training)
     values = collectives.all_reduce(table).numpy()
+    values[np.ix_([0, 1, 4, 5, 6], unscored)] = np.nan  # never computed: no value a loss could mistake for one
     return Scores(
         values[0].copy(),
         values[1].copy(),

@@ -47,10 +47,31 @@ class ReferenceTable:
     sha256: str = ""
     """The table file's sha256 (part of the run identity recorded in checkpoints)."""
     path: str = ""
+    steps: int | None = None
+    """A table of the first `steps` steps' pairs only (`--only-planned`); None: every pair."""
 
     def lookup(self, pair_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         index = pair_index.cpu().long()
+        self._check_scored(index, "this micro-batch")
         return self.chosen[index].to(device, torch.float32), self.rejected[index].to(device, torch.float32)
+
+    def check_covers(self, pairs: np.ndarray, steps: int) -> None:
+        """Before the first step: refuse a table that lacks a pair the run's `steps` steps read (`pairs`)."""
+        self._check_scored(torch.from_numpy(np.asarray(pairs, dtype=np.int64)), f"train.max_steps {steps} steps")
+
+    def _check_scored(self, index: torch.Tensor, reader: str) -> None:
+        """Fail closed on a pair the precompute never scored (NaN): never a loss against a missing value."""
+        if self.steps is None:
+            return
+        missing = index[torch.isnan(self.chosen[index])]
+        if len(missing):
+            raise SidecarError(
+                f"reference sidecar {self.path} holds only the pairs of the first {self.steps} steps of the run it "
+                f"was precomputed for (--only-planned), and {reader} read {len(missing)} others (first: pair "
+                f"{int(missing[0])}): another train.max_steps, data.seed, batch size or world size reads other pairs. "
+                "Recompute it with `dpo-train CONFIG --precompute-reference --overwrite` (every pair), or with "
+                "--only-planned for this config"
+            )
 
     def check_initial(self, policy: Any, pair_index: torch.Tensor, precision: str) -> None:
         """Before the first optimizer step the policy holds the reference's weights (the sidecar is bound to
@@ -89,9 +110,11 @@ def write_sidecar(
     layout: str,
     model_source: str,
     seconds: float | None = None,
+    steps: int | None = None,
 ) -> Path:
     """Write the table, then `reference.json` (by rename, last): a sidecar without it is not one. `seconds`:
-    the precompute's wall time so far, recorded for the report of a run that uses the sidecar."""
+    the precompute's wall time so far, recorded for the report of a run that uses the sidecar. `steps`: the
+    table holds only the pairs of a run's first `steps` steps (the others NaN), recorded as its coverage."""
     from safetensors.numpy import save_file
 
     from dpo_data import __version__
@@ -109,6 +132,7 @@ def write_sidecar(
         },
         str(table),
     )
+    held = int(_held(scores.chosen, scores.rejected).sum())
     document = {
         "format_version": SIDECAR_FORMAT_VERSION,
         "dataset": {
@@ -125,6 +149,7 @@ def write_sidecar(
         "table": {"path": SIDECAR_TABLE, "bytes": table.stat().st_size, "sha256": file_digest(table)},
         "producer": {"name": "dpo-toolkit", "version": __version__},
         **({} if seconds is None else {"seconds": round(seconds, 3)}),
+        **({} if steps is None else {"coverage": {"steps": steps, "pairs": held}}),
     }
     write_json_atomic(path / SIDECAR_DOCUMENT, document, schema=SIDECAR_SCHEMA)
     return path
@@ -150,7 +175,9 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str, layout: 
     n = store.num_pairs
     if any(arrays[k].shape != (n,) for k in ("chosen", "rejected")):
         raise SidecarError(_message(path, [f"the table does not hold {n} pairs"]))
-    problems = [p for k in ("chosen", "rejected") if (p := _impossible(arrays[k], k))]
+    coverage = document.get("coverage")
+    scored = _scored(arrays, coverage)
+    problems = [p for k in ("chosen", "rejected") if (p := _impossible(arrays[k][scored], k, np.flatnonzero(scored)))]
     if problems:
         raise SidecarError(_message(path, problems))
     return ReferenceTable(
@@ -158,16 +185,33 @@ def load_sidecar(path: str | Path, store, weights: str, precision: str, layout: 
         torch.from_numpy(np.asarray(arrays["rejected"], dtype=np.float64)),
         document["table"]["sha256"],
         str(path),
+        None if coverage is None else coverage["steps"],
     )
 
 
-def _impossible(values: np.ndarray, side: str) -> str | None:
+def _scored(arrays: dict, coverage: dict | None) -> np.ndarray:
+    """The pairs the table holds values for: every pair, or under a `coverage` the entries not NaN on both
+    sides, exactly as many as it records; anything else is checked (and refused) as a value like any other."""
+    every = np.ones(len(arrays["chosen"]), dtype=bool)
+    if coverage is None:
+        return every
+    scored = _held(arrays["chosen"], arrays["rejected"])
+    return scored if int(scored.sum()) == coverage["pairs"] else every
+
+
+def _held(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    """Pairs with a value on either side: a gap (a pair never scored) is NaN on both."""
+    return ~(np.isnan(chosen) & np.isnan(rejected))
+
+
+def _impossible(values: np.ndarray, side: str, pairs: np.ndarray) -> str | None:
     """A summed log-probability is finite and at most 0; anything else was never computed by a model
-    (hashes beside the table prove only that nobody changed it since they were written)."""
+    (hashes beside the table prove only that nobody changed it since they were written). `pairs`: the
+    global index of each of `values`."""
     bad = np.flatnonzero(~np.isfinite(values) | (values > 0))
     if not len(bad):
         return None
-    shown = ", ".join(f"pair {int(i)}: {float(values[i])}" for i in bad[:3])
+    shown = ", ".join(f"pair {int(pairs[i])}: {float(values[i])}" for i in bad[:3])
     return f"{side} log-probs must be finite and <= 0; {len(bad)} are not ({shown}{', ...' if len(bad) > 3 else ''})"
 
 
