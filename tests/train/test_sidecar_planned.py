@@ -24,12 +24,13 @@ WEIGHTS = "sha256:" + "0" * 64
     "geometry",
     [
         {"batching": "pairs", "pairs_per_step": 4},
+        {"batching": "pairs", "pairs_per_step": 4, "weights": (0.5,)},  # each epoch 12 pairs of 24, others each time
         {"batching": "pairs", "pairs_per_step": 5, "world_size": 2, "max_tokens_per_microbatch": 256},
         {"batching": "tokens", "pairs_per_step": None, "max_tokens_per_microbatch": 256, "world_size": 2},
     ],
-    ids=["pairs", "pairs-2-ranks", "tokens-2-ranks"],
+    ids=["pairs", "pairs-half-weight", "pairs-2-ranks", "tokens-2-ranks"],
 )
-@pytest.mark.parametrize("steps", [1, 3, 8])  # 8 crosses into the second epoch in pairs mode (6 steps of 4)
+@pytest.mark.parametrize("steps", [1, 3, 8])  # 8 crosses into the next epochs (6 steps of 4 pairs, 3 at weight 0.5)
 def test_the_planned_pairs_are_those_the_loader_hands_out(small_dataset, geometry, steps):
     dirs = [str(small_dataset)]
     world = geometry.get("world_size", 1)
