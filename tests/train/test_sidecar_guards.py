@@ -38,8 +38,10 @@ def test_a_table_with_values_no_model_computes_is_refused_though_its_hashes_matc
         load_sidecar(tmp_path / "bad", store, WEIGHTS, "fp32", "separate")
 
 
-def _precomputed_config(tmp_path, small_dataset, smollm2_dir):
-    sidecar = tmp_path / "sidecar"
+def _precomputed_config(tmp_path, small_dataset, smollm2_dir, sidecar=None, **more):
+    """A one-layer run on a precomputed reference at `sidecar` (tmp_path/sidecar); `more`: keys added to
+    its sections, e.g. data={"pairs_per_step": 4}."""
+    sidecar = sidecar or tmp_path / "sidecar"
     config = {
         "model": {
             "init": {
@@ -54,6 +56,8 @@ def _precomputed_config(tmp_path, small_dataset, smollm2_dir):
         "train": {"output_dir": str(tmp_path / "run")},
         "distributed": {"strategy": "ddp"},
     }
+    for section, keys in more.items():
+        config[section].update(keys)
     return write_yaml(tmp_path / "config.yaml", config), sidecar
 
 

@@ -15,7 +15,8 @@ from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.loader import DPOLoader
 from dpo_train.errors import SidecarError
 from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
-from tests.harness import train_here, write_yaml
+from tests.harness import train_here
+from tests.train.test_sidecar_guards import _precomputed_config
 
 WEIGHTS = "sha256:" + "0" * 64
 
@@ -52,21 +53,8 @@ def test_the_planned_pairs_are_those_the_loader_hands_out(small_dataset, geometr
 
 
 def _config(tmp_path, small_dataset, smollm2_dir, sidecar):
-    config = {
-        "model": {
-            "init": {
-                "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 16, "intermediate_size": 32}
-                | {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2},
-                "seed": 0,
-            },
-            "tokenizer": str(smollm2_dir),
-        },
-        "reference": {"mode": "precomputed", "path": str(sidecar)},
-        "data": {"path": str(small_dataset), "pairs_per_step": 4},  # 6 steps an epoch
-        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "seed": 0},
-        "distributed": {"strategy": "ddp"},
-    }
-    return write_yaml(tmp_path / "config.yaml", config)
+    data, train = {"pairs_per_step": 4}, {"max_steps": 3, "seed": 0}  # 6 steps an epoch
+    return _precomputed_config(tmp_path, small_dataset, smollm2_dir, sidecar, data=data, train=train)[0]
 
 
 def _losses(run_dir) -> list[float]:
