@@ -47,10 +47,16 @@ def tokenizer_attestation(tokenizer: Any) -> dict:
 
 def attestation_problems(attestation: dict) -> list[str]:
     """Whether a recorded attestation is self-consistent: its fingerprint is the digest of its components."""
-    expected = _PREFIX + sha256_json(attestation.get("components", {}))
+    return _digest_problems(attestation, _PREFIX, "tokenizer")
+
+
+def _digest_problems(attestation: dict, prefix: str, what: str) -> list[str]:
+    """The one problem of an attestation (`what`: tokenizer, processor) whose fingerprint is not `prefix` + the
+    digest of its components, or none."""
+    expected = prefix + sha256_json(attestation.get("components", {}))
     if attestation.get("fingerprint") != expected:
         return [
-            f"tokenizer fingerprint {attestation.get('fingerprint')} is not the digest of the recorded "
+            f"{what} fingerprint {attestation.get('fingerprint')} is not the digest of the recorded "
             f"components ({expected}): the attestation was edited"
         ]
     return []
@@ -179,13 +185,7 @@ def processor_attestation(processor: Any, tokenizer: dict) -> dict:
 
 def processor_attestation_problems(attestation: dict) -> list[str]:
     """Whether a recorded processor attestation is self-consistent: its fingerprint is the digest of its components."""
-    expected = _PROCESSOR_PREFIX + sha256_json(attestation.get("components", {}))
-    if attestation.get("fingerprint") != expected:
-        return [
-            f"processor fingerprint {attestation.get('fingerprint')} is not the digest of the recorded components "
-            f"({expected}): the attestation was edited"
-        ]
-    return []
+    return _digest_problems(attestation, _PROCESSOR_PREFIX, "processor")
 
 
 def _image_token(processor: Any) -> tuple[str, int]:
