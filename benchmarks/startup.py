@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Start-up: a 10-row `dpo-data build` and `dpo-state inspect` in fresh processes, against `import torch`.
+"""Start-up and exit: a 10-row `dpo-data build`, `dpo-state inspect` and a one-step `dpo-train` of a tiny model in
+fresh processes, against `import torch`.
 
     python benchmarks/startup.py [--repeats 3] [--checkpoint STEP_DIR] [--other CHECKOUT]
 
@@ -55,14 +56,19 @@ def _rows(work: Path) -> Path:
 
 def _checkpoint(work: Path, tokenizer: str) -> Path:
     """One committed checkpoint of a one-step run of a tiny random Llama on the 10 rows."""
+    _wall(["-m", "dpo_cli.train", str(_one_step(work, tokenizer, save_every=1)), "--quiet"])
+    return work / "run" / "checkpoints" / "step-000001"
+
+
+def _one_step(work: Path, tokenizer: str, **train) -> Path:
+    """The config of a one-step run of a tiny random Llama on the 10 rows (built once, into WORK/data)."""
     data = work / "data"
-    _wall(["-m", "dpo_cli.data", "build", str(_rows(work)), "--tokenizer", tokenizer, "--out", str(data)])
+    if not data.is_dir():
+        _wall(["-m", "dpo_cli.data", "build", str(_rows(work)), "--tokenizer", tokenizer, "--out", str(data)])
     sys.path.insert(0, str(harness.ROOT))
     from tests.harness import tiny_config, write_yaml
 
-    config = tiny_config(data, Path(tokenizer), work / "run", max_steps=1, save_every=1)
-    _wall(["-m", "dpo_cli.train", str(write_yaml(work / "run.yaml", config)), "--quiet"])
-    return work / "run" / "checkpoints" / "step-000001"
+    return write_yaml(work / "run.yaml", tiny_config(data, Path(tokenizer), work / "run", max_steps=1, **train))
 
 
 def measure(repeats: int, checkpoint: str | None, other: str | None) -> dict:
@@ -72,6 +78,7 @@ def measure(repeats: int, checkpoint: str | None, other: str | None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         rows, step = _rows(work), Path(checkpoint) if checkpoint else _checkpoint(work, tokenizer)
+        train = _one_step(work, tokenizer)
         commands = {
             "python -c 'import torch'": lambda i: ["-c", "import torch"],
             f"dpo-data build ({ROWS} rows)": lambda i: [
@@ -79,6 +86,9 @@ def measure(repeats: int, checkpoint: str | None, other: str | None) -> dict:
                 *("--out", str(work / f"out{i}")),
             ],
             "dpo-state inspect": lambda i: ["-m", "dpo_cli.state", "inspect", str(step)],
+            "dpo-train (1 step, tiny model)": lambda i: [
+                *("-m", "dpo_cli.train", str(train), "--quiet", "--set", f"train.output_dir={work / f'run{i}'}")
+            ],
         }
         checkouts = {name: None for name in commands}
         if other:
