@@ -22,13 +22,16 @@ NOT_YET = {
 }
 """model_type -> why a known VLM family is refused for now (the message names it)."""
 
+UNKNOWN = "it is not a vision-language family the packed path knows"
+"""Why any other model type is refused."""
+
 
 def family_of(config: Any) -> Family:
     """The family of a VLM config, or a ConfigError naming the model type, why, and the supported ones."""
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    why = NOT_YET.get(model_type, "it is not a vision-language family the packed path knows")
+    why = NOT_YET.get(model_type, UNKNOWN)
     raise ConfigError(
         f"model type {model_type}: cannot train packed vision-language pairs on it ({why}); supported: "
         f"{', '.join(sorted(FAMILIES))} (docs/vision.md)"

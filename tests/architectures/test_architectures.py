@@ -11,12 +11,11 @@ from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
+from tests import docs_blocks
 from tests.architectures.zoo import (
     COLUMNS,
-    END,
     PATH_REFUSED,
     REFUSED,
-    START,
     UNPACKED,
     ZOO,
     features_of,
@@ -32,7 +31,7 @@ from tests.harness import join_gloo, spawn
 PATHS = ("auto", "segments", "sdpa", "eager", "unpacked")
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
+DOCS = docs_blocks.DOCS / "train-config.md"
 
 
 def _load(model_type: str, path: str, layout: str, mesh=None):
@@ -202,16 +201,6 @@ def table_rows(sequence_parallel: dict) -> dict:
     return rows
 
 
-def docs_table() -> str:
-    text = DOCS.read_text()
-    return text[text.index(START) + len(START) : text.index(END)].strip()
-
-
-def write_docs_table(table: str) -> None:
-    text = DOCS.read_text()
-    DOCS.write_text(text[: text.index(START) + len(START)] + "\n" + table + "\n" + text[text.index(END) :])
-
-
 @pytest.mark.slow
 def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path):
     """Ulysses 2 and context 2 (two gloo processes, every architecture inside them); then the docs'
@@ -221,7 +210,7 @@ def test_sequence_parallel_equals_eager_unpacked_for_every_architecture(tmp_path
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for model_type in ZOO:
         _expect({k.split(" ", 1)[1]: v for k, v in results.items() if k.startswith(model_type + " ")}, model_type)
-    assert docs_table() == render_table(table_rows(results)), (
+    assert docs_blocks.read_block(DOCS, "architectures") == render_table(table_rows(results)), (
         "regenerate: python -m tests.architectures.test_architectures"
     )
 
@@ -231,7 +220,8 @@ if __name__ == "__main__":  # regenerate the docs table from a fresh run of ever
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_sp_worker, 2, str(Path(tmp) / "out.pt"))
-        write_docs_table(render_table(table_rows(torch.load(Path(tmp) / "out.pt", weights_only=True))))
+        rows = table_rows(torch.load(Path(tmp) / "out.pt", weights_only=True))
+        docs_blocks.write_block(DOCS, "architectures", render_table(rows))
     print(f"wrote the supported-architectures table into {DOCS}")
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
+from tests.docs_blocks import markdown_table
 
 WINDOW = 8  # smaller than the segments below, so every window and chunk hides keys
 BASE = dict(
@@ -234,7 +235,6 @@ def relative_error(out, truth: torch.Tensor) -> float:
 
 
 COLUMNS = ("auto", "segments", "sdpa", "eager", "unpacked", "ulysses 2", "context 2")
-START, END = "<!-- architectures:start -->", "<!-- architectures:end -->"
 
 
 def features_of(model) -> str:
@@ -289,8 +289,8 @@ def cell(value, unpacked: bool = False) -> str:
 def render_table(rows: dict) -> str:
     """rows: model_type -> {"class", "features", "ran_unpacked" (the columns that ran unpacked), column: [value
     per layout]}; a Markdown table."""
-    head = "| architecture | attention features | " + " | ".join(f"`{c}`" for c in COLUMNS) + " | flash_attention_2 |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    head = ["architecture", "attention features", *(f"`{c}`" for c in COLUMNS), "flash_attention_2"]
+    lines = []
     for model_type, row in sorted(rows.items()):
         cells = []
         for column in COLUMNS:
@@ -298,9 +298,8 @@ def render_table(rows: dict) -> str:
             if row.get("router") and column in ROUTER_REFUSED:
                 outcomes = {f"{o} with loss.router_aux_coef: 0" if o.startswith("exact") else o for o in outcomes}
             cells.append(" / ".join(sorted(outcomes)))
-        name = f"{row['class']} (`{model_type}`)"
-        lines.append(f"| {name} | {row['features']} | " + " | ".join(cells) + f" | {row['flash']} |")
-    return "\n".join(lines)
+        lines.append([f"{row['class']} (`{model_type}`)", row["features"], *cells, row["flash"]])
+    return markdown_table(head, lines)
 
 
 def flash_cell(model, refused: bool, unpacked: bool = False) -> str:

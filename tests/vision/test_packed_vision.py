@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
 from dpo_train.attention import segments
-from dpo_train.vision.families import FAMILIES
+from dpo_train.errors import ConfigError
+from dpo_train.vision.families import FAMILIES, NOT_YET, UNKNOWN, family_of
 from dpo_train.vision.rows import pack_vision
 from dpo_train.vision.score import vision_pair_logps
 from dpo_train.vision.truth import eager_unpacked_vision
+from tests import docs_blocks
+from tests.docs_blocks import markdown_table
 from tests.vision.pairs import vision_pairs
 from tests.vision.tiny_vlm import load_processor
 
@@ -28,13 +34,39 @@ def load(path, attention: str):
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=implementation)
 
 
+@dataclasses.dataclass
+class Case:
+    """One family's check: its model directory and pairs, the eager unpacked truth [pairs, 2], and what the checks
+    below measured (for the docs table)."""
+
+    name: str
+    path: Path
+    pairs: list
+    truth: torch.Tensor
+    classes: tuple[str, str]  # the model class, the image processor class (and whether it splits images)
+    logps: dict = dataclasses.field(default_factory=dict)  # (layout, attention) -> worst pair's relative error
+    encodings: dict = dataclasses.field(default_factory=dict)  # layout -> vision encodings per image (or crop)
+    gradients: dict = dataclasses.field(default_factory=dict)  # layout -> worst parameter's relative error
+
+
+CASES: dict[str, Case] = {}  # family -> its case, shared by the fixture and the docs table
+
+
+def case_of(name: str, path: Path, images: list[bytes]) -> Case:
+    if name not in CASES:
+        processor = load_processor(path)
+        model = load(path, "eager").eval()
+        pairs = vision_pairs(processor, images, name)
+        image_processor = processor.image_processor
+        splitting = " (image splitting on)" if getattr(image_processor, "do_image_splitting", False) else ""
+        classes = (f"`{type(model).__name__}`", f"`{type(image_processor).__name__}`{splitting}")
+        CASES[name] = Case(name, path, pairs, eager_unpacked_vision(model, pairs), classes)
+    return CASES[name]
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, vlm_dirs, images):
-    """(family, model directory, its pairs, the eager unpacked truth [pairs, 2])."""
-    path = vlm_dirs[request.param]
-    pairs = vision_pairs(load_processor(path), images, request.param)
-    truth = eager_unpacked_vision(load(path, "eager").eval(), pairs)
-    return request.param, path, pairs, truth
+def family(request, vlm_dirs, images) -> Case:
+    return case_of(request.param, vlm_dirs[request.param], images)
 
 
 def relative_error(out, truth: torch.Tensor) -> float:
@@ -57,44 +89,187 @@ class EncodedImages:
             self.count += int((kwargs.get("pixel_values", args[0] if args else None)).shape[0])
 
 
-@pytest.mark.parametrize("path_name", sorted(PATHS))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_packed_row_equals_each_sequence_run_alone(family, layout, path_name):
-    name, path, pairs, truth = family
-    model = load(path, PATHS[path_name]).eval()
-    batch = pack_vision(pairs, model.config, layout, pad_to_multiple_of=16)
-    encoded = EncodedImages(model, name)
+def check_logps(case: Case, layout: str, path_name: str) -> None:
+    """The packed row's per-pair log-probs equal the truth; the tower encodes each image once per pair in the
+    shared prompt, twice (once per completion's segment) in the separate layout. Recorded in `case`."""
+    model = load(case.path, PATHS[path_name]).eval()
+    batch = pack_vision(case.pairs, model.config, layout, pad_to_multiple_of=16)
+    encoded = EncodedImages(model, case.name)
     with torch.no_grad():
         out = vision_pair_logps(model, batch)
-    assert relative_error(out, truth) < TOLERANCE
-    # the shared prompt encodes each image once; the separate layout twice (once per completion's segment)
-    images = sum(FAMILIES[name].images_of(pair.images) for pair in pairs if pair.images)
+    case.logps[layout, path_name] = error = relative_error(out, case.truth)
+    assert error < TOLERANCE, f"{case.name} {layout} {path_name}: a pair's log-prob is off by {error:.1e} relative"
+    images = sum(FAMILIES[case.name].images_of(pair.images) for pair in case.pairs if pair.images)
+    case.encodings[layout] = encoded.count / images
     assert encoded.count == images * (1 if layout == "shared_prompt" else 2)
     assert int(batch["segment_images"].sum()) == encoded.count
 
 
+@pytest.mark.parametrize("path_name", sorted(PATHS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gradients_equal_each_sequence_run_alone(family, layout):
+def test_packed_row_equals_each_sequence_run_alone(family, layout, path_name):
+    check_logps(family, layout, path_name)
+
+
+def check_gradients(case: Case, layout: str) -> None:
     """The LoRA-free policy's gradients (language model and vision tower) from the packed row equal those of
-    the sequences run alone, for a loss weighing every pair's chosen and rejected sums differently."""
-    name, path, pairs, _ = family
-    weights = torch.linspace(0.5, 2.0, 2 * len(pairs), dtype=torch.float64).view(len(pairs), 2)
-    packed, alone = load(path, segments.ATTENTION).eval(), load(path, "eager").eval()
-    out = vision_pair_logps(packed, pack_vision(pairs, packed.config, layout, pad_to_multiple_of=16))
+    the sequences run alone, for a loss weighing every pair's chosen and rejected sums differently. The worst
+    parameter's relative error is recorded in `case`."""
+    weights = torch.linspace(0.5, 2.0, 2 * len(case.pairs), dtype=torch.float64).view(len(case.pairs), 2)
+    packed, alone = load(case.path, segments.ATTENTION).eval(), load(case.path, "eager").eval()
+    out = vision_pair_logps(packed, pack_vision(case.pairs, packed.config, layout, pad_to_multiple_of=16))
     (torch.stack([out.chosen, out.rejected], dim=1).double() * weights).sum().backward()
-    (eager_unpacked_vision(alone, pairs, grad=True) * weights).sum().backward()
+    (eager_unpacked_vision(alone, case.pairs, grad=True) * weights).sum().backward()
     truth = dict(alone.named_parameters())
     # a tensor whose gradient is zero in exact arithmetic (a key bias: softmax ignores a shift shared by every
     # key) holds rounding noise: its error is measured against a millionth of the model's largest gradient
     floor = 1e-6 * max(float(p.grad.abs().max()) for p in truth.values() if p.grad is not None)
-    checked = 0
+    errors = {}
     for key, parameter in packed.named_parameters():
         want = truth[key].grad
         if want is None:
             assert parameter.grad is None or not parameter.grad.any(), key
             continue
-        error = float((parameter.grad - want).abs().max()) / max(float(want.abs().max()), floor)
-        assert error < TOLERANCE, f"{key}: gradient off by {error:.1e} relative"
-        checked += 1
-    language = [k for k in truth if truth[k].grad is not None and ("language_model" in k or "text_model" in k)]
-    assert checked > 10 and language and any(TOWER[name] in k for k in truth if truth[k].grad is not None)
+        errors[key] = float((parameter.grad - want).abs().max()) / max(float(want.abs().max()), floor)
+    case.gradients[layout] = worst = max(errors.values())
+    assert worst < TOLERANCE, f"{max(errors, key=errors.get)}: gradient off by {worst:.1e} relative"
+    language = [k for k in errors if "language_model" in k or "text_model" in k]
+    assert len(errors) > 10 and language and any(TOWER[case.name] in k for k in errors)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradients_equal_each_sequence_run_alone(family, layout):
+    check_gradients(family, layout)
+
+
+# -- the docs table: docs/vision.md's supported families are what the checks above measured ---------------------
+
+DOCS = docs_blocks.DOCS / "vision.md"
+BLOCK = "vision-families"
+FACTOR = 3  # a measured error may differ from the docs' by this factor (other machines round differently)
+
+
+def measured(case: Case) -> Case:
+    """`case` with every check above run (those this session has not run yet run now)."""
+    for layout in LAYOUTS:
+        for path_name in sorted(PATHS):
+            if (layout, path_name) not in case.logps:
+                check_logps(case, layout, path_name)
+        if layout not in case.gradients:
+            check_gradients(case, layout)
+    return case
+
+
+def family_row(case: Case) -> list[str]:
+    layouts = [layout for layout in LAYOUTS if any(key[0] == layout for key in case.logps)]
+    attentions = sorted({PATHS[path_name] for _, path_name in case.logps})
+    return [
+        f"{NAMES.get(case.name, case.name)} (`{case.name}`)",
+        *case.classes,
+        ", ".join(f"`{a}`" for a in attentions),
+        ", ".join(f"`{layout}`" for layout in layouts),
+        f"{max(case.logps.values()):.1e}",
+        f"{max(case.gradients.values()):.1e}",
+        ", ".join(f"`{layout}` {case.encodings[layout]:g}" for layout in layouts),
+    ]
+
+
+NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM"}
+HEAD = [
+    "family",
+    "model class",
+    "image processor",
+    "decoder attention",
+    "layouts",
+    "log-probs: worst relative error",
+    "gradients: worst relative error",
+    "vision encodings per image",
+]
+
+
+def refused_rows() -> list[list[str]]:
+    """Every family `families.NOT_YET` names, refused by `family_of` (run here) with its reason."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as CLASSES
+
+    rows = []
+    for model_type in sorted(NOT_YET):
+        with pytest.raises(ConfigError) as refusal:
+            family_of(AutoConfig.for_model(model_type))
+        assert NOT_YET[model_type] in str(refusal.value), refusal.value
+        rows.append([f"`{model_type}`", f"`{CLASSES[model_type]}`", NOT_YET[model_type]])
+    return rows
+
+
+def others_refused(other: str = "llava_next") -> str:
+    """What the loader and the vision scoring say to a VLM model type neither supported nor in NOT_YET (`other`)."""
+    from transformers import AutoConfig
+
+    from dpo_data.errors import DataError
+    from dpo_data.loading.vision import vision_family
+
+    assert other not in FAMILIES and other not in NOT_YET
+    said = []
+    for refuse, error in ((vision_family, DataError), (family_of, ConfigError)):
+        with pytest.raises(error) as refusal:
+            refuse(AutoConfig.for_model(other))
+        said.append(str(refusal.value).replace(other, "M"))
+    assert UNKNOWN in said[1]
+    loader, scoring = said
+    who = f"by the loader (`{loader}`) and by the scoring (`{scoring}`)"
+    return f"Any other model type M is refused where images meet it: {who}."
+
+
+def render_table(cases: list[Case]) -> str:
+    """The supported families as measured, then the refused ones as the code refuses them."""
+    supported = markdown_table(HEAD, [family_row(measured(case)) for case in cases])
+    refused = markdown_table(["refused model type", "model class", "why"], refused_rows())
+    return (
+        f"{supported}\n\nRefused by name (`dpo_train/vision/families.py`: a `ConfigError` naming the model type, "
+        f"why, and the supported ones, when the model is loaded):\n\n{refused}\n\n{others_refused()}"
+    )
+
+
+def test_the_docs_table_is_what_this_module_measured(vlm_dirs, images):
+    """docs/vision.md's table of families is this module's checks (regenerate it with
+    `python -m tests.vision.test_packed_vision`)."""
+    cases = [case_of(name, vlm_dirs[name], images) for name in sorted(FAMILIES)]
+    differences = docs_blocks.differences(docs_blocks.read_block(DOCS, BLOCK), render_table(cases), FACTOR)
+    assert not differences, "\n".join(["regenerate: python -m tests.vision.test_packed_vision", *differences])
+
+
+if __name__ == "__main__":  # regenerate the docs table from a fresh run of every check above
+    import tempfile
+
+    from tests.vision.conftest import FAMILIES as MAKERS
+    from tests.vision.tiny_vlm import sample_images
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {name: MAKERS[name](Path(tmp) / name) for name in sorted(FAMILIES)}
+        docs_blocks.write_block(DOCS, BLOCK, render_table([case_of(n, d, sample_images()) for n, d in dirs.items()]))
+    print(f"wrote the vision-language families table into {DOCS}")
+
+
+def test_the_docs_check_fails_on_an_edit_or_another_result(vlm_dirs, images, monkeypatch):
+    """The check above catches a hand edit of the docs, a family whose result changed, and a refusal list that
+    changed; it tolerates a measured error that rounds differently."""
+    cases = [measured(case_of(name, vlm_dirs[name], images)) for name in sorted(FAMILIES)]
+    docs = docs_blocks.read_block(DOCS, BLOCK)
+    check = lambda written, made: docs_blocks.differences(written, render_table(made), FACTOR)
+    assert check(docs, cases) == []
+    assert check(docs.replace("| `llava` |", "| `llava_next` |"), cases)  # a hand edit
+    assert check(docs.replace("`dpo_segments`, `eager`, `sdpa`", "`dpo_segments`, `sdpa`", 1), cases)
+    worse = dataclasses.replace(cases[0], logps={**cases[0].logps, ("separate", "sdpa"): 1e-3})
+    assert check(docs, [worse, *cases[1:]]) == [
+        f"the docs say {max(cases[0].logps.values()):.1e}, this run measured 1.0e-03"
+    ]
+    twice = dataclasses.replace(cases[1], encodings={**cases[1].encodings, "shared_prompt": 2.0})
+    assert check(docs, [cases[0], twice])
+    fewer = [dataclasses.replace(c, logps={k: v for k, v in c.logps.items() if k[1] != "sdpa"}) for c in cases]
+    with monkeypatch.context() as patch:  # an attention no longer checked leaves the table
+        patch.delitem(PATHS, "sdpa")
+        assert check(docs, fewer)
+    rounding = dataclasses.replace(cases[0], gradients={k: v * 2 for k, v in cases[0].gradients.items()})
+    assert check(docs, [rounding, *cases[1:]]) == []
+    monkeypatch.setitem(NOT_YET, "paligemma", "PaliGemma is not yet checked")
+    assert check(docs, cases)
