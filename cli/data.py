@@ -323,7 +323,14 @@ def verify(data_dir, tokenizer_dir, strict, inputs) -> None:
         for f in failures:
             click.echo(f"  - {f}", err=True)
         sys.exit(1)
-    click.echo(f"OK: {data_dir} verified" + (" (tokenizer attested)" if tokenizer_dir else ""))
+    click.echo(f"OK: {data_dir} verified" + (f" ({_attested(data_dir)} attested)" if tokenizer_dir else ""))
+
+
+def _attested(data_dir: str) -> str:
+    """What `verify --tokenizer/--processor` checked: a vision dataset's processor, else the tokenizer."""
+    from dpo_data.dataset.manifest import is_vision, read_manifest
+
+    return "processor" if is_vision(read_manifest(data_dir)) else "tokenizer"
 
 
 @main.command()

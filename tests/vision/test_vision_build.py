@@ -120,7 +120,8 @@ def test_the_cli_builds_verifies_and_inspects_a_vision_dataset(inputs, qwen25vl,
     assert f"read {ROWS} rows: kept {ROWS} pairs, rejected 0" in done.stdout
     assert "images: 11 in 8 pairs" in done.stdout
     verified = data_cli("verify", out, "--processor", qwen25vl)
-    assert verified.stdout.startswith(f"OK: {out} verified")
+    assert verified.stdout == f"OK: {out} verified (processor attested)\n"  # was "(tokenizer attested)"
+    assert data_cli("verify", out, "--tokenizer", qwen25vl).stdout == verified.stdout  # the same check
     shown = data_cli("inspect", out).stdout
     assert "images       11 in 8 pairs (at most 2 a pair)" in shown
     assert f"processor    {read_manifest(out)['processor']['fingerprint']}" in shown
