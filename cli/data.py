@@ -45,8 +45,8 @@ def main() -> None:
     default=1 << 25,
     show_default=True,
     metavar="N",
-    help="--processor builds: an image declaring more pixels (width x height) is rejected as image_too_large; at "
-    "most PIL's decompression-bomb threshold (89478485).",
+    help="--processor builds only (an error with --tokenizer): an image declaring more pixels (width x height) is "
+    "rejected as image_too_large; at most PIL's decompression-bomb threshold (89478485).",
 )
 @click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
 @click.option(
@@ -169,6 +169,10 @@ def build(
     from dpo_data.prepare.parts import resolve_part
 
     with user_errors():
+        if processor_dir is None and _given("max_image_pixels"):  # even at its default: a text build has no images
+            from dpo_data.prepare.build import pixels_without_processor
+
+            raise pixels_without_processor(max_image_pixels)
         chosen_part = resolve_part(part)
         if chosen_part is not None:
             click.echo(f"part {chosen_part.label} ({chosen_part.origin})", err=True)
@@ -192,6 +196,12 @@ def build(
     click.echo(_summary(result))
     if result.error:
         fail(f"{result.error}; nothing was committed, the rejects are in {result.out}/rejects.jsonl", 1)
+
+
+def _given(name: str) -> bool:
+    """Whether the current command's option `name` was set by the user (command line or environment)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
 
 
 def _summary(result) -> str:

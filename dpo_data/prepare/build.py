@@ -337,6 +337,8 @@ def build(
             "give exactly one of --tokenizer DIR (text data) and --processor DIR (data with images: a vision-language "
             "model's directory with its processor)"
         )
+    if processor_dir is None and options.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS:
+        raise pixels_without_processor(options.max_image_pixels)
     files = _open_inputs(inputs, options)
     chars = render_chars(options.max_row_bytes)
     template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
@@ -350,6 +352,14 @@ def build(
             result = _build(files, template, tokenizer_dir, processor_dir, out, options, bar)
     result.seconds = bar.seconds
     return result
+
+
+def pixels_without_processor(value: int) -> DataError:
+    """--max-image-pixels given to a text build, which has no images to bound (it would be ignored)."""
+    return DataError(
+        f"--max-image-pixels {value}: it applies only to a vision build (--processor DIR), and this build is a text "
+        "build (--tokenizer DIR); drop --max-image-pixels, or build data with images with --processor DIR"
+    )
 
 
 @dataclass(frozen=True)

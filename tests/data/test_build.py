@@ -293,6 +293,34 @@ def test_bad_options_are_errors_naming_the_value(mixed_inputs, smollm2_dir, tmp_
     assert r.exit_code == 2 and "not a directory" in r.output
 
 
+@pytest.mark.parametrize("value", ["1000", str(1 << 25)])  # a bound, and the default written out
+def test_max_image_pixels_on_a_text_build_is_a_usage_error(mixed_inputs, smollm2_dir, tmp_path, run_cli, value):
+    """Before: accepted and ignored (a text build has no images to bound), exit 0."""
+    out = tmp_path / "o"
+    r = build(run_cli, smollm2_dir, out, mixed_inputs / "chat.jsonl", extra=["--max-image-pixels", value])
+    assert r.exit_code == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr == (
+        f"error: --max-image-pixels {value}: it applies only to a vision build (--processor DIR), and this build is a "
+        "text build (--tokenizer DIR); drop --max-image-pixels, or build data with images with --processor DIR\n"
+    )
+    assert not out.exists()
+    assert "--processor builds only (an error with --tokenizer)" in " ".join(
+        run_cli(dpo_data, "build", "--help").stdout.split()
+    )
+
+
+def test_the_library_refuses_max_image_pixels_without_a_processor(mixed_inputs, smollm2_dir, tmp_path):
+    from dpo_data import BuildOptions
+    from dpo_data import build as run_build
+    from dpo_data.errors import DataError
+
+    with pytest.raises(DataError, match="--max-image-pixels 1000: it applies only to a vision build"):
+        run_build(
+            [str(mixed_inputs / "chat.jsonl")], str(smollm2_dir), tmp_path / "o", BuildOptions(max_image_pixels=1000)
+        )
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("row_ids", [["a", None, "é" * 3, ""] * 3, ["x", "y"], [None, None, None], []])
 def test_shard_columns_built_from_buffers_write_the_bytes_pa_array_writes(row_ids):
     """Shards build their columns from buffers (`pa.array` imports pandas on first use); the IPC bytes must be
