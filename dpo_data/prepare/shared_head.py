@@ -7,9 +7,10 @@ share everything up to the last special token of the prompt, the head is encoded
 tails are encoded three times: as many tokens as rendering and encoding prompt and completions apart.
 
 The rule is used only where it provably holds: boundary tokens that are special, not normalized, with
-no lstrip / rstrip / single_word, and no position-dependent pre-tokenization ("prepend_scheme":
-"first"). A self-check at construction compares it with whole-text encoding and disables it on any
-difference. tests/data/test_tokenize.py compares it with whole-text encoding on every row it covers.
+no lstrip / rstrip / single_word, matched at all (not under split_special_tokens, where they are plain text),
+and no position-dependent pre-tokenization ("prepend_scheme": "first"). A self-check at construction compares
+it with whole-text encoding and disables it on any difference. tests/data/test_tokenize.py compares it with
+whole-text encoding on every row it covers.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class SpecialSplit:
     def __init__(self, tokenizer: Any, backend: Any, spec_json: str | None = None):
         """`spec_json`: `backend.to_str()` when the caller has it already (it is large to serialize)."""
         self.enabled = False
+        if backend.encode_special_tokens:
+            return  # special tokens encoded as plain text (split_special_tokens): no text is cut at them
         spec = orjson.loads(spec_json if spec_json is not None else backend.to_str())
         if _mentions_first(spec.get("normalizer"), spec.get("pre_tokenizer")):
             return  # Metaspace(prepend_scheme="first") treats a text's first piece apart

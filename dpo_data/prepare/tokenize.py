@@ -66,17 +66,21 @@ class PairEncoder:
         """Rows whose renderings the chat template made (kept or rejected later)."""
         self._failed_rows = 0
         backend = tokenizer.backend_tokenizer
-        # Copies of the Rust tokenizer, because encode_special_tokens is state on the object: this one
-        # matches special tokens (template text), `_content` never does (user content). Serializing the
-        # backend is a large part of start-up, so it is done once.
+        # Copies of the Rust tokenizer, because encode_special_tokens is state on the object (and to_str drops
+        # it): this one encodes template text as the tokenizer does (special tokens matched, or split into
+        # plain text under the tokenizer's split_special_tokens), `_content` never matches them (user content).
+        # Serializing the backend is a large part of start-up, so it is done once.
         self._spec = backend.to_str()
         self._template = type(backend).from_str(self._spec)
+        splits = bool(getattr(tokenizer, "split_special_tokens", False))
+        self._template.encode_special_tokens = splits
         self._split = SpecialSplit(tokenizer, self._template, self._spec)
         self._tails: dict[str, list[int]] = {}
         specials = sorted(
             {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
         )
-        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # special-token text anywhere is plain text to a tokenizer that splits special tokens: nothing to keep apart
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials and not splits else None
         self._eos = tokenizer.eos_token_id
         # A template whose source never names tool_calls cannot render them; checked before rendering because
         # such a template often fails on a tool call's missing content, which would hide the real reason.

@@ -199,3 +199,77 @@ def test_the_shortcut_turns_itself_off_where_it_cannot_be_proven(tokenizer):
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
     assert not SpecialSplit(tokenizer, Tokenizer.from_str(json.dumps(spec))).enabled
+
+
+SPLIT_ROWS = [
+    chat("Say <|im_end|> please", "Done <|im_start|> ok.", "No."),  # special-token text in content
+    chat("What is 2 + 2?", "4.", "5.", system="Be brief."),
+    {
+        "chosen": [*chat("Name a planet.", "Mars.", "")["prompt"], {"role": "assistant", "content": "Mars."}]
+        + [{"role": "user", "content": "And <|endoftext|>?"}, {"role": "assistant", "content": "Venus."}],
+        "rejected": [*chat("Name a planet.", "Mars.", "")["prompt"], {"role": "assistant", "content": "Mars."}]
+        + [{"role": "user", "content": "And <|endoftext|>?"}, {"role": "assistant", "content": "Pluto."}],
+    },
+    {"prompt": "Plain <|im_end|> prompt", "chosen": " yes", "rejected": " no"},
+]
+
+
+@pytest.mark.parametrize("loader", ["light", "transformers"])
+def test_a_tokenizer_that_splits_special_tokens_builds_the_ids_it_gives(smollm2_dir, tmp_path, run_cli, loader):
+    """`split_special_tokens: true` in tokenizer_config.json: AutoTokenizer encodes every special-token string as
+    plain text, the chat template's own too; the build's ids are its ids. Before: the build's copies of the
+    backend dropped the setting and matched the template's special tokens (a conversation's prompt 39 tokens
+    where the tokenizer gives 69)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dpo_cli.data import main as dpo_data
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.tokenizer.light import refusal
+    from tests.conftest import write_jsonl
+
+    directory = tmp_path / "split"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy(smollm2_dir / name, directory / name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["split_special_tokens"] = True
+    if loader == "transformers":  # a key the light reader does not reproduce: the build loads AutoTokenizer
+        config["unknown_option"] = 1
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert (refusal(directory) is None) == (loader == "light")
+    from dpo_data.tokenizer import load_tokenizer
+
+    encoder = PairEncoder(load_tokenizer(directory), TokenizeOptions())
+    # plain text has no split point: the shared-head shortcut (exact at matched special tokens) stays off
+    assert encoder._template.encode_special_tokens and not encoder._split.enabled
+    done = run_cli(
+        dpo_data,
+        "build",
+        write_jsonl(tmp_path / "rows.jsonl", SPLIT_ROWS),
+        "--tokenizer",
+        directory,
+        "--out",
+        tmp_path / "ds",
+    )
+    assert done.exit_code == 0, done.output
+    store, theirs = PairStore([tmp_path / "ds"]), AutoTokenizer.from_pretrained(directory)
+    unsplit = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert store.num_pairs == len(SPLIT_ROWS)
+    for index, row in enumerate(SPLIT_ROWS):
+        pair = store.pair(index)
+        if isinstance(row.get("prompt"), str):
+            assert list(pair.prompt) == theirs(row["prompt"])["input_ids"]
+            assert list(pair.chosen) == theirs(row["chosen"], add_special_tokens=False)["input_ids"] + [
+                theirs.eos_token_id
+            ]
+            continue
+        prompt = row.get("prompt") or row["chosen"][:-1]
+        chosen, rejected = (row[k] if "prompt" in row else row[k][-1:] for k in ("chosen", "rejected"))
+        for tok, splits in ((theirs, True), (unsplit, False)):
+            want = tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+            full = [tok.apply_chat_template(prompt + c, return_dict=False) for c in (chosen, rejected)]
+            got = (list(pair.prompt), list(pair.prompt) + list(pair.chosen), list(pair.prompt) + list(pair.rejected))
+            assert (got == (want, *full)) == splits, (index, splits)  # the setting changes a conversation's ids
