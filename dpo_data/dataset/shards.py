@@ -7,6 +7,7 @@ shard written by one task of a `--part` build is the shard a single build writes
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -16,6 +17,10 @@ import pyarrow as pa
 from dpo_state.digest import file_digest
 
 RECORD_BATCH_ROWS = 1024  # fixed, so batch boundaries (and bytes) never depend on --num-proc
+RECORD_BATCH_IMAGE_BYTES = 64 << 20
+"""A vision shard's record batch ends before the pair whose images would take its image bytes over this (64 MiB),
+as well as at RECORD_BATCH_ROWS; a pair whose images alone are over it is a batch of its own. It bounds what the
+writer and `dpo-data verify` hold of a shard at once (docs/data-build.md, storage); text shards are untouched."""
 SHARD_DIR = "shards"
 
 SHARD_SCHEMA = pa.schema(
@@ -38,7 +43,7 @@ IMAGE_COLUMNS = ("image_bytes", "image_sha256")
 VISION_SHARD_SCHEMA = pa.schema(
     [
         *SHARD_SCHEMA,
-        # large_binary: a record batch of 1024 pairs may hold more than 2 GiB of images (int32 offsets would not)
+        # large_binary: one pair's images may pass 2 GiB (int32 offsets would not); batches are bounded by bytes
         pa.field("image_bytes", pa.list_(pa.large_binary()), nullable=False),
         pa.field("image_sha256", pa.list_(pa.string()), nullable=False),
     ]
@@ -163,17 +168,27 @@ def shard_name(span: int) -> str:
     return f"{SHARD_DIR}/shard-{span:05d}.arrow"
 
 
+def batch_rows(image_bytes: np.ndarray, budget: int) -> int:
+    """The pairs of a vision shard's next record batch, given the next pairs' image bytes (each pair's total, in
+    order): at most RECORD_BATCH_ROWS and no more than fit in `budget` (RECORD_BATCH_IMAGE_BYTES), but at least
+    one. A pure function of the pairs, so a shard's bytes never depend on how they arrived (--num-proc, --part)."""
+    fitting = int(np.searchsorted(np.cumsum(image_bytes[:RECORD_BATCH_ROWS]), budget, side="right"))
+    return max(1, fitting)
+
+
 class ShardWriter:
     """Writes pairs in arrival order into one shard per span (uncompressed IPC files); a span no pair
     survived writes none.
 
-    Record batches hold `RECORD_BATCH_ROWS` rows (fewer at a shard's end), whatever the sizes of the
-    blocks handed in, so the bytes depend only on the span's pairs.
+    Record batches hold `RECORD_BATCH_ROWS` rows (fewer at a shard's end) and, in a vision shard, at most
+    `RECORD_BATCH_IMAGE_BYTES` of images (`batch_rows`), whatever the sizes of the blocks handed in, so the
+    bytes depend only on the span's pairs. What it holds is at most one batch and the block handed in.
     """
 
     def __init__(self, out_dir: Path, vision: bool = False):
         self.out_dir = out_dir
         self.schema = shard_schema(vision)
+        self.vision = vision
         self.shards: list[ShardInfo] = []
         self.pairs = 0
         self._pending: list[PairBlock] = []
@@ -196,8 +211,8 @@ class ShardWriter:
         block.source_id = np.array([self._sources.setdefault(s, len(self._sources)) for s in sources], np.int32)
         self._pending.append(block)
         self._pending_rows += len(block)
-        while self._pending_rows >= RECORD_BATCH_ROWS:
-            self._write(RECORD_BATCH_ROWS)
+        while rows := self._next_batch(final=False):
+            self._write(rows)
 
     def close(self) -> list[ShardInfo]:
         """Flush and close; return every shard written."""
@@ -207,7 +222,17 @@ class ShardWriter:
 
     def _flush(self) -> None:
         while self._pending_rows:
-            self._write(min(self._pending_rows, RECORD_BATCH_ROWS))
+            self._write(self._next_batch(final=True))
+
+    def _next_batch(self, final: bool) -> int:
+        """The rows of the next record batch once the pending pairs decide it (a batch ends where it is full, or
+        before a pair that would not fit), or at the span's end (`final`); 0 while a later pair may still join it."""
+        if not self.vision:
+            rows = min(self._pending_rows, RECORD_BATCH_ROWS)
+        else:
+            sizes = [np.array([sum(map(len, images)) for images in b.image_bytes], np.int64) for b in self._pending]
+            rows = batch_rows(np.concatenate(sizes), RECORD_BATCH_IMAGE_BYTES) if sizes else 0
+        return rows if final or rows == RECORD_BATCH_ROWS or rows < self._pending_rows else 0
 
     def _write(self, rows: int) -> None:
         head, tail = PairBlock.concat(self._pending).split(rows)
@@ -241,3 +266,25 @@ class ShardWriter:
 def open_shard(path: str | Path) -> pa.Table:
     """Memory-map a shard and return it as a table (zero-copy; the file's footer catches truncation)."""
     return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+
+def read_batches(path: str | Path) -> Iterator[pa.RecordBatch]:
+    """A shard's record batches read one at a time into memory (not memory-mapped: a pass over a shard's images
+    then holds one batch, which `RECORD_BATCH_IMAGE_BYTES` bounds, instead of mapping the whole file in)."""
+    with pa.OSFile(str(path), "rb") as f:
+        reader = pa.ipc.open_file(f)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def image_views(column: pa.ListArray) -> list[list[pa.Buffer]]:
+    """Each pair's images in a batch's `image_bytes` column, as zero-copy slices of its data buffer (no Python
+    bytes are made: hashlib reads the slices as they are)."""
+    values = column.values
+    offsets = np.frombuffer(values.buffers()[1], np.int64)[values.offset :]
+    data = values.buffers()[2] or pa.py_buffer(b"")  # none when every image is empty
+    pairs = column.offsets.to_numpy()
+    return [
+        [data.slice(int(offsets[j]), int(offsets[j + 1] - offsets[j])) for j in range(pairs[k], pairs[k + 1])]
+        for k in range(len(column))
+    ]

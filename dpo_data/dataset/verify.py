@@ -20,7 +20,7 @@ from dpo_data.dataset.manifest import (
     read_manifest,
     recorded_chat_template,
 )
-from dpo_data.dataset.shards import open_shard, shard_schema
+from dpo_data.dataset.shards import image_views, open_shard, read_batches, shard_schema
 from dpo_data.errors import DataError
 from dpo_state.files import file_problems
 
@@ -118,7 +118,7 @@ def verify_dataset(
         failures += _check_content(m, pa.concat_tables(tables))
         failures += _check_spans(m, tables)
         if is_vision(m):
-            failures += _check_images(m, tables)
+            failures += _check_images(m, root)
     if strict:
         failures += [
             f"{name}: in the dataset directory but not named by the manifest (--strict)"
@@ -347,23 +347,23 @@ MAX_NAMED_IMAGES = 20
 """The image mismatches `verify` names one by one; past them it counts."""
 
 
-def _check_images(m: dict, tables: list[pa.Table]) -> list[str]:
+def _check_images(m: dict, root: Path) -> list[str]:
     """Each image's bytes against its recorded sha256 (naming the pair: its shard, row, input and row id), and the
-    manifest's `images` counts recounted."""
+    manifest's `images` counts recounted. Streamed: one record batch of a shard in memory at a time (bounded by
+    `RECORD_BATCH_IMAGE_BYTES`), its images hashed where they lie in the batch's buffer."""
     from dpo_data.images import image_sha256
 
     failures, counted = [], ImageTally()
-    for shard, table in zip(m["shards"], tables):
-        columns = {name: table.column(name).to_pylist() for name in ("image_bytes", "image_sha256", "row_index")}
-        places = zip(table.column("input_index").to_pylist(), table.column("input_row").to_pylist())
-        row_ids = table.column("row_id").to_pylist()
-        for k, (images, digests, row, place, row_id) in enumerate(
-            zip(columns["image_bytes"], columns["image_sha256"], columns["row_index"], places, row_ids)
-        ):
-            counted.add([len(images)], [len(b) for b in images])
-            bad = [i for i, data in enumerate(images) if i >= len(digests) or image_sha256(data) != digests[i]]
-            if bad or len(digests) != len(images):
-                failures.append(_image_failure(m, shard, k, row, place, row_id, bad, len(images), len(digests)))
+    for shard in m["shards"]:
+        first = 0  # the batch's first pair in the shard
+        for batch in read_batches(root / shard["path"]):
+            digests = batch.column("image_sha256").to_pylist()
+            for j, (images, recorded) in enumerate(zip(image_views(batch.column("image_bytes")), digests)):
+                counted.add([len(images)], [b.size for b in images])
+                bad = [i for i, data in enumerate(images) if i >= len(recorded) or image_sha256(data) != recorded[i]]
+                if bad or len(recorded) != len(images):
+                    failures.append(_image_failure(m, shard, first + j, batch, j, bad, len(images), len(recorded)))
+            first += batch.num_rows
     if len(failures) > MAX_NAMED_IMAGES:
         failures[MAX_NAMED_IMAGES:] = [f"... and {len(failures) - MAX_NAMED_IMAGES} more pairs with changed images"]
     if counted.record() != m["images"]:
@@ -372,11 +372,15 @@ def _check_images(m: dict, tables: list[pa.Table]) -> list[str]:
 
 
 def _image_failure(
-    m: dict, shard: dict, k: int, row: int, place: tuple, row_id: str | None, bad: list, count: int, digests: int
+    m: dict, shard: dict, k: int, batch: pa.RecordBatch, j: int, bad: list, count: int, digests: int
 ) -> str:
-    inp = m["inputs"][place[0]] if 0 <= place[0] < len(m["inputs"]) else {"path": f"input {place[0]}"}
+    """The failure of pair `k` of `shard` (row `j` of `batch`), named by its row, input place and row id."""
+    row, index, number, row_id = (
+        batch.column(c)[j].as_py() for c in ("row_index", "input_index", "input_row", "row_id")
+    )
+    inp = m["inputs"][index] if 0 <= index < len(m["inputs"]) else {"path": f"input {index}"}
     locator = "line" if inp.get("format") in ("jsonl", "jsonl.zst") else "row"
-    pair = f"{shard['path']} pair {k} (row {row}: {inp['path']} {locator} {place[1]}" + (
+    pair = f"{shard['path']} pair {k} (row {row}: {inp['path']} {locator} {number}" + (
         f", id {row_id!r})" if row_id is not None else ")"
     )
     if count != digests:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import groupby, islice
@@ -37,7 +37,8 @@ from dpo_state.digest import DIGEST_PREFIX, file_digest, sha256_json
 __all__ = ["BuildOptions", "BuildResult", "build"]
 
 CHUNK_ROWS = 256  # rows per unit of work sent to a worker, within one span
-VISION_CHUNK_ROWS = 16  # a vision build's chunks carry their images' bytes back from the workers: fewer rows
+VISION_CHUNK_ROWS = 4  # a vision build's chunks carry their images' bytes back from the workers: few rows
+IN_FLIGHT_PER_PROC = 2  # chunks sent to the pool and not yet written, per worker: what the build holds is bounded
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
 
 
@@ -554,7 +555,19 @@ def _run(files, model: _Model, options, tally, bar) -> Iterator[ChunkResult]:
     # the parent never encoded anything, so the Rust thread pool was never started before the fork.
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(options.num_proc, _init_pool_worker, (model.tokenizer, options, files, model.processor)) as pool:
-        yield from pool.imap(_process_chunk, chunks, chunksize=1)
+        yield from _in_order(pool, chunks, IN_FLIGHT_PER_PROC * options.num_proc)
+
+
+def _in_order(pool: Any, chunks: Iterator[tuple], window: int) -> Iterator[ChunkResult]:
+    """The chunks' results in order, at most `window` chunks read ahead or done and not yet taken (`Pool.imap` keeps
+    every result that finishes before an earlier one: a slow chunk would let the others' images pile up)."""
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_process_chunk, (chunk,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _consume(result: ChunkResult, tally: Tally, writer: ShardWriter, rejects_file) -> None:

@@ -33,7 +33,10 @@ _FEED_BYTES = 256  # compressed bytes per zstd decompress call: bounds its outpu
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file
 _HEAD_BYTES = 1024  # what a reject keeps of a row too large to hold
 ARROW_BATCH_ROWS = 1024
-"""Rows per batch read from a .parquet input (an Arrow file's batches are as written)."""
+"""Rows per batch read from a .parquet input (an Arrow file's batches are as written), at most."""
+ROWS_BYTES = 64 << 20
+"""What a .parquet or .arrow input holds decoded at a time (a batch's Arrow bytes; one row at least): rows with
+inline images make fewer rows a batch, and are turned into Python objects a slice of a batch at a time."""
 Skip = Callable[[int, int], bool]
 """skip(first, count): whether rows first..first+count-1 (1-based) are all rows this build does not own."""
 
@@ -268,8 +271,12 @@ def _parquet(path: str, skip: Skip | None) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        reader = pq.ParquetFile(path)
-        yield from _batch_rows(reader.iter_batches(batch_size=ARROW_BATCH_ROWS), skip)
+        meta = pq.read_metadata(path)
+        groups = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+        rows = max(1, ROWS_BYTES * meta.num_rows // max(1, sum(groups)))  # from the rows' average decoded size
+        # a row group larger than that is read a buffer at a time, not a column chunk at once
+        reader = pq.ParquetFile(path, buffer_size=_READ_CHUNK if max(groups, default=0) > ROWS_BYTES else 0)
+        yield from _batch_rows(reader.iter_batches(batch_size=min(rows, ARROW_BATCH_ROWS)), skip)
     except (pa.ArrowException, UnicodeDecodeError) as e:
         raise InputFileError(path, f"corrupt or unreadable parquet ({e})") from None
 
@@ -280,15 +287,18 @@ def _arrow_rows(files: tuple[str, ...], skip: Skip | None) -> Iterator[tuple[int
 
 
 def _batch_rows(batches: Iterator[Any], skip: Skip | None) -> Iterator[tuple[int, Any]]:
+    """The rows of `batches`, numbered; a batch over ROWS_BYTES is turned into Python objects a slice at a time."""
     number = 0
     for batch in batches:
         if skip is not None and skip(number + 1, batch.num_rows):
-            rows = [None] * batch.num_rows
+            slices = [[None] * batch.num_rows]
         else:
-            rows = batch.to_pylist()
-        for row in rows:
-            number += 1
-            yield number, row
+            step = max(1, batch.num_rows * ROWS_BYTES // max(1, batch.nbytes))
+            slices = (batch.slice(start, step).to_pylist() for start in range(0, batch.num_rows, step))
+        for rows in slices:
+            for row in rows:
+                number += 1
+                yield number, row
 
 
 def _arrow_batches(path: str) -> Iterator[Any]:
