@@ -235,3 +235,56 @@ def test_the_writer_cuts_whatever_blocks_arrive(tmp_path, small_budget, monkeypa
     assert (1, BUDGET + 1) in found
     monkeypatch.setattr(shards, "RECORD_BATCH_IMAGE_BYTES", 1 << 40)
     assert [rows for rows, _ in batch_sizes(written(tmp_path / "rows", blocks_of(1100, seed=7)))] == [1024, 76]
+
+
+def test_the_pool_keeps_at_most_its_window_of_chunks():
+    """`_in_order` takes the results in order and never has more than `window` chunks sent and not yet taken
+    (Pool.imap reads ahead and keeps every result that finishes early)."""
+    from dpo_data.prepare.build import _in_order
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def get(self):
+            return self.value
+
+    class Pool:
+        sent = 0
+
+        def apply_async(self, function, args):
+            self.sent += 1
+            return Done(args[0])
+
+    pool, taken, most = Pool(), 0, 0
+    for result in _in_order(pool, iter(range(50)), window=4):
+        assert result == taken
+        taken += 1
+        most = max(most, pool.sent - taken + 1)  # sent and not taken before this one
+    assert taken == 50 and most == 4
+
+
+def test_a_parquet_input_of_inline_images_is_read_a_slice_at_a_time(tmp_path, monkeypatch):
+    """Rows holding image bytes come out as they are, but never more than ROWS_BYTES of them as Python objects at
+    once (the old reader made a whole 1,024-row batch Python objects: every row here)."""
+    import pyarrow.parquet as pq
+
+    from dpo_data.prepare import inputs as module
+    from dpo_data.prepare.inputs import iter_rows, open_input
+
+    images = [bytes([k]) * 100_000 for k in range(40)]
+    rows = [{"prompt": f"q{k}", "images": [data]} for k, data in enumerate(images)]
+    path = tmp_path / "inline.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    monkeypatch.setattr(module, "ROWS_BYTES", 300_000)
+    tracemalloc.start()
+    try:
+        found = []
+        for number, row in iter_rows(open_input(str(path)), 1 << 20):
+            found.append((number, row["prompt"], row["images"][0] == images[number - 1]))
+            del row
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == [(k + 1, f"q{k}", True) for k in range(40)]
+    assert peak < sum(map(len, images)) / 4, peak
