@@ -162,7 +162,9 @@ def build(
     usage, input-file or template-file error. With --part, the refusals on counts wait for dpo-data merge.
 
     Rows with images (TRL's vision shape: an 'images' list, {"type": "image"} parts in the prompt's messages) need
-    --processor; with --tokenizer such a row stops the build (exit 2). See docs/data-build.md, vision pairs.
+    --processor; with --tokenizer such a row stops the build (exit 2). Their images are stored in record batches
+    of at most 64 MiB of images (or one pair's), and the build holds about one such batch plus a few rows' images
+    per worker, whatever the dataset's size. See docs/data-build.md, vision pairs.
     """
     from dpo_data import BuildOptions
     from dpo_data import build as run_build
@@ -314,7 +316,7 @@ def verify(data_dir, tokenizer_dir, strict, inputs) -> None:
     """Check the manifest (schema, version, self-consistency), every shard's bytes, sha256, footer, schema
     and rows, the rejects file, and recompute from the shards what the manifest states (token totals,
     length statistics, largest token id, per-source pairs; a vision dataset's images, each against its
-    sha256, naming the pair).
+    sha256, naming the pair, a record batch at a time).
 
     Exit 0 when all hold; 1 with every failure named. Files the manifest does not name are listed as
     notes (failures with --strict).
