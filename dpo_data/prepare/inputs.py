@@ -274,7 +274,7 @@ def _parquet(path: str, skip: Skip | None) -> Iterator[tuple[int, Any]]:
         meta = pq.read_metadata(path)
         groups = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
         rows = max(1, ROWS_BYTES * meta.num_rows // max(1, sum(groups)))  # from the rows' average decoded size
-        # a row group larger than that is read a buffer at a time, not a column chunk at once
+        # a row group larger than that is asked for a buffer at a time (pyarrow still holds much of it: data-build.md)
         reader = pq.ParquetFile(path, buffer_size=_READ_CHUNK if max(groups, default=0) > ROWS_BYTES else 0)
         yield from _batch_rows(reader.iter_batches(batch_size=min(rows, ARROW_BATCH_ROWS)), skip)
     except (pa.ArrowException, UnicodeDecodeError) as e:
