@@ -144,6 +144,12 @@ def state_here(run_cli: Any, *args: Any, code: int | None = 0) -> Any:
     return _here(run_cli, "state", *args, code=code)
 
 
+def data_here(run_cli: Any, *args: Any, code: int | None = 0) -> Any:
+    """`dpo-data ARGS` in this process through the `run_cli` fixture, as `train_here` (a vision build's processor
+    and transformers are imported once per test process, not once per command)."""
+    return _here(run_cli, "data", *args, code=code)
+
+
 def _here(run_cli: Any, name: str, *args: Any, code: int | None) -> Any:
     import importlib
 

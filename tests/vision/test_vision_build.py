@@ -15,7 +15,7 @@ import pytest
 from dpo_data.dataset.manifest import manifest_problems, read_manifest
 from dpo_data.dataset.shards import SHARD_SCHEMA, VISION_SHARD_SCHEMA, open_shard
 from dpo_data.prepare.build import BuildOptions, build
-from tests.harness import data_cli
+from tests.harness import data_cli, data_here
 from tests.vision.conftest import FAMILIES
 from tests.vision.tiny_vlm import load_processor
 from tests.vision.vision_data import pil, trl_ids, vision_inputs
@@ -113,7 +113,7 @@ def test_the_fingerprint_covers_every_images_bytes(built, inputs, vlm_dirs, tmp_
     assert read_manifest(out)["fingerprint"] != read_manifest(built["qwen2_5_vl"])["fingerprint"]
 
 
-def test_the_cli_builds_verifies_and_inspects_a_vision_dataset(inputs, qwen25vl, tmp_path):
+def test_the_cli_builds_verifies_and_inspects_a_vision_dataset(inputs, qwen25vl, tmp_path, run_cli):
     """The CLI, in a process of its own: build, verify against the processor, inspect."""
     out = tmp_path / "ds"
     done = data_cli("build", *inputs, "--processor", qwen25vl, "--out", out, "--pairs-per-shard", 4)
@@ -121,7 +121,7 @@ def test_the_cli_builds_verifies_and_inspects_a_vision_dataset(inputs, qwen25vl,
     assert "images: 11 in 8 pairs" in done.stdout
     verified = data_cli("verify", out, "--processor", qwen25vl)
     assert verified.stdout == f"OK: {out} verified (processor attested)\n"  # was "(tokenizer attested)"
-    assert data_cli("verify", out, "--tokenizer", qwen25vl).stdout == verified.stdout  # the same check
+    assert data_here(run_cli, "verify", out, "--tokenizer", qwen25vl).stdout == verified.stdout  # the same check
     shown = data_cli("inspect", out).stdout
     assert "images       11 in 8 pairs (at most 2 a pair)" in shown
     assert f"processor    {read_manifest(out)['processor']['fingerprint']}" in shown
@@ -138,19 +138,19 @@ def tamper_image(shard: Path, image: bytes) -> None:
     shard.write_bytes(bytes(data))
 
 
-def test_verify_names_the_pair_whose_image_bytes_changed(built, tmp_path, images):
+def test_verify_names_the_pair_whose_image_bytes_changed(built, tmp_path, images, run_cli):
     out = tmp_path / "ds"
     shutil.copytree(built["qwen2_5_vl"], out)
     m = read_manifest(out)
     shard = out / m["shards"][0]["path"]
     tamper_image(shard, images[0])
-    failed = data_cli("verify", out, code=1).stderr
+    failed = data_here(run_cli, "verify", out, code=1).stderr
     assert f"{m['shards'][0]['path']}: sha256" in failed  # the shard's hash
     assert "pair 0 (row 0: " in failed and "files.jsonl line 1)" in failed
     assert "the bytes of image 0 do not match their image_sha256 (changed)" in failed
 
 
-def test_the_per_image_hash_catches_a_change_the_shard_hash_was_updated_for(built, tmp_path, images):
+def test_the_per_image_hash_catches_a_change_the_shard_hash_was_updated_for(built, tmp_path, images, run_cli):
     """A shard whose recorded sha256, size and the dataset fingerprint were rewritten to match the tampered bytes
     (what an edit that means to pass would do): the image's own sha256 still names the pair."""
     from dpo_data.dataset.manifest import dataset_fingerprint
@@ -166,7 +166,7 @@ def test_the_per_image_hash_catches_a_change_the_shard_hash_was_updated_for(buil
         m["tokenizer"]["fingerprint"], m["sources"], m["shards"], None, m["processor"]["fingerprint"]
     )
     (out / "manifest.json").write_bytes(orjson.dumps(m))
-    failed = data_cli("verify", out, code=1).stderr
+    failed = data_here(run_cli, "verify", out, code=1).stderr
     assert "(1 problems)" in failed
     assert "pair 1 (row 1: " in failed and "the bytes of image 0 do not match their image_sha256" in failed
 
@@ -179,7 +179,7 @@ def edited_copy(source: Path, target: Path, name: str, edit) -> Path:
     return target
 
 
-def test_the_processor_attestation_is_portable_and_names_what_changed(built, vlm_dirs, tmp_path):
+def test_the_processor_attestation_is_portable_and_names_what_changed(built, vlm_dirs, tmp_path, run_cli):
     from dpo_data.processor import load_processor as load
     from dpo_data.processor import rendering_tokenizer
     from dpo_state.attestation import processor_attestation, tokenizer_attestation
@@ -191,7 +191,7 @@ def test_the_processor_attestation_is_portable_and_names_what_changed(built, vlm
     idefics = vlm_dirs["idefics3"]
     moved = shutil.copytree(idefics, tmp_path / "elsewhere" / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     assert attest(moved) == attest(idefics) == read_manifest(built["idefics3"])["processor"]
-    data_cli("verify", built["idefics3"], "--processor", moved)
+    data_here(run_cli, "verify", built["idefics3"], "--processor", moved)
 
     def bigger(document):
         document["image_processor"]["max_image_size"]["longest_edge"] = 64
@@ -201,22 +201,22 @@ def test_the_processor_attestation_is_portable_and_names_what_changed(built, vlm
 
     for name, edit, part in (("bigger", bigger, "image_processor"), ("longer", longer, "processor")):
         changed = edited_copy(idefics, tmp_path / name, "processor_config.json", edit)
-        failed = data_cli("verify", built["idefics3"], "--processor", changed, code=1).stderr
+        failed = data_here(run_cli, "verify", built["idefics3"], "--processor", changed, code=1).stderr
         assert f"processor {changed} has fingerprint p1:" in failed and f"(differing parts: {part})" in failed
     template = edited_copy(idefics, tmp_path / "template", "processor_config.json", lambda d: None)
     (template / "chat_template.jinja").write_text((idefics / "chat_template.jinja").read_text() + " ")
-    failed = data_cli("verify", built["idefics3"], "--tokenizer", template, code=1).stderr
+    failed = data_here(run_cli, "verify", built["idefics3"], "--tokenizer", template, code=1).stderr
     assert "(differing parts: tokenizer)" in failed and "(differing parts: chat_template)" in failed
 
 
-def test_a_vision_build_in_parts_merges_to_the_single_builds_bytes(inputs, qwen25vl, built, tmp_path):
+def test_a_vision_build_in_parts_merges_to_the_single_builds_bytes(inputs, qwen25vl, built, tmp_path, run_cli):
     """--part 0/2 and 1/2 (spans of 4 rows: 3 spans), then merge: the single build's manifest and shard bytes.
     --num-proc 2 (forked workers, each with the processor) writes them too."""
     args = [*inputs, "--processor", qwen25vl, "--pairs-per-shard", 4]
     for k in range(2):
-        data_cli("build", *args, "--out", tmp_path / f"part{k}", "--part", f"{k}/2")
+        data_here(run_cli, "build", *args, "--out", tmp_path / f"part{k}", "--part", f"{k}/2")
     merged = tmp_path / "merged"
-    data_cli("merge", tmp_path / "part0", tmp_path / "part1", "--out", merged)
+    data_here(run_cli, "merge", tmp_path / "part0", tmp_path / "part1", "--out", merged)
     forked = tmp_path / "forked"
     data_cli("build", *args, "--out", forked, "--num-proc", 2)
     single = built["qwen2_5_vl"]
@@ -224,14 +224,16 @@ def test_a_vision_build_in_parts_merges_to_the_single_builds_bytes(inputs, qwen2
         assert read_manifest(other) == read_manifest(single)
         for shard in read_manifest(single)["shards"]:
             assert (other / shard["path"]).read_bytes() == (single / shard["path"]).read_bytes()
-    data_cli("verify", merged, "--processor", qwen25vl)
+    data_here(run_cli, "verify", merged, "--processor", qwen25vl)
 
 
-def test_a_part_of_another_processor_does_not_merge(inputs, vlm_dirs, tmp_path):
+def test_a_part_of_another_processor_does_not_merge(inputs, vlm_dirs, tmp_path, run_cli):
     for k, family in enumerate(sorted(FAMILIES)):
-        data_cli("build", *inputs, "--processor", vlm_dirs[family], "--pairs-per-shard", 4,
+        data_here(run_cli, "build", *inputs, "--processor", vlm_dirs[family], "--pairs-per-shard", 4,
                  "--out", tmp_path / f"part{k}", "--part", f"{k}/2")  # fmt: skip
-    refused = data_cli("merge", tmp_path / "part0", tmp_path / "part1", "--out", tmp_path / "m", code=2).stderr
+    refused = data_here(
+        run_cli, "merge", tmp_path / "part0", tmp_path / "part1", "--out", tmp_path / "m", code=2
+    ).stderr
     assert "is part of another build" in refused and "tokenizer, processor" in refused
 
 

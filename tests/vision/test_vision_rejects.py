@@ -11,7 +11,7 @@ from dpo_data.dataset.manifest import read_manifest
 from dpo_data.dataset.shards import open_shard
 from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, pil_pixel_limit
 from tests.data.test_build import VISION_REASONS
-from tests.harness import data_cli
+from tests.harness import data_here
 from tests.vision.conftest import FAMILIES
 from tests.vision.tiny_vlm import IMAGES, image_bytes
 from tests.vision.vision_data import bomb_png, png_header, row, user, write_images, write_jsonl
@@ -66,13 +66,13 @@ def hostile(tmp_path_factory, images):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_bad_row_is_a_named_reject_and_the_good_rows_are_kept(family, hostile, vlm_dirs, tmp_path):
+def test_each_bad_row_is_a_named_reject_and_the_good_rows_are_kept(family, hostile, vlm_dirs, tmp_path, run_cli):
     d, names = hostile
     cases = bad_rows(names, IMAGE_TOKEN[family])
     good = row(user(None, "Fine?"), "Yes.", "No.", [names[0]])
     write_jsonl(d / f"{family}.jsonl", [case for _, case, _ in cases] + [good])
     out = tmp_path / "ds"
-    done = data_cli("build", d / f"{family}.jsonl", "--processor", vlm_dirs[family], "--out", out)
+    done = data_here(run_cli, "build", d / f"{family}.jsonl", "--processor", vlm_dirs[family], "--out", out)
     assert f"kept 1 pairs, rejected {len(cases)}" in done.stdout and "Traceback" not in done.stderr
     records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [r["reason"] for r in records] == [reason for reason, _, _ in cases]
@@ -84,26 +84,26 @@ def test_each_bad_row_is_a_named_reject_and_the_good_rows_are_kept(family, hosti
                                             "max_per_pair": 1}  # fmt: skip
 
 
-def test_a_text_build_refuses_rows_with_images_naming_the_fix(hostile, smollm2_dir, tmp_path):
+def test_a_text_build_refuses_rows_with_images_naming_the_fix(hostile, smollm2_dir, tmp_path, run_cli):
     d, names = hostile
     path = write_jsonl(d / "text.jsonl", [row(user("Hi"), "a", "b", []), row(user(None, "x"), "y", "z", names[:1])])
-    refused = data_cli("build", path, "--tokenizer", smollm2_dir, "--out", tmp_path / "ds", code=2).stderr
+    refused = data_here(run_cli, "build", path, "--tokenizer", smollm2_dir, "--out", tmp_path / "ds", code=2).stderr
     assert f"{path} line 2 has 1 images, but the build was given a tokenizer (--tokenizer)" in refused
     assert "build vision data with --processor DIR" in refused and "Traceback" not in refused
     assert not (tmp_path / "ds").exists()
 
 
-def test_a_text_tokenizer_as_processor_is_refused(hostile, smollm2_dir, tmp_path):
+def test_a_text_tokenizer_as_processor_is_refused(hostile, smollm2_dir, tmp_path, run_cli):
     d, names = hostile
     path = write_jsonl(d / "one.jsonl", [row(user(None, "x"), "y", "z", names[:1])])
-    refused = data_cli("build", path, "--processor", smollm2_dir, "--out", tmp_path / "ds", code=2).stderr
+    refused = data_here(run_cli, "build", path, "--processor", smollm2_dir, "--out", tmp_path / "ds", code=2).stderr
     assert "holds no image processor" in refused and "build text-only data with --tokenizer" in refused
-    both = data_cli("build", path, "--processor", smollm2_dir, "--tokenizer", smollm2_dir, "--out", tmp_path / "x",
-                    code=2).stderr  # fmt: skip
+    both = data_here(run_cli, "build", path, "--processor", smollm2_dir, "--tokenizer", smollm2_dir,
+                     "--out", tmp_path / "x", code=2).stderr  # fmt: skip
     assert "give exactly one of --tokenizer DIR (text data) and --processor DIR" in both
 
 
-def test_a_prompt_with_images_is_never_truncated(hostile, qwen25vl, tmp_path):
+def test_a_prompt_with_images_is_never_truncated(hostile, qwen25vl, tmp_path, run_cli):
     """At --max-length one short of a pair with an image, --overlength truncate-prompt rejects it (naming its image
     tokens) where it truncates a text-only conversation of the same length; at its length it is kept."""
     d, names = hostile
@@ -111,35 +111,35 @@ def test_a_prompt_with_images_is_never_truncated(hostile, qwen25vl, tmp_path):
     without = row(user("Describe a picture of noise in detail, please, " * 3), "Noise.", "A cat.")
     path = write_jsonl(d / "long.jsonl", [with_image, without])
     out = tmp_path / "exact"
-    data_cli("build", path, "--processor", qwen25vl, "--out", out)
+    data_here(run_cli, "build", path, "--processor", qwen25vl, "--out", out)
     first, second = open_shard(out / read_manifest(out)["shards"][0]["path"]).to_pylist()
     length = len(first["prompt_ids"]) + max(len(first["chosen_ids"]), len(first["rejected_ids"]))
     assert len(second["prompt_ids"]) > len(first["prompt_ids"])  # so at length - 1 the text row is over too
     short = tmp_path / "short"
     args = ["--processor", qwen25vl, "--overlength", "truncate-prompt"]
-    data_cli("build", path, *args, "--out", short, "--max-length", length - 1)
+    data_here(run_cli, "build", path, *args, "--out", short, "--max-length", length - 1)
     records = [json.loads(line) for line in (short / "rejects.jsonl").read_text().splitlines()]
     assert [(r["reason"], r["line"]) for r in records] == [("too_long", 1)]
     assert "of them the expanded placeholders of its 1 images" in records[0]["message"]
     assert "a prompt with images is never truncated" in records[0]["message"]
     assert read_manifest(short)["totals"]["truncated_prompts"] == 1  # the text-only row was truncated
-    data_cli("build", path, *args, "--out", tmp_path / "fits", "--max-length", length)
+    data_here(run_cli, "build", path, *args, "--out", tmp_path / "fits", "--max-length", length)
     assert read_manifest(tmp_path / "fits")["totals"]["pairs"] == 2
 
 
-def test_max_image_pixels_is_a_cap_recorded_and_bounded(hostile, qwen25vl, tmp_path):
+def test_max_image_pixels_is_a_cap_recorded_and_bounded(hostile, qwen25vl, tmp_path, run_cli):
     d, names = hostile
     path = write_jsonl(d / "cap.jsonl", [row(user(None, "x"), "y", "z", [names[0]]), row(user("t"), "y", "z")])
     out = tmp_path / "ds"
-    data_cli("build", path, "--processor", qwen25vl, "--out", out, "--max-image-pixels", 56 * 56 - 1)
+    data_here(run_cli, "build", path, "--processor", qwen25vl, "--out", out, "--max-image-pixels", 56 * 56 - 1)
     record = json.loads((out / "rejects.jsonl").read_text())
     assert (
         record["reason"] == "image_too_large"
         and "56 x 56 = 3136 pixels, over --max-image-pixels 3135" in (record["message"])
     )
     assert read_manifest(out)["producer"]["options"]["max_image_pixels"] == 3135
-    over = data_cli("build", path, "--processor", qwen25vl, "--out", tmp_path / "x", "--max-image-pixels", 10**9,
-                    code=2).stderr  # fmt: skip
+    over = data_here(run_cli, "build", path, "--processor", qwen25vl, "--out", tmp_path / "x",
+                     "--max-image-pixels", 10**9, code=2).stderr  # fmt: skip
     assert "--max-image-pixels is 1000000000; allowed: 1 to 89478485" in over
     # the default goes unchecked (a text build imports no PIL), so it must lie within PIL's threshold
     assert 1 <= DEFAULT_MAX_IMAGE_PIXELS <= pil_pixel_limit()
