@@ -48,6 +48,7 @@ from dpo_train.step import (
     step_sources,
     unmoved_rng,
 )
+from dpo_train.vision.families import reached_by_every_rank
 
 
 class Trainer:
@@ -183,7 +184,7 @@ class Trainer:
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                self._join(batch).logits.sum().mul(0).backward()
+                (self._join(batch).logits.sum().mul(0) + reached_by_every_rank(self.policy)).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
@@ -202,7 +203,7 @@ class Trainer:
                 policy.weights,
                 partners,
             )
-            microbatch_loss(
+            total = microbatch_loss(
                 terms.losses,
                 batch["step_pairs"],
                 -policy.chosen.sum(),
@@ -210,7 +211,8 @@ class Trainer:
                 self.config.loss.sft_weight,
                 policy.aux_loss,
                 self.router_aux_coef,
-            ).backward()
+            )
+            (total + reached_by_every_rank(self.policy)).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
     def step(self) -> dict:

@@ -30,11 +30,10 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     if world == 1 or strategy != "fsdp":
         return frozen_copy(policy)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     device = next(policy.parameters()).device
-    with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(policy.config, dtype=next(policy.parameters()).dtype)
+    with torch.device("meta"):  # the policy's own class: a vision-language model is no AutoModelForCausalLM
+        reference = type(policy)._from_config(policy.config, dtype=next(policy.parameters()).dtype)
     reference.eval().requires_grad_(False)
     shard(reference, strategy, world)
     reference.to_empty(device=device)

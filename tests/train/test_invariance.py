@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, port: int, jobs: list) -> None:
 
 def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction: str, result: str) -> None:
     """Train 2 steps on `steps` (per step, per rank, lists of pair indices) or the real loader; rank 0 saves
-    the parameters and both step gradients to `result`."""
+    the parameters, both step gradients and both step losses (the metric, reduced over the ranks) to `result`."""
     import dpo_train.trainer as trainer_module
     from dpo_data.loading.loader import DPOLoader
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
@@ -99,9 +99,10 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
         trainer_module.microbatch_loss = _mean_of_means
     trainer = tiny_trainer(config, rank=rank, world=world)
     cfg, store = trainer.config, trainer.store
-    grads = []
-    if use_loader:
-        loader = DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), pad_to_multiple_of=8)
+    grads, losses = [], []
+    if use_loader:  # a vision dataset's images prepared by the model's processor, as dpo-train's loader does
+        geometry = cfg.data.loader_config(rank, world)
+        loader = DPOLoader([cfg.data.path], geometry, pad_to_multiple_of=8, processor=cfg.model.processor)
         batches = iter(loader)
         for _ in range(2):
             while True:
@@ -111,7 +112,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
                 if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
                     break
             grads.append(_step_gradient(trainer.policy))
-            trainer.step()
+            losses.append(trainer.step()["loss"])
     else:
         for step in steps:
             pairs = [store.pair(i) for micro in step for mb in micro for i in mb]
@@ -126,7 +127,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
                 )
                 trainer.microbatch(batch)
             grads.append(_step_gradient(trainer.policy))
-            trainer.step()
+            losses.append(trainer.step()["loss"])
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -135,15 +136,19 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
             {
                 **{k: v.clone() for k, v in state.items()},
                 **{f"grad{i}/{k}": v for i, g in enumerate(grads) for k, v in g.items()},
+                **{f"loss{i}": torch.tensor(loss, dtype=torch.float64) for i, loss in enumerate(losses)},
             },
             result,
         )
 
 
 def _step_gradient(policy) -> dict:
-    """The step gradient as the optimizer sees it (FSDP shards gathered: every rank must call)."""
+    """The step gradient as the optimizer sees it (FSDP shards gathered: every rank must call); a frozen
+    parameter (a vision-language model's tower) has none."""
     out = {}
     for name, p in policy.named_parameters():
+        if not p.requires_grad:
+            continue
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         out[name] = g.detach().clone()
     return out
@@ -168,8 +173,8 @@ def _train_all(tmp_path, runs: dict) -> dict:
 
 
 def _worst(a: dict, b: dict) -> float:
-    """The largest per-tensor relative difference, ||a - b|| / ||a|| (2-norms), over parameters and both
-    step gradients."""
+    """The largest per-tensor relative difference, ||a - b|| / ||a|| (2-norms), over parameters, both
+    step gradients and both step losses."""
     assert a.keys() == b.keys() and any(k.startswith("grad1/") for k in a)
     return max(float((a[k] - b[k]).double().norm() / a[k].double().norm().clamp(min=1e-30)) for k in a)
 
