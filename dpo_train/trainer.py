@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -315,8 +316,18 @@ def _run(run: Run) -> Path:
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
     facts = run_facts(checkpoints.identity, checkpoints.lineage, trainer.state.step, run.data, out)
     with Stage(f"export {out / 'final'}", enabled=run.shown):
-        export(trainer.policy, config, run.tokenizer, out, rank, facts)
+        export(trainer.policy, config, run.tokenizer, out, rank, facts, _processor(run))
     return out
+
+
+def _processor(run: Run) -> Any:
+    """A vision-language run's processor, as the loader prepares its images with it (checked against the data's
+    attestation): `final/` saves it. None for text data."""
+    if not run.data.vision:
+        return None
+    from dpo_data.loading.images import ImageSource
+
+    return ImageSource(run.config.model.processor, run.data).prepared[0]
 
 
 def _resume(checkpoints: Checkpoints, run: Run) -> None:

@@ -37,21 +37,23 @@ def _declared_dtype(model: ModelConfig) -> str | None:
     return (spec.get("dtype") or spec.get("torch_dtype")) if isinstance(spec, dict) else None
 
 
-def export(policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: int, facts: RunFacts) -> None:
+def export(
+    policy: Any, config: TrainConfig, tokenizer: Any, out: Path, rank: int, facts: RunFacts, processor: Any = None
+) -> None:
     """Write OUTPUT/final (and final-merged with `train.export: both`) on rank 0, after gathering FSDP
-    shards on every rank; with the run's (attested) tokenizer beside each model, its model card and,
-    last, its export.json."""
+    shards on every rank; with the run's (attested) tokenizer beside each model, or for a vision-language run
+    its (attested) processor, which holds the tokenizer; its model card and, last, its export.json."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         lora, kind = config.model.lora, config.train.export
         if not lora or kind in ("adapter", "both"):  # the whole policy, or its PEFT adapter
-            _save(policy, state, out / "final", tokenizer, config, facts)
+            _save(policy, state, out / "final", processor or tokenizer, config, facts)
         if lora and kind in ("merged", "both"):
             merged = _merged(config, state)
             target = out / ("final" if kind == "merged" else "final-merged")
-            _save(merged, merged.state_dict(), target, tokenizer, config, facts)
+            _save(merged, merged.state_dict(), target, processor or tokenizer, config, facts)
     collectives.barrier()
 
 
@@ -69,7 +71,8 @@ def _cast(state: dict, dtype: torch.dtype) -> dict:
 
 
 def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainConfig, facts: RunFacts) -> None:
-    """Write `target` whole or not at all: into a staging directory beside it, renamed into place last."""
+    """Write `target` whole or not at all: into a staging directory beside it, renamed into place last.
+    `tokenizer`: the run's tokenizer, or a vision-language run's processor (`_save_processor`)."""
     for leftover in target.parent.glob(f"{target.name}.incomplete-*"):  # an export killed half-way
         shutil.rmtree(leftover)
     staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
@@ -80,11 +83,26 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
         if not peft:  # a whole model: config.json names the dtype its weights are in
             model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
             model.config.save_pretrained(staging)
-    if tokenizer is not None:
+    if hasattr(tokenizer, "image_processor"):
+        _save_processor(tokenizer, staging)
+    elif tokenizer is not None:
         tokenizer.save_pretrained(staging)
     _describe(staging, config, facts, peft)
     train_kill_point(f"in-export:{target.name}")
     _into_place(staging, target)
+
+
+def _save_processor(processor: Any, staging: Path) -> None:
+    """The processor's files (its image settings, its tokenizer, its chat template), so that `final/` is a
+    `dpo-data build --processor` and a next run's model directory whose processor attests as the data did. Its
+    chat template is the one the data was rendered with: its tokenizer's (`dpo_data.processor.rendering_tokenizer`,
+    a dataset's --chat-template included)."""
+    saved = processor.chat_template
+    processor.chat_template = processor.tokenizer.chat_template
+    try:
+        processor.save_pretrained(staging)
+    finally:
+        processor.chat_template = saved
 
 
 def _describe(staging: Path, config: TrainConfig, facts: RunFacts, peft: bool) -> None:

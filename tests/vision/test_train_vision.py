@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dpo_data.dataset.store import PairStore
+from dpo_data.loading.images import ImageSource
 from tests.harness import train_here, write_yaml
 from tests.vision.datasets import write_rows
 from tests.vision.test_packed_vision import TOWER
@@ -37,6 +39,10 @@ def metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def fingerprint(dataset) -> str:
+    return json.loads((dataset / "manifest.json").read_text())["processor"]["fingerprint"]
+
+
 def weights(directory) -> dict[str, torch.Tensor]:
     found = {}
     for file in sorted(directory.glob("*.safetensors")):
@@ -49,7 +55,9 @@ def weights(directory) -> dict[str, torch.Tensor]:
 def test_a_vision_dataset_builds_verifies_and_trains_through_the_cli(family, layout, vlm_dirs, run_cli, tmp_path):
     """Real PNG/JPEG files beside the rows, built with the model's processor, verified, and trained two steps at
     world 1: step 1's loss is log 2 (the policy is the reference; the parity guard passed on rows with images),
-    every metric finite, the language model moved and the vision tower, frozen by default, did not."""
+    every metric finite, the language model moved and the vision tower, frozen by default, did not. `final/` holds
+    the processor: the rows built with `--processor final/` attest the same processor fingerprint, and a next run
+    takes final/ as its model directory (its loader's processor check passes)."""
     from dpo_cli.data import main as data_main
 
     model_dir = vlm_dirs[family]
@@ -68,6 +76,11 @@ def test_a_vision_dataset_builds_verifies_and_trains_through_the_cli(family, lay
     tower = [k for k in before if f".{TOWER[family]}." in f".{k}"]
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert tower and moved and not set(tower) & set(moved), "the vision tower must stay as loaded"
+    if layout == "separate":  # the export does not depend on the layout
+        rebuilt = run_cli(data_main, "build", rows, "--processor", out / "final", "--out", tmp_path / "again")
+        assert rebuilt.exit_code == 0, rebuilt.output
+        assert fingerprint(tmp_path / "again") == fingerprint(data)
+        ImageSource(out / "final", PairStore([data]))  # a DataError, naming what differs, if it did
 
 
 def test_the_vision_tower_trains_when_asked_and_lora_adapts_the_language_model_only(
