@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import weakref
 from collections.abc import Iterator
@@ -105,7 +106,8 @@ def init_config(spec: str | dict) -> Any:
 
 def check_model_paths(config: ModelConfig) -> None:
     """The local paths of the model section exist and are what they name, checked before anything is
-    written or loaded: transformers would take a missing path for a Hub repo id, and the toolkit is offline."""
+    written or loaded: transformers would take a missing path for a Hub repo id, and the toolkit is offline. A
+    `model.init.config` of a vision-language model type is refused too (`check_init_is_text`)."""
     if config.path:
         _check_directory("model.path", config.path, "model")
         if not (Path(config.path) / "config.json").is_file():
@@ -120,6 +122,37 @@ def check_model_paths(config: ModelConfig) -> None:
         raise ConfigError(
             f"model.init.config {spec} does not exist; pass a config.json file, a model directory, or a mapping"
         )
+    check_init_is_text(spec)
+
+
+def check_init_is_text(spec: str | dict | None) -> None:
+    """A random init (`model.init.config`) builds a text model: a vision-language model type is refused by name.
+    Its image token, vision geometry and processor come with a saved model, and a vision dataset is prepared by
+    the processor in the model's own directory (docs/vision.md)."""
+    from dpo_train.vision.families import FAMILIES, NOT_YET
+
+    model_type = _init_model_type(spec)
+    if model_type in FAMILIES or model_type in NOT_YET:
+        raise ConfigError(
+            f"model.init.config: model_type {model_type} is a vision-language model, and model.init builds text "
+            "models only (a causal LM type such as llama or qwen3); fix: save the vision-language model with its "
+            "processor (save_pretrained) and give that directory as model.path instead of model.init"
+        )
+
+
+def _init_model_type(spec: str | dict | None) -> str | None:
+    """The model type `model.init.config` names (a mapping's `model_type`, llama without one; a config file's or a
+    model directory's config.json); None where it cannot be read (`init_config` names that)."""
+    if isinstance(spec, dict):
+        return spec.get("model_type", "llama")
+    if not isinstance(spec, str):
+        return None
+    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def _check_directory(key: str, path: str, kind: str) -> None:

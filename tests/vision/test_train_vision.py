@@ -163,3 +163,24 @@ def test_a_precomputed_reference_trains_as_the_live_one(vlm_dirs, vision_dataset
     train_here(run_cli, config)
     for got, want in zip(metrics(out), metrics(live), strict=True):
         assert abs(got["loss"] - want["loss"]) < 1e-6 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-5
+
+
+def test_a_random_init_of_a_vision_language_model_is_refused_naming_the_fix(
+    vlm_dirs, vision_datasets, run_cli, tmp_path
+):
+    """`model.init` builds text models only: a vision-language model type, as a mapping, a config.json file or a
+    model directory, is a config error (exit 2) naming the key, the type, what is allowed and the fix, before any
+    dataset or model is loaded (transformers' AutoModelForCausalLM would raise its own ValueError)."""
+    model_dir, data = vlm_dirs["idefics3"], vision_datasets["idefics3"]
+    specs = {
+        "qwen2_5_vl": {"model_type": "qwen2_5_vl"},
+        "idefics3": str(model_dir / "config.json"),
+        "gemma3": {"model_type": "gemma3"},  # refused by model.path too (families.NOT_YET)
+    }
+    for k, (model_type, spec) in enumerate([*specs.items(), ("idefics3", str(model_dir))]):
+        model = {"path": None, "init": {"config": spec, "seed": 0}, "tokenizer": str(model_dir)}
+        config = write_yaml(tmp_path / f"i{k}.yaml", vision_config(model_dir, data, tmp_path / f"run-{k}", model=model))
+        said = train_here(run_cli, config, code=2).stderr
+        assert f"model.init.config: model_type {model_type} is a vision-language model" in said, said[-2000:]
+        assert "text models only" in said and "as model.path instead of model.init" in said
+        assert "Traceback" not in said and not (tmp_path / f"run-{k}").exists()
