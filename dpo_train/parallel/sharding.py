@@ -11,7 +11,17 @@ def shard(model: Any, strategy: str, world: int) -> Any:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    for layer in getattr(getattr(model, "model", model), "layers", []):
+    for layer in _decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def _decoder_layers(model: Any) -> Any:
+    """The decoder layers: `model.model.layers`, or a vision-language model's language model's (its vision tower
+    and connector stay in the root unit, whose parameters every rank's loss reaches: `vision.families`)."""
+    from dpo_train.vision.families import tower_of
+
+    if tower_of(model) is not None:
+        return model.get_decoder().layers
+    return getattr(getattr(model, "model", model), "layers", [])

@@ -81,3 +81,16 @@ def test_two_ranks_train_vision_pairs_as_one_process(family, trained, vlm_dirs, 
             worst = _worst(one, trained[f"{family} {layout} 2 {strategy}"])
             print(f"{family} {layout} world 2 {strategy}: worst relative difference {worst:.2e}")
             assert worst <= RTOL, (layout, strategy, worst)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp2_shards_a_vision_language_model_layer_by_layer(family, vlm_dirs):
+    """FSDP2 units: each decoder layer of the language model (not the whole model in one unit, which every rank
+    would gather at once), the vision tower and connector in the root's."""
+    from dpo_train.parallel.sharding import _decoder_layers
+    from tests.vision.test_packed_vision import load
+
+    model = load(vlm_dirs[family], "sdpa")
+    layers = list(_decoder_layers(model))
+    assert layers and layers == list(model.get_decoder().layers)
+    assert all(type(layer).__name__.endswith("DecoderLayer") for layer in layers)
