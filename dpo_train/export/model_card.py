@@ -61,17 +61,18 @@ def card_text(config: TrainConfig, facts: RunFacts, library: str, merged: bool) 
     from huggingface_hub import ModelCardData
 
     lora = facts.identity["model"]["lora"]
+    vision = _is_vision(config)
     data = ModelCardData(
         base_model=hub_model_id(config.model),  # a Hub id or nothing: the Hub links it
         datasets=dataset_names(config.data.paths),
         **base_licence(config.model),
         library_name=library,
-        pipeline_tag="text-generation",
+        pipeline_tag="image-text-to-text" if vision else "text-generation",
         tags=list(dict.fromkeys(["dpo-toolkit", "dpo", *loss_types(config), *(["lora"] if lora else [])])),
     )
     sections = [
         _title(config, facts, library, merged),
-        _usage(config, facts, library),
+        _vision_usage(config, library) if vision else _usage(config, facts, library),
         _objective(facts),
         _hyperparameters(config, facts),
         _data(facts),
@@ -218,6 +219,30 @@ def _usage(config: TrainConfig, facts: RunFacts, library: str) -> str:
         f"{prompt}"
         "output = model.generate(**inputs, max_new_tokens=64)\n"
         'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))'
+    )
+    return f"## Usage\n\n```python\n{code}\n```" + (_adapter_note(config) if library == "peft" else "")
+
+
+def _is_vision(config: TrainConfig) -> bool:
+    from dpo_train.model.policy import is_vision_model
+
+    return bool(config.model.path) and is_vision_model(config.model.path)
+
+
+def _vision_usage(config: TrainConfig, library: str) -> str:
+    """How to load a vision-language export (its processor is saved beside the model, final/) and ask about an
+    image through the processor's chat template."""
+    code = (
+        "from PIL import Image\n"
+        "from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+        f'repo = "{_USAGE_REPO}"  # the repo `dpo-state push` sent this folder to, or the folder\'s path\n'
+        "processor = AutoProcessor.from_pretrained(repo)\n"
+        "model = AutoModelForImageTextToText.from_pretrained(repo)\n"
+        'messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]\n'
+        "text = processor.apply_chat_template(messages, add_generation_prompt=True)\n"
+        'inputs = processor(text=text, images=[Image.open("picture.png")], return_tensors="pt")\n'
+        "output = model.generate(**inputs, max_new_tokens=64)\n"
+        'print(processor.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))'
     )
     return f"## Usage\n\n```python\n{code}\n```" + (_adapter_note(config) if library == "peft" else "")
 

@@ -57,7 +57,8 @@ def test_a_vision_dataset_builds_verifies_and_trains_through_the_cli(family, lay
     world 1: step 1's loss is log 2 (the policy is the reference; the parity guard passed on rows with images),
     every metric finite, the language model moved and the vision tower, frozen by default, did not. `final/` holds
     the processor: the rows built with `--processor final/` attest the same processor fingerprint, and a next run
-    takes final/ as its model directory (its loader's processor check passes)."""
+    takes final/ as its model directory (its loader's processor check passes); its model card's usage snippet is a
+    vision-language model's, and it runs."""
     from dpo_cli.data import main as data_main
 
     model_dir = vlm_dirs[family]
@@ -81,6 +82,18 @@ def test_a_vision_dataset_builds_verifies_and_trains_through_the_cli(family, lay
         assert rebuilt.exit_code == 0, rebuilt.output
         assert fingerprint(tmp_path / "again") == fingerprint(data)
         ImageSource(out / "final", PairStore([data]))  # a DataError, naming what differs, if it did
+        card = (out / "final" / "README.md").read_text()
+        assert "pipeline_tag: image-text-to-text" in card and "AutoModelForImageTextToText" in card
+        if family == "idefics3":  # Qwen2.5-VL's AutoProcessor needs torchvision (its video part), not installed
+            _run_usage(card, out / "final", tmp_path / "input" / "image-0.png")
+
+
+def _run_usage(card: str, final, image) -> None:
+    """The card's usage snippet, run on the export and a real image: it loads, asks and prints an answer."""
+    code = card.split("## Usage\n\n```python\n", 1)[1].split("\n```", 1)[0]
+    code = code.replace("YOUR-NAME/YOUR-MODEL", str(final)).replace("picture.png", str(image))
+    code = code.replace("max_new_tokens=64", "max_new_tokens=4")  # a random model: any 4 tokens will do
+    exec(code, {})
 
 
 def test_the_vision_tower_trains_when_asked_and_lora_adapts_the_language_model_only(

@@ -19,6 +19,11 @@ LAYOUTS = ("separate", "shared_prompt")
 STRATEGIES = ("ddp", "fsdp")
 
 
+TOLERANCE = 2 * RTOL
+"""The text runs' tolerance, doubled: Qwen2.5-VL's separate layout measured 1.81e-6 of RTOL's 2e-6, all of it a
+k_proj bias gradient of norm 1.5e-4 that nearly cancels (world 1 alone moves it as much; see BUDGETS), so another
+CPU's rounding could cross RTOL. A pair's images on the wrong rank, or scaled, move it by 5.9e-3 or more."""
+
 BUDGETS = {"idefics3": 184, "qwen2_5_vl": 104}
 """Each family's token budget: its longest pair padded to 8 (a micro-batch of about one pair in the separate layout,
 two in shared_prompt), so that a step's four pairs spread over both ranks at world 2. World 1 runs the same config:
@@ -80,7 +85,7 @@ def test_two_ranks_train_vision_pairs_as_one_process(family, trained, vlm_dirs, 
         for strategy in STRATEGIES:
             worst = _worst(one, trained[f"{family} {layout} 2 {strategy}"])
             print(f"{family} {layout} world 2 {strategy}: worst relative difference {worst:.2e}")
-            assert worst <= RTOL, (layout, strategy, worst)
+            assert worst <= TOLERANCE, (layout, strategy, worst)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
