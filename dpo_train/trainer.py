@@ -28,7 +28,7 @@ from dpo_train.config import TrainConfig
 from dpo_train.errors import NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import export, run_facts
-from dpo_train.model import apply_lora, embedding_rows
+from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
 from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
 from dpo_train.run import Progress, Run, RunLog, load_initial_policy, stage, training_run
@@ -49,7 +49,6 @@ from dpo_train.step import (
     step_sources,
     unmoved_rng,
 )
-from dpo_train.vision.families import reached_by_every_rank
 
 
 class Trainer:

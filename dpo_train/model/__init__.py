@@ -7,6 +7,6 @@ __all__, __getattr__ = front(
     __name__,
     {
         "lora": ("apply_lora",),
-        "policy": ("embedding_rows",),
+        "policy": ("embedding_rows", "reached_by_every_rank"),
     },
 )

@@ -18,10 +18,9 @@ def shard(model: Any, strategy: str, world: int) -> Any:
 
 
 def _decoder_layers(model: Any) -> Any:
-    """The decoder layers: `model.model.layers`, or a vision-language model's language model's (its vision tower
-    and connector stay in the root unit, whose parameters every rank's loss reaches: `vision.families`)."""
-    from dpo_train.vision.families import tower_of
-
-    if tower_of(model) is not None:
+    """The decoder layers: `model.model.layers`, or a vision-language model's (a config with a `vision_config`,
+    whose `model` holds a language model beside its vision tower and connector) decoder's: the tower and connector
+    stay in the root unit, whose parameters every rank's loss reaches (`model.policy.reached_by_every_rank`)."""
+    if hasattr(getattr(model, "config", None), "vision_config"):  # through PEFT's wrapper too
         return model.get_decoder().layers
-    return getattr(getattr(model, "model", model), "layers", [])
+    return getattr(getattr(model, "model", model), "layers", [])  # a text LoRA model: none (the root unit)

@@ -76,13 +76,3 @@ def outside_language(model: Any) -> list[Any]:
         if path.split(".")[-1] in names:
             found += [p for p in module.parameters() if p.requires_grad]
     return found
-
-
-def reached_by_every_rank(model: Any) -> Any:
-    """0 times the sum of `outside_language(model)` (a 0-dim zero tensor; 0 for a text model), added to every
-    micro-batch's loss: a rank whose rows hold no image runs no vision tower nor connector, so without it their
-    parameters would get no gradient there while another rank's do, and DDP's bucketed all-reduce and FSDP2's
-    reduce-scatter would pair different tensors across ranks (a collective mismatch). The term adds an exact zero
-    to each such gradient: the step is unchanged."""
-    params = outside_language(model)
-    return sum(p.sum() for p in params) * 0.0 if params else 0.0

@@ -6,7 +6,7 @@ steps must not depend on how the step's pairs (and so their images and Qwen2.5-V
 ranks. The runs are tests/train/test_invariance.py's (`_train_all`: one spawn of 2 ranks for every world-2 job,
 world 1 in this process), with plain SGD at lr 1 and no clipping for the reason given there, and its tolerance.
 A rank whose rows hold no image runs no vision tower nor connector: its gradients there are still reduced with the
-other rank's (`dpo_train.vision.families.reached_by_every_rank`)."""
+other rank's (`dpo_train.model.policy.reached_by_every_rank`)."""
 
 from __future__ import annotations
 
