@@ -19,35 +19,14 @@ def trl_trainer(
     import torch
     from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
     rows = [
         {"prompt_ids": p.prompt.tolist(), "chosen_ids": p.chosen.tolist(), "rejected_ids": p.rejected.tolist()}
         for p in pairs
     ]
     ids = datasets.Dataset.from_list(rows)
-    args = DPOConfig(
-        output_dir=str(work / "trl"),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=pairs_per_step // micro,
-        learning_rate=HYPER["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=HYPER["beta"],
-        loss_type=["sigmoid"],
-        max_length=None,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = peer_args(work / "trl", micro, pairs_per_step // micro, steps)
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = DPOTrainer(
@@ -62,6 +41,35 @@ def trl_trainer(
         ids = trainer._precompute_ref_logps(ids, "train", micro)
     trainer.train_dataset = ids
     return trainer
+
+
+def peer_args(out: Path, micro: int, accumulation: int, steps: int):
+    """TRL's `DPOConfig` as the peer runs it: HYPER's sigmoid loss, AdamW at a constant lr, clipping at 1.0, fp32
+    on CPU, no warm-up, weight decay, truncation (`max_length=None`), saving, workers or progress bar."""
+    from trl import DPOConfig
+
+    return DPOConfig(
+        output_dir=str(out),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=HYPER["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=HYPER["beta"],
+        loss_type=["sigmoid"],
+        max_length=None,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
 
 
 def train_timed(trainer) -> tuple[list[float], list[dict]]:

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 import harness
-from trl_peer import HYPER
+from trl_peer import HYPER, peer_args
 
 sys.path.append(str(harness.ROOT))  # tests.vision.tiny_vlm (after PYTHONPATH: --baseline's checkout comes first)
 
@@ -76,95 +76,21 @@ LOG2 = math.log(2)
 
 
 def qwen25vl(out: Path) -> str:
-    """OUT: a random Qwen2.5-VL of TEXT and TOWER, saved as tiny_vlm saves its fixture (once)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+    """OUT: a random Qwen2.5-VL of TEXT and TOWER with images up to 224 px, the tests' builder (once)."""
     from tests.vision import tiny_vlm
 
-    if (out / "config.json").is_file():
-        return str(out)
-    tok = tiny_vlm._tokenizer(tiny_vlm.QWEN_TOKENS)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tiny_vlm.QWEN_TOKENS}
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 224 * 224}, patch_size=14, merge_size=2, temporal_patch_size=2
-    )
-    processor = tiny_vlm.Qwen25VLImageProcessor(
-        image_processor=image_processor, tokenizer=tok, chat_template=tiny_vlm.QWEN_TEMPLATE
-    )
-    head_half = TEXT["hidden_size"] // TEXT["num_attention_heads"] // 2
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _thirds(head_half)},
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            **TEXT,
-        ),
-        vision_config=dict(
-            depth=TOWER["layers"],
-            hidden_size=TOWER["hidden_size"],
-            intermediate_size=TOWER["intermediate_size"],
-            num_heads=TOWER["heads"],
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[TOWER["layers"] - 1],
-            out_hidden_size=TEXT["hidden_size"],
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    return str(tiny_vlm._save(Qwen2_5_VLForConditionalGeneration, config, processor, out, 0))
-
-
-def _thirds(half: int) -> list[int]:
-    """Qwen2.5-VL's M-RoPE sections (temporal, height, width) over a head's `half` rotary pairs, as its 16/24/24."""
-    t = half // 4
-    return [t, (half - t) // 2, half - t - (half - t) // 2]
+    if not (out / "config.json").is_file():
+        tiny_vlm.qwen25vl_dir(out, 0, text=TEXT, tower=TOWER, edge=224)
+    return str(out)
 
 
 def idefics3(out: Path) -> str:
-    """OUT: a random Idefics3 of TEXT and TOWER, saved as tiny_vlm saves its fixture (once)."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
+    """OUT: a random Idefics3 of TEXT and TOWER with images up to 128 px in 64 px crops, the tests' builder (once)."""
     from tests.vision import tiny_vlm
 
-    if (out / "config.json").is_file():
-        return str(out)
-    tok = tiny_vlm._tokenizer(tiny_vlm.IDEFICS3_TOKENS)
-    image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 128}, max_image_size={"longest_edge": 64}, do_image_splitting=True
-    )
-    processor = Idefics3Processor(
-        image_processor=image_processor, tokenizer=tok, image_seq_len=16, chat_template=tiny_vlm.SMOLVLM_TEMPLATE
-    )
-    config = Idefics3Config(
-        text_config=dict(
-            model_type="llama",
-            vocab_size=len(tok),
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            **TEXT,
-        ),
-        vision_config=dict(
-            hidden_size=TOWER["hidden_size"],
-            intermediate_size=TOWER["intermediate_size"],
-            num_hidden_layers=TOWER["layers"],
-            num_attention_heads=TOWER["heads"],
-            image_size=64,
-            patch_size=8,
-        ),
-        scale_factor=2,
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-    )
-    return str(tiny_vlm._save(Idefics3ForConditionalGeneration, config, processor, out, 0))
+    if not (out / "config.json").is_file():
+        tiny_vlm.idefics3_dir(out, 0, text=TEXT, tower=TOWER, edge=128)
+    return str(out)
 
 
 MAKERS = {"qwen2_5_vl": qwen25vl, "idefics3": idefics3}
@@ -404,7 +330,7 @@ def _run_trl(model, data, rows, steps, budget, out, clock) -> dict:
     from PIL import Image
     from torch.utils.data import SequentialSampler
     from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
     from dpo_data.dataset.store import PairStore
     from tests.vision.tiny_vlm import load_processor
@@ -417,28 +343,7 @@ def _run_trl(model, data, rows, steps, budget, out, clock) -> dict:
     trl_rows = [{**r, "images": [Image.open(source.parent / name) for name in r["images"]]} for r in raw]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TrainingArguments' and TRL's deprecation chatter
-        args = DPOConfig(
-            output_dir=str(out),
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            per_device_train_batch_size=8,
-            gradient_accumulation_steps=1,
-            learning_rate=HYPER["lr"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=HYPER["beta"],
-            loss_type=["sigmoid"],
-            max_length=None,
-            max_steps=steps,
-            logging_steps=1,
-            save_strategy="no",
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-        )
+        args = peer_args(Path(out), 8, 1, steps)  # the step's 8 pairs in one micro-batch
         trainer = DPOTrainer(
             model=model,  # TRL loads the policy and its live reference itself
             args=args,

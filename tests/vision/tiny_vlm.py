@@ -46,6 +46,10 @@ SMOLVLM_TEMPLATE = (
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+# The vision towers: narrow, Qwen2.5-VL's of two blocks (windowed, then full attention), Idefics3's of one.
+QWEN_TOWER = dict(hidden_size=32, intermediate_size=64, layers=2, heads=2)
+IDEFICS3_TOWER = dict(hidden_size=32, intermediate_size=64, layers=1, heads=2)
+
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
@@ -61,8 +65,10 @@ def _tokenizer(special: list[str]):
     return tok
 
 
-def qwen25vl_dir(path: Path, seed: int = 0) -> Path:
-    """Save a tiny random Qwen2.5-VL (model, Qwen2VLImageProcessorPil, SmolLM2 tokenizer, chat template) to `path`."""
+def qwen25vl_dir(path: Path, seed: int = 0, *, text: dict = TEXT, tower: dict = QWEN_TOWER, edge: int = 112) -> Path:
+    """Save a tiny random Qwen2.5-VL (model, Qwen2VLImageProcessorPil, SmolLM2 tokenizer, chat template) to `path`:
+    `text` its language model, `tower` its vision tower, images resized to at most `edge` x `edge` pixels with
+    attention windows of half that (the defaults are the tests'; benchmarks/vision.py builds a larger one)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -70,29 +76,30 @@ def qwen25vl_dir(path: Path, seed: int = 0) -> Path:
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
     # 14 px patches merged 2x2: a 56 px square is a 4x4 grid, 4 image tokens; pixels bounded so images stay tiny.
     image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, patch_size=14, merge_size=2, temporal_patch_size=2
+        size={"shortest_edge": 56 * 56, "longest_edge": edge * edge}, patch_size=14, merge_size=2, temporal_patch_size=2
     )
     processor = Qwen25VLImageProcessor(image_processor=image_processor, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    rope_pairs = text["hidden_size"] // text["num_attention_heads"] // 2
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tok),
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _thirds(rope_pairs)},
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            **TEXT,
+            **text,
         ),
         vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
+            depth=tower["layers"],
+            hidden_size=tower["hidden_size"],
+            intermediate_size=tower["intermediate_size"],
+            num_heads=tower["heads"],
             patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
-            window_size=56,
-            fullatt_block_indexes=[1],
-            out_hidden_size=TEXT["hidden_size"],
+            window_size=edge // 2,
+            fullatt_block_indexes=[tower["layers"] - 1],
+            out_hidden_size=text["hidden_size"],
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -102,19 +109,28 @@ def qwen25vl_dir(path: Path, seed: int = 0) -> Path:
     return _save(Qwen2_5_VLForConditionalGeneration, config, processor, path, seed)
 
 
-def idefics3_dir(path: Path, seed: int = 0) -> Path:
-    """Save a tiny random Idefics3/SmolVLM (model, Idefics3ImageProcessorPil, SmolLM2 tokenizer, chat template)."""
+def _thirds(pairs: int) -> list[int]:
+    """Qwen2.5-VL's M-RoPE sections (temporal, height, width) over a head's rotary `pairs`, as its 16/24/24."""
+    t = pairs // 4
+    return [t, (pairs - t) // 2, pairs - t - (pairs - t) // 2]
+
+
+def idefics3_dir(path: Path, seed: int = 0, *, text: dict = TEXT, tower: dict = IDEFICS3_TOWER, edge: int = 64) -> Path:
+    """Save a tiny random Idefics3/SmolVLM (model, Idefics3ImageProcessorPil, SmolLM2 tokenizer, chat template):
+    `text` its language model, `tower` its vision tower, images resized to at most `edge` px a side and split into
+    crops of half that (the defaults are the tests'; benchmarks/vision.py builds a larger one)."""
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tok = _tokenizer(IDEFICS3_TOKENS)
     # 32 px crops of 8 px patches, pixel-shuffled by 2: 4 image tokens a crop; a 56 px image splits into 2x2 crops
     # plus the global one, as SmolVLM splits its 512 px crops.
+    crop = edge // 2
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+        size={"longest_edge": edge}, max_image_size={"longest_edge": crop}, do_image_splitting=True
     )
     processor = Idefics3Processor(
-        image_processor=image_processor, tokenizer=tok, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE
+        image_processor=image_processor, tokenizer=tok, image_seq_len=(crop // 16) ** 2, chat_template=SMOLVLM_TEMPLATE
     )
     config = Idefics3Config(
         text_config=dict(
@@ -123,14 +139,14 @@ def idefics3_dir(path: Path, seed: int = 0) -> Path:
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            **TEXT,
+            **text,
         ),
         vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
+            hidden_size=tower["hidden_size"],
+            intermediate_size=tower["intermediate_size"],
+            num_hidden_layers=tower["layers"],
+            num_attention_heads=tower["heads"],
+            image_size=crop,
             patch_size=8,
         ),
         scale_factor=2,
