@@ -160,7 +160,8 @@ def main(
     Exit 0 on success; 2 on a config, data, reference-sidecar or resume error; 1 when a rank fails
     (every rank stops, the failing rank names its error) or a save fails (nothing is committed, the
     partial checkpoint is removed); 130 on Ctrl-C, naming the last committed checkpoint to resume
-    from. With --nproc-per-node, the code of the first rank that failed.
+    from (a Ctrl-C during a save lets it commit first; a second stops at once). With --nproc-per-node,
+    the code of the first rank that failed.
 
     distributed.sequence_parallel {ulysses: U, context: C} splits each packed row over U x C ranks
     (world = dp x C x U); pairs stay whole and are counted once (docs/objective.md).

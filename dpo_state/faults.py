@@ -6,6 +6,8 @@ Unset (the normal case), each function does nothing.
 - `DPO_TRAIN_KILL` (`train_kill_point`): `after-save:STEP`, `in-save:STEP:PHASE` (PHASE: `after-dcp`,
   `after-rank-files`, `after-state`, `after-commit`) or `in-export:NAME` (`in-export:final`) SIGKILLs the
   trainer's process group there.
+- `DPO_TRAIN_INTERRUPT` (`train_kill_point` too): points of the same names, comma-separated, each send this
+  process a SIGINT there, as a Ctrl-C does (the interrupt tests).
 - `DPO_TRAIN_SAVE_FAULT` (`save_fault`, `commit_fault`): `RANK:STEP` makes that rank's save of that step
   raise an OSError (abort-on-all tests); `commit:STEP` makes rank 0's commit of that step raise one.
 - `DPO_TRAIN_FAULT` (`step_fault`): `RANK:STEP` makes that rank fail reading that training step (an OSError).
@@ -21,16 +23,20 @@ import sys
 from collections.abc import Callable
 
 TRAIN_KILL_ENV = "DPO_TRAIN_KILL"
+TRAIN_INTERRUPT_ENV = "DPO_TRAIN_INTERRUPT"
 SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
 STEP_FAULT_ENV = "DPO_TRAIN_FAULT"
 DATA_KILL_ENV = "DPO_DATA_KILL"
 
 
 def train_kill_point(name: str) -> None:
-    """SIGKILL this process group if `DPO_TRAIN_KILL` names this point."""
+    """SIGKILL this process group if `DPO_TRAIN_KILL` names this point; SIGINT this process if
+    `DPO_TRAIN_INTERRUPT` lists it."""
     if os.environ.get(TRAIN_KILL_ENV) == name:
         sys.stderr.flush()
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    if name in os.environ.get(TRAIN_INTERRUPT_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def save_fault(rank: int, step: int) -> None:

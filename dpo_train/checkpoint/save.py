@@ -33,6 +33,7 @@ from dpo_state.state import (
     normalized,
     rank_files,
 )
+from dpo_train.checkpoint.interrupts import held_until_saved
 from dpo_train.checkpoint.parts import Checkpointable, RunView, Stateful, dcp_tensors, warn
 from dpo_train.errors import CheckpointError
 from dpo_train.parallel import collectives
@@ -46,6 +47,12 @@ def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> 
     rank 0 has removed the partial directory: the previous commit stays the latest and the disk is not
     left holding half a checkpoint.
     """
+    rank, step = run.rank, parts.train.step
+    with held_until_saved(step, announce=rank == 0):
+        return _save(parts, run, identity, lineage)
+
+
+def _save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> Path:
     rank, step = run.rank, parts.train.step
     _agree(step)  # every rank is at the same step before anyone writes
     directory = step_dir(run.out, step)
@@ -83,6 +90,8 @@ def _guarded(rank: int, work: Callable[[], Any]) -> tuple[Any, str]:
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - any failure is reported to every rank
+        if any(isinstance(x, KeyboardInterrupt) for x in _causes(e)):  # a second Ctrl-C, wrapped by DCP
+            raise KeyboardInterrupt from e
         return None, f"rank {rank}: {_named(e)}"
 
 
@@ -94,11 +103,22 @@ def _named(e: BaseException) -> str:
 
 
 def _root_cause(e: BaseException) -> str:
+    pick = next((x for x in _chain(e) if isinstance(x, OSError)), e)
+    return f"{type(pick).__name__}: {pick}"
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and what it was raised from or while handling, outermost first (at most 16)."""
     chain = [e]
     while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    pick = next((x for x in chain if isinstance(x, OSError)), e)
-    return f"{type(pick).__name__}: {pick}"
+    return chain
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """Every exception behind `e`: its chain, and the chains of each rank's failure DCP wrapped in it."""
+    inner = [exc for exc, _ in getattr(e, "failures", {}).values()]
+    return [x for outer in [e, *inner] for x in _chain(outer)]
 
 
 @contextlib.contextmanager

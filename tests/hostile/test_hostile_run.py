@@ -141,6 +141,54 @@ def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(small_data
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("points", "latest"),
+    [
+        ("in-save:2:after-dcp", 2),  # held: step 2's save commits, then the run stops naming it
+        ("in-save:2:after-dcp,in-save:2:after-rank-files", 1),  # a second Ctrl-C stops at once: step 1 stays
+    ],
+    ids=["once", "twice"],
+)
+def test_ctrl_c_during_a_save_lets_it_commit_and_a_second_stops_at_once(
+    small_dataset, smollm2_dir, tmp_path, points, latest
+):
+    # a real SIGINT to the trainer's process at the named points of step 2's save (DPO_TRAIN_INTERRUPT). Before
+    # the hold, one Ctrl-C there lost step 2, and one inside DCP's save was "saving step 2 failed", exit 1
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "held", train__max_steps=4)
+    stderr = train_cli(path, env={"DPO_TRAIN_INTERRUPT": points}, code=130).stderr
+    assert "interrupt: finishing the save of step 2 first (Ctrl-C again stops now)" in stderr
+    assert f"the last committed checkpoint is {out / 'checkpoints' / f'step-{latest:06d}'};" in stderr
+    assert "failed" not in stderr and "Traceback" not in stderr
+    committed = sorted(p.parent.name for p in (out / "checkpoints").glob("*/commit.json"))
+    assert committed == [f"step-{k:06d}" for k in range(1, latest + 1)]
+
+
+def test_a_ctrl_c_that_dcp_wraps_is_an_interrupt_not_a_failed_save(tmp_path):
+    # a second Ctrl-C inside DCP's save: DCP catches it and raises a CheckpointException holding it, which the
+    # save used to report as a rank's failure (exit 1, "free disk space"); it is the user's interrupt
+    import signal
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dpo_train.checkpoint.save import _guarded
+
+    class Interrupted(dcp.FileSystemWriter):  # the Ctrl-C lands while DCP writes the tensors
+        def write_data(self, plan, planner):
+            signal.raise_signal(signal.SIGINT)
+            return super().write_data(plan, planner)
+
+    def save():
+        dcp.save({"x": torch.zeros(4)}, storage_writer=Interrupted(str(tmp_path / "dcp")), no_dist=True)
+
+    with pytest.raises(dcp.api.CheckpointException) as wrapped:
+        save()
+    assert any(isinstance(e, KeyboardInterrupt) for e, _ in wrapped.value.failures.values())
+    with pytest.raises(KeyboardInterrupt):
+        _guarded(0, save)
+
+
+@pytest.mark.slow
 def test_sigkill_during_the_export_leaves_no_final_and_the_rerun_writes_it_whole(
     small_dataset, smollm2_dir, tmp_path, run_cli
 ):
