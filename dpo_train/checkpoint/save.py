@@ -49,26 +49,22 @@ def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> 
     """
     rank, step = run.rank, parts.train.step
     with held_until_saved(step, announce=rank == 0):
-        return _save(parts, run, identity, lineage)
-
-
-def _save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> Path:
-    rank, step = run.rank, parts.train.step
-    _agree(step)  # every rank is at the same step before anyone writes
-    directory = step_dir(run.out, step)
-    if rank == 0:
-        _clear_for(directory, run.out, step)
-    collectives.barrier()
-    written, failure = _guarded(rank, lambda: _write_this_rank(parts, run, directory))
-    failures = collectives.gather_failures(failure)
-    positions = collectives.gather_objects(written["position"] if not failures else None)
-    if not failures and rank == 0:
-        _, failure = _guarded(rank, lambda: _commit(parts, run, identity, directory, (positions, written), lineage))
-    failures = failures or collectives.gather_failures(failure)
-    if failures:
-        _abandon(directory, rank, step, failures)
-    collectives.barrier()
-    train_kill_point(f"after-save:{step}")
+        _agree(step)  # every rank is at the same step before anyone writes
+        directory = step_dir(run.out, step)
+        if rank == 0:
+            _clear_for(directory, run.out, step)
+        collectives.barrier()
+        written, failure = _guarded(rank, lambda: _write_this_rank(parts, run, directory))
+        failures = collectives.gather_failures(failure)
+        positions = collectives.gather_objects(written["position"] if not failures else None)
+        if not failures and rank == 0:
+            commit = (positions, written)
+            _, failure = _guarded(rank, lambda: _commit(parts, run, identity, directory, commit, lineage))
+        failures = failures or collectives.gather_failures(failure)
+        if failures:
+            _abandon(directory, rank, step, failures)
+        collectives.barrier()
+        train_kill_point(f"after-save:{step}")
     return directory
 
 
