@@ -274,7 +274,8 @@ def test_the_data_pipeline_imports_without_the_trainer_or_npu():
 def test_a_build_with_a_real_tokenizer_imports_neither_torch_nor_transformers(smollm2_dir, tmp_path):
     """`dpo-data build` and `dpo-data verify --tokenizer` need a tokenizer, not a model: SmolLM2's directory is
     read with `tokenizers` and our own chat-template environment (dpo_data/tokenizer/light.py), so neither
-    imports transformers (about a second), torch (seconds) or PIL; shards are written without pandas."""
+    imports transformers (about a second), torch (seconds) or PIL; shards are written, verified and opened for
+    training (`PairStore`, as every rank does) without pandas."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
         '{"prompt": "2 + 2?", "chosen": " 4", "rejected": " 5"}\n'
@@ -287,11 +288,11 @@ def test_a_build_with_a_real_tokenizer_imports_neither_torch_nor_transformers(sm
         "import sys\nfrom dpo_cli.data import main\n"
         f"main(['build', {str(rows)!r}, '--tokenizer', {tokenizer!r}, '--out', {out!r}], standalone_mode=False)\n"
         f"{heavy}main(['verify', {out!r}, '--tokenizer', {tokenizer!r}], standalone_mode=False)\n{heavy}"
+        f"from dpo_data.dataset.store import PairStore\nassert PairStore([{out!r}]).num_pairs == 2\n{heavy}"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    after_build, after_verify = done.stdout.splitlines()[-3], done.stdout.splitlines()[-1]
-    assert after_build == "[]"
-    assert after_verify == "['pandas']"  # verify reads the shards' columns through pandas
+    lines = done.stdout.splitlines()
+    assert (lines[-4], lines[-2], lines[-1]) == ("[]", "[]", "[]")  # after build, verify, and opening the store
     assert f"OK: {out} verified (tokenizer attested)" in done.stdout
     assert (tmp_path / "out" / "manifest.json").is_file()
 

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from dpo_data.dataset.manifest import is_vision, read_manifest, recorded_chat_template, template_origin
+from dpo_data.dataset.shards import as_numpy
 from dpo_data.errors import DataError
 from dpo_state.attestation import differing_parts
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
@@ -126,14 +127,14 @@ class PairStore:
                         k = len(parts[0])
                         for j, column in enumerate(("prompt_ids", "chosen_ids", "rejected_ids")):
                             arr = batch.column(column)
-                            parts[j].append((arr.offsets.to_numpy(), arr.values.to_numpy()))
+                            parts[j].append((as_numpy(arr.offsets), as_numpy(arr.values)))
                         lengths.append(
                             np.stack(
-                                [batch.column(c).to_numpy() for c in ("prompt_len", "chosen_len", "rejected_len")],
+                                [as_numpy(batch.column(c)) for c in ("prompt_len", "chosen_len", "rejected_len")],
                                 axis=1,
                             )
                         )
-                        sources.append(remap[batch.column("source_id").to_numpy()])
+                        sources.append(remap[as_numpy(batch.column("source_id"))])
                         batch_of.append(np.full(batch.num_rows, k, dtype=np.int32))
                         row_of.append(np.arange(batch.num_rows, dtype=np.int32))
                         self._located.append((d, shard["path"]))

@@ -20,7 +20,7 @@ from dpo_data.dataset.manifest import (
     read_manifest,
     recorded_chat_template,
 )
-from dpo_data.dataset.shards import image_views, open_shard, read_batches, shard_schema
+from dpo_data.dataset.shards import as_numpy, image_views, open_shard, read_batches, shard_schema
 from dpo_data.errors import DataError
 from dpo_state.files import file_problems
 
@@ -265,8 +265,8 @@ def _check_content(m: dict, table: pa.Table) -> list[str]:
     lengths = {}
     for part in ("prompt", "chosen", "rejected"):
         ids, stated = table.column(f"{part}_ids"), table.column(f"{part}_len")
-        actual = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-        if not np.array_equal(actual, stated.to_numpy(zero_copy_only=False)):
+        actual = as_numpy(pc.list_value_length(ids)).astype(np.int64)
+        if not np.array_equal(actual, as_numpy(stated)):
             failures.append(f"shards: {part}_len disagrees with the length of {part}_ids")
         lengths[part] = actual
         values = pc.list_flatten(ids)
@@ -318,7 +318,7 @@ def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
     span_rows = m["producer"]["options"]["pairs_per_shard"]
     ids = {s["name"]: s["id"] for s in m["sources"]}
     for shard, table in zip(m["shards"], tables):
-        rows = table.column("row_index").to_numpy()
+        rows = as_numpy(table.column("row_index"))
         span = int(shard["path"].rsplit("-", 1)[1].split(".")[0])
         if span <= previous:
             failures.append(
@@ -329,7 +329,7 @@ def _check_spans(m: dict, tables: list[pa.Table]) -> list[str]:
         lo, hi = span * span_rows, (span + 1) * span_rows - 1
         if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < lo or rows[-1] > hi):
             failures.append(f"{shard['path']}: row_index is not increasing within its span, rows {lo} to {hi}")
-        local = table.column("source_id").to_numpy()
+        local = as_numpy(table.column("source_id"))
         if bool((local < 0).any()) or bool((local >= len(shard["sources"])).any()):
             failures.append(f"{shard['path']}: source ids outside 0..{len(shard['sources']) - 1} (its sources)")
             continue

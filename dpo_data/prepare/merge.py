@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from dpo_data import __version__
 from dpo_data.dataset.manifest import PART_NAME, REJECTS_NAME, ImageTally
-from dpo_data.dataset.shards import PARTS, SHARD_DIR, ShardInfo, open_shard, shard_name
+from dpo_data.dataset.shards import PARTS, SHARD_DIR, ShardInfo, as_numpy, open_shard, shard_name
 from dpo_data.dataset.verify import reject_record, truncation_problems
 from dpo_data.errors import DataError
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, commit_staged
@@ -209,10 +209,10 @@ class Recount:
 
     def add_shard(self, shard: dict, table: pa.Table, lengths: np.ndarray) -> None:
         self.pairs += table.num_rows
-        local = table.column("source_id").to_numpy()
+        local = as_numpy(table.column("source_id"))
         self.sources.update({shard["sources"][k]: int(n) for k, n in enumerate(np.bincount(local)) if n})
         self.input_pairs.update(
-            {i: int(n) for i, n in enumerate(np.bincount(table.column("input_index").to_numpy())) if n}
+            {i: int(n) for i, n in enumerate(np.bincount(as_numpy(table.column("input_index")))) if n}
         )
         self.max_token_id = max(self.max_token_id, _max_token_id(table))
         self.lengths.append(lengths)
@@ -359,19 +359,19 @@ def _check_shard(part_dir: Path, doc: dict, shard: dict, table: pa.Table) -> np.
         )
     span_rows = doc["plan"]["options"]["pairs_per_shard"]
     lo, hi = shard["span"] * span_rows, (shard["span"] + 1) * span_rows - 1
-    rows = table.column("row_index").to_numpy()
+    rows = as_numpy(table.column("row_index"))
     problems = []
     if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < lo or rows[-1] > hi):
         problems.append(f"row_index is not increasing within span {shard['span']}, rows {lo} to {hi}")
-    local = table.column("source_id").to_numpy()
+    local = as_numpy(table.column("source_id"))
     ids, first = np.unique(local, return_index=True)
     if not np.array_equal(ids[np.argsort(first)], np.arange(len(shard["sources"]))):
         problems.append(f"its source ids, by first appearance, are not 0..{len(shard['sources']) - 1} (its sources)")
-    inputs = table.column("input_index").to_numpy()
+    inputs = as_numpy(table.column("input_index"))
     if inputs.size and (inputs.min() < 0 or inputs.max() >= len(doc["inputs"])):
         problems.append(f"input_index outside 0..{len(doc['inputs']) - 1} (the build's inputs)")
-    lengths = np.stack([pc.list_value_length(table.column(f"{p}_ids")).to_numpy() for p in PARTS], axis=1)
-    stated = np.stack([table.column(f"{p}_len").to_numpy() for p in PARTS], axis=1)
+    lengths = np.stack([as_numpy(pc.list_value_length(table.column(f"{p}_ids"))) for p in PARTS], axis=1)
+    stated = np.stack([as_numpy(table.column(f"{p}_len")) for p in PARTS], axis=1)
     if not np.array_equal(lengths, stated):
         problems.append("its *_len columns are not the lengths of its *_ids lists")
     if problems:
@@ -384,8 +384,8 @@ def _count_images(named: str, table: pa.Table, images: ImageTally) -> None:
     if "image_bytes" not in table.column_names:
         raise DataError(f"{named}: a shard of a vision build without its image_bytes column; rebuild that part")
     column = table.column("image_bytes")
-    per_pair = pc.list_value_length(column).to_numpy(zero_copy_only=False).tolist()
-    sizes = pc.binary_length(pc.list_flatten(column)).to_numpy(zero_copy_only=False).tolist()
+    per_pair = as_numpy(pc.list_value_length(column)).tolist()
+    sizes = as_numpy(pc.binary_length(pc.list_flatten(column))).tolist()
     images.add(per_pair, sizes)
 
 

@@ -337,3 +337,23 @@ def test_shard_columns_built_from_buffers_write_the_bytes_pa_array_writes(row_id
     lengths = np.arange(3 * len(row_ids), dtype=np.int32).reshape(-1, 3)
     assert ipc(_numbers(lengths[:, 1])) == ipc(pa.array(np.ascontiguousarray(lengths[:, 1])))
     assert _strings(row_ids).to_pylist() == row_ids
+
+
+def test_shard_columns_read_as_numpy_are_what_to_numpy_gives_and_nulls_are_named():
+    """`as_numpy` reads columns without pyarrow's pandas bridge: the values `to_numpy` gives, for sliced,
+    chunked and empty arrays of each width; a column with nulls (no built shard has one) is a DataError."""
+    from dpo_data.dataset.shards import _numbers, as_numpy
+    from dpo_data.errors import DataError
+
+    for dtype in (np.int32, np.int64, np.float32):
+        values = np.arange(10, dtype=dtype) * 3
+        array = _numbers(values)
+        for piece in (array, array.slice(3, 4), array.slice(10), pa.chunked_array([array.slice(0, 2), array.slice(7)])):
+            got = as_numpy(piece)
+            assert got.dtype == dtype and np.array_equal(got, piece.to_numpy()), (dtype, piece)
+    listed = pa.ListArray.from_arrays(_numbers(np.array([0, 2, 5], np.int32)), _numbers(np.arange(5, dtype=np.int32)))
+    assert as_numpy(listed.slice(1).offsets).tolist() == [2, 5]
+    with pytest.raises(DataError, match="holds 1 nulls"):
+        as_numpy(pa.array([1, None, 3], pa.int32()))
+    with pytest.raises(TypeError, match="not bool"):
+        as_numpy(pa.array([True]))
