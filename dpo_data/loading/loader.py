@@ -24,11 +24,11 @@ LOADER_STATE_VERSION = 2
 
 
 WORKER_PRELOAD = ("torch", __name__)
-VISION_PRELOAD = ("transformers", "dpo_data.loading.images")
-"""What the fork server also imports when the data holds images: the processor's library, once."""
 """What the workers' fork server imports once, so that each worker, forked from it, starts with torch and the
 stream's module loaded instead of importing them itself (seconds a worker; workers start again at every `iter()`,
 each epoch and each resume). The server is a fresh interpreter, without the rank's gloo threads."""
+VISION_PRELOAD = ("transformers", "dpo_data.loading.images")
+"""What the fork server also imports when the data holds images: the processor's library, once."""
 
 
 def _worker_context(vision: bool = False) -> Any:
