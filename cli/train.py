@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
@@ -181,6 +182,7 @@ def main(
         processes = nproc_per_node * nnodes  # the global batch counts every process of every node
         other = precompute_reference or overwrite or only_planned
         sys.exit(_translate(config, from_trl, list(overrides), processes, other))
+    _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
     nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)
     if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
@@ -215,6 +217,18 @@ def main(
         if given and not precompute_reference:
             fail(f"{flag} only applies to --precompute-reference; drop it")
     sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite, only_planned))
+
+
+def _config_file(config: str) -> None:
+    """CONFIG readable as YAML (missing, a directory, binary or oversized: one line, exit 2), checked by the
+    loader's own reader, which imports no torch; `load_config` reads it again and checks what it says."""
+    from dpo_train.config.strict_yaml import read_yaml_file
+    from dpo_train.errors import ConfigError
+
+    try:
+        read_yaml_file(Path(config))
+    except ConfigError as e:
+        fail(str(e))
 
 
 def _counts(nproc_per_node: int, nnodes: int) -> None:

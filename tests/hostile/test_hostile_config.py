@@ -88,6 +88,24 @@ def test_bad_config_files_and_overrides_are_named_errors_not_tracebacks(tmp_path
     assert "error: config file" in stderr
 
 
+def test_a_config_file_that_cannot_be_read_fails_before_torch_loads_or_ranks_start(tmp_path, run_cli):
+    # not --quiet, so that the imports' progress line would show: the error comes before it (3 s of torch), and
+    # before torchrun starts a process per rank to fail each alike
+    from dpo_cli.train import main
+
+    missing, binary = tmp_path / "nowhere.yaml", tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    for args, line in (
+        ([missing], f"error: config file {missing} does not exist; pass a YAML file"),
+        ([missing, "--nproc-per-node", 2], f"error: config file {missing} does not exist; pass a YAML file"),
+        ([tmp_path, "--nproc-per-node", 2], f"error: config file {tmp_path} is a directory; pass a YAML file"),
+        ([binary], f"error: config file {binary} is not UTF-8 text"),
+    ):
+        result = run_cli(main, *args)
+        assert result.exit_code == 2 and result.stderr.splitlines()[0].startswith(line), result.stderr
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
 def test_a_config_format_version_is_checked_not_dropped():
     assert "format_version is 7" in refused(source={"format_version": 7, "data": {"path": "x"}})
 
