@@ -182,8 +182,8 @@ def main(
         processes = nproc_per_node * nnodes  # the global batch counts every process of every node
         other = precompute_reference or overwrite or only_planned
         sys.exit(_translate(config, from_trl, list(overrides), processes, other))
+    nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)  # the command line's flags first
     _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
-    nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)
     if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
