@@ -12,7 +12,9 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
 4. tokens/s from metrics.jsonl and model FLOPs utilization against this device's measured matmul peak in
    the training precision (bf16 on the GPU, fp32 on the CPU);
 5. the architecture zoo (tests/architectures/zoo.py) on the device in fp32: every path and layout against
-   eager unpacked, per pair, as tests/architectures/test_architectures.py checks on CPU.
+   eager unpacked, per pair, as tests/architectures/test_architectures.py checks on CPU;
+6. the chunked vocabulary head compiled on the device (torch.compile, train.compiled_head) against the eager
+   chunked head on the CPU, with its speed against the eager head on the device.
 """
 
 from __future__ import annotations
@@ -100,6 +102,51 @@ def check_architectures(device: str) -> dict:
     results = {model_type: path_results(model_type, device) for model_type in sorted(ZOO)}
     worst = max((v for r in results.values() for v in r.values() if not isinstance(v, str)), default=0.0)
     return {"ok": worst < TOLERANCE, "worst_relative_error": worst, "results": results}
+
+
+def check_head(device: str, rows: int = 2048, chunk: int = 512) -> dict:
+    """The chunked vocabulary head compiled on the device (train.compiled_head: true) against the eager chunked
+    head on the CPU, fp32, SmolLM2's vocabulary and width with Gemma's softcap: log-probs, log sum p^2 and the
+    gradients of the hidden states and the weight; and seconds per forward and backward on the device, eager
+    and compiled (after the compiled one's first, building, call)."""
+    from dpo_train.attention import compiled, head
+
+    g = torch.Generator().manual_seed(0)
+    width, vocab = 576, 49152
+    weight, hidden = torch.randn(vocab, width, generator=g) * 0.05, torch.randn(rows, width, generator=g)
+    labels, weights = torch.randint(0, vocab, (rows,), generator=g), torch.rand(rows, generator=g) + 0.5
+
+    def run(where: str, mode: bool) -> list[torch.Tensor]:
+        compiled.choose(mode)
+        w = weight.to(where, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates across runs
+        h = hidden.to(where, copy=True).requires_grad_()
+        picked, square = head.target_logps(h, head.Head(w, softcap=30.0), labels.to(where), chunk)
+        (picked * weights.to(where)).sum().backward()
+        _sync(where)
+        return [t.detach().to("cpu", copy=True) for t in (picked, square, h.grad, w.grad)]
+
+    def seconds(mode: bool) -> float:
+        run(device, mode)  # warm: the compiled form builds and is checked here
+        started = time.perf_counter()
+        for _ in range(3):
+            run(device, mode)
+        return round((time.perf_counter() - started) / 3, 4)
+
+    try:
+        truth, started = run("cpu", False), time.perf_counter()
+        got, first = run(device, True), round(time.perf_counter() - started, 2)  # the build and the check
+        names = ("logps", "log_sum_p2", "grad_hidden", "grad_weight")
+        errors = {
+            n: float((a.double() - b.double()).abs().max() / b.double().abs().max())
+            for n, a, b in zip(names, got, truth)
+        }
+        states = {"forward": head.CHUNK_LOGPS.state.get(device), "backward": head.CHUNK_GRAD.state.get(device)}
+        why = {**head.CHUNK_LOGPS.why, **head.CHUNK_GRAD.why}
+        timing = {"first_compiled_s": first, "eager_s": seconds(False), "compiled_s": seconds(True)}
+    finally:
+        compiled.choose("auto")
+    ok = all(e <= 1e-4 for e in errors.values()) and set(states.values()) == {"checked"}
+    return {"ok": ok, "relative_errors": errors, "compiled": states, "dropped_because": why, **timing}
 
 
 def _train(config: Path, *extra: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -201,6 +248,7 @@ def main() -> None:
         build(inputs, model_dir, data, BuildOptions())
         summary["collectives"] = check_collectives(args.device)
         summary["logps_bf16_vs_fp32"] = check_logps(model_dir, data, args.device)
+        summary["compiled_head"] = check_head(args.device)
         summary["train_precompute_kill_resume"] = check_training(model_dir, data, work, args.device)
         summary["architectures"] = check_architectures(args.device)
     peak = matmul_peak(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)  # as trained

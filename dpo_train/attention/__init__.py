@@ -7,7 +7,9 @@
 - `inputs`: the model's keyword inputs for a packed row, per path;
 - `logps`: per-pair log-probs from a packed micro-batch;
 - `choice`: the path a run takes, and the refusals of paths that cannot express a model (`model.load` loads it);
-- `probe`: packed vs unpacked log-probs on a synthetic row before step 1.
+- `probe`: packed vs unpacked log-probs on a synthetic row before step 1;
+- `head`: the vocabulary head in chunks of scored positions (long pairs in bounded memory);
+- `compiled`: a function torch.compile builds where it pays, checked against its eager self on first use.
 """
 
 from dpo_train.front import front

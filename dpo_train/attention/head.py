@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dpo_data.progress import say
+from dpo_train.attention.compiled import Checked
 from dpo_train.attention.features import text_config, wrapped
 
 
@@ -103,13 +104,13 @@ class _ChunkedLogps(torch.autograd.Function):
         picked = torch.empty(rows, dtype=dtype, device=hidden.device)
         square = torch.empty(rows if squares else 0, dtype=dtype, device=hidden.device)
         cuts = spans(rows, chunk)
+        parts = (head.multiply, head.divide, head.softcap)
         with torch.no_grad():
             for start, stop in cuts:
-                logits = head.logits(hidden[start:stop])
-                log_z = torch.logsumexp(logits, dim=-1)
-                picked[start:stop] = logits.gather(1, labels[start:stop, None]).squeeze(1) - log_z
+                got = CHUNK_LOGPS(hidden[start:stop], labels[start:stop], weight, bias, *parts, squares)
+                picked[start:stop] = got[0]
                 if squares:
-                    square[start:stop] = torch.logsumexp(2 * logits, dim=-1) - 2 * log_z
+                    square[start:stop] = got[1]
         ctx.save_for_backward(hidden, labels)
         ctx.head, ctx.cuts = head, cuts
         ctx.autocast = _autocast_state(hidden.device.type)
@@ -120,6 +121,7 @@ class _ChunkedLogps(torch.autograd.Function):
     def backward(ctx, grad_picked, _grad_square):
         hidden, labels = ctx.saved_tensors
         head = ctx.head
+        parts = (head.multiply, head.divide, head.softcap)
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         accumulate = torch.promote_types(head.weight.dtype, torch.float32)  # summed over chunks: not in bf16
@@ -127,12 +129,8 @@ class _ChunkedLogps(torch.autograd.Function):
         grad_bias = torch.zeros_like(head.bias, dtype=accumulate) if needs_bias else None
         with torch.autocast(hidden.device.type, **ctx.autocast), torch.no_grad():
             for start, stop in ctx.cuts:
-                h, grad = hidden[start:stop], grad_picked[start:stop, None]
-                z = head.scaled(h)
-                logits = head.capped(z)
-                g = -torch.softmax(logits, dim=-1) * grad.to(logits.dtype)
-                g.scatter_add_(1, labels[start:stop, None], grad.to(g.dtype))
-                g = head.to_linear(z, g)
+                h = hidden[start:stop]
+                (g,) = CHUNK_GRAD(h, labels[start:stop], grad_picked[start:stop], head.weight, head.bias, *parts)
                 if needs_hidden:
                     grad_hidden[start:stop] = (g.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
                 if needs_weight:
@@ -142,6 +140,32 @@ class _ChunkedLogps(torch.autograd.Function):
         grad_weight = grad_weight.to(head.weight.dtype) if needs_weight else None
         grad_bias = grad_bias.to(head.bias.dtype) if needs_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def chunk_logps(hidden, labels, weight, bias, multiply, divide, softcap, squares) -> tuple[torch.Tensor, ...]:
+    """One chunk's forward: (log p(label) per row, log sum_v p(v)^2 per row, empty without `squares`)."""
+    logits = Head(weight, bias, multiply, divide, softcap).logits(hidden)
+    log_z = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels[:, None]).squeeze(1) - log_z
+    square = torch.logsumexp(2 * logits, dim=-1) - 2 * log_z if squares else logits.new_empty(0)
+    return picked, square
+
+
+def chunk_grad(hidden, labels, grad, weight, bias, multiply, divide, softcap) -> tuple[torch.Tensor]:
+    """One chunk's backward up to the projection: (the gradient at the linear's output [rows, vocab],) of
+    sum grad * log p(label), from the chunk's logits recomputed: d log p(label) / d logits = onehot - softmax."""
+    head = Head(weight, bias, multiply, divide, softcap)
+    z = head.scaled(hidden)
+    logits = head.capped(z)
+    grad = grad[:, None].to(logits.dtype)
+    g = (-torch.softmax(logits, dim=-1) * grad).scatter_add(1, labels[:, None], grad)
+    return (head.to_linear(z, g),)
+
+
+CHUNK_LOGPS = Checked(chunk_logps, "vocabulary head (forward)")
+CHUNK_GRAD = Checked(chunk_grad, "vocabulary head (backward)")
+"""The chunk bodies as the chunked head runs them: compiled on CUDA by default, each checked against its eager
+form on its first chunk (`compiled.Checked`; train.compiled_head)."""
 
 
 def _autocast_state(device_type: str) -> dict:

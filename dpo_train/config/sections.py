@@ -163,6 +163,11 @@ class TrainSection:
     chunks of scored positions, each chunk's logits recomputed in backward (dpo_train/attention/head.py); within
     it, the model's own head, unchanged. 1024 by default (docs/benchmarks.md, long pairs: never slower than the
     whole head on SmolLM2, 3 GiB lighter at 2k tokens); null: always the model's own head."""
+    compiled_head: bool | str = "auto"
+    """The chunked head's per-chunk arithmetic compiled by torch.compile: auto (on CUDA; eager on the CPU, where
+    inductor's C++ build costs more than it saves) | true (any device) | false. Each process checks the compiled
+    form's first chunk against the eager one and keeps the eager one, with a note, if it fails to build or
+    differs (dpo_train/attention/compiled.py)."""
     check_microbatches: bool = True
     """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
     feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""

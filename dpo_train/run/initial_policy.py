@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpo_data.progress import say
+from dpo_train.attention.compiled import choose as choose_compiled
 from dpo_train.attention.head import check_head
 from dpo_train.attention.head import mark as mark_budget
 from dpo_train.attention.head import note as head_note
@@ -49,6 +50,7 @@ def load_initial_policy(
                 "with images are checked by step 1's parity guard on the run's own pairs (train.parity_guard) and "
                 "by tests/vision (docs/vision.md)"
             )
+    choose_compiled(config.train.compiled_head)
     budget, why = config.train.logits_budget_mib, None
     if budget is not None:
         with stage("head", shown):
