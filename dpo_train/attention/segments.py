@@ -14,6 +14,12 @@ from dpo_train.errors import ModelError
 
 ATTENTION = "dpo_segments"
 """The transformers attention implementation name (`model.attention: segments`, and auto on CPU)."""
+MASK_LIMIT = 2**24
+"""A shared-prompt completion whose [own, prompt + own] key mask would have more elements than this (16 Mi: 80
+MiB of boolean and float mask, about a 4k completion) runs as one causal sequence with its prompt instead, the
+prompt's query rows recomputed and dropped: sdpa's maskless causal kernels, memory linear in the length, and
+never more attention work than the separate layout does (`RowSegments.continues`). Below it the mask is kept:
+a long prompt with short completions would otherwise recompute the prompt's attention for each."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,19 @@ class RowSegments:
                 keys = torch.cat([prompt, own])
             self._masks[cache_key] = positions_visible(own, keys, layer)
         return self._masks[cache_key]
+
+    def continues(self, index: int, layer: LayerAttention) -> bool:
+        """Whether segment `index` (a completion with a context) runs as one causal sequence with its context:
+        its mask would pass MASK_LIMIT, its positions continue the context's, and neither window nor chunk
+        hides a key of that sequence, so causal over [context, own] is exactly its mask."""
+        context = self.context[index]
+        if context < 0:
+            return False
+        (start, stop), (first, last) = self.bounds[index], self.bounds[context]
+        own, prompt = stop - start, last - first
+        joined = self.first_position[context] + prompt == self.first_position[index]
+        big = own * (prompt + own) > MASK_LIMIT
+        return big and joined and not _restricted(self.first_position[context], prompt + own, layer)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[T] each token's position in its own sequence (row padding counts from 0)."""
@@ -94,7 +113,7 @@ def segment_attention(
     shared-prompt layout, over its prompt's keys and then its own; each layer's window, chunk, softcap
     and sinks applied on the unpacked sequence's positions (`dpo_train.attention.kernel.attend`). The
     work is the sum of the segments' squares, not the row's square, and nothing of the size of the
-    row's square exists. [B, H, S, D] in, [B, S, H, D] out."""
+    row's square exists, nor of a long completion's (MASK_LIMIT). [B, H, S, D] in, [B, S, H, D] out."""
     if row_segments is None:
         raise ModelError(
             "this model runs the segment attention and was called without the row's segments; call it "
@@ -104,15 +123,19 @@ def segment_attention(
     if tuned(module):
         query = by_position(module, query, row_segments.positions(query.device))
     key, value = expand_kv(query, key, value)
+    maskless = layer.softcap is None and sinks is None  # else the eager math, whose scores are square anyway
     outputs = []
     for index, ((start, stop), context) in enumerate(zip(row_segments.bounds, row_segments.context)):
         q, k, v = query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]
+        skip = 0
         if context >= 0:
             first, last = row_segments.bounds[context]
             k = torch.cat([key[:, :, first:last], k], dim=2)
             v = torch.cat([value[:, :, first:last], v], dim=2)
-        visible = row_segments.visible(index, layer, query.device)
-        outputs.append(attend(q, k, v, visible, layer, scaling, sinks, dropout))
+            if maskless and row_segments.continues(index, layer):  # the prompt's query rows ride along, dropped
+                q, skip = torch.cat([query[:, :, first:last], q], dim=2), last - first
+        visible = None if skip else row_segments.visible(index, layer, query.device)
+        outputs.append(attend(q, k, v, visible, layer, scaling, sinks, dropout)[:, :, skip:])
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_train.attention.kernel import positions_visible
 from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
@@ -250,3 +251,32 @@ def test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_t
 
     ours, truth = gradient(packed), gradient(unpacked)
     assert float((ours - truth.float()).norm() / truth.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", sorted(set(ZOO) - set(UNPACKED)))
+def test_a_long_shared_prompt_completion_runs_causal_with_its_prompt_and_equals_eager_unpacked(model_type, monkeypatch):
+    """Past MASK_LIMIT (0 here: every completion) a shared-prompt completion runs as one causal sequence with
+    its prompt, no [own, prompt + own] mask made; where a window, chunk, softcap or sinks rule that out its
+    mask is made as before. Either way each pair's log-probs are eager unpacked's."""
+    from dpo_train.attention import segments
+    from dpo_train.attention.logps import pair_logps
+
+    monkeypatch.setattr(segments, "MASK_LIMIT", 0)
+    made = []
+    monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a[0].numel()) or positions_visible(*a))
+    model, batch_pairs = _load(model_type, "segments", "shared_prompt").eval(), pairs()
+    with torch.no_grad():
+        got = pair_logps(model, pack_shared_prompt(batch_pairs, 16))
+    assert relative_error(got, eager_unpacked(model, batch_pairs)) < TOLERANCE
+    if features_of(model) == "full causal":  # every layer plain: no completion made a mask
+        assert made == [], f"{model_type}: masks of {made} query rows"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_gradients_of_a_completion_run_causal_with_its_prompt_equal_eager_unpacked(model_type, monkeypatch):
+    """The causal form's gradients (the prompt's query rows recomputed, their outputs dropped) are the masked
+    form's and eager unpacked's, on plain models and a windowed one."""
+    from dpo_train.attention import segments
+
+    monkeypatch.setattr(segments, "MASK_LIMIT", 0)
+    test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type)
