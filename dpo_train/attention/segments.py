@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,12 +15,17 @@ from dpo_train.errors import ModelError
 
 ATTENTION = "dpo_segments"
 """The transformers attention implementation name (`model.attention: segments`, and auto on CPU)."""
+BLOCK_ROWS = 1024
+"""Query rows per block of a long segment's window or chunk mask (`RowSegments.blocks`): a block's mask is
+at most BLOCK_ROWS x (BLOCK_ROWS + window) elements."""
 MASK_LIMIT = 2**24
-"""A shared-prompt completion whose [own, prompt + own] key mask would have more elements than this (16 Mi: 80
-MiB of boolean and float mask, about a 4k completion) runs as one causal sequence with its prompt instead, the
-prompt's query rows recomputed and dropped: sdpa's maskless causal kernels, memory linear in the length, and
-never more attention work than the separate layout does (`RowSegments.continues`). Below it the mask is kept:
-a long prompt with short completions would otherwise recompute the prompt's attention for each."""
+"""A segment whose [own, context + own] key mask would have more elements than this (16 Mi: 80 MiB of boolean
+and float mask, about a 4k segment) is never given that mask: a shared-prompt completion of a plain layer runs
+as one causal sequence with its prompt, the prompt's query rows recomputed and dropped (sdpa's maskless
+kernels, never more attention work than the separate layout does: `RowSegments.continues`), and a windowed or
+chunked layer's mask is made a block of query rows at a time (`RowSegments.blocks`). Memory then grows
+linearly with the length. Below it the whole mask is kept for the row: a long prompt with short completions
+would otherwise recompute the prompt's attention for each."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,8 @@ class RowSegments:
     """Where each segment of a row lies, `(start, stop)`, the position of its first token (positions
     then run on by one), and the segment it also sees (its context: the pair's prompt in the
     shared-prompt layout), -1 for none. Row padding past the last segment is one more segment of its
-    own. The masks a windowed or chunked layer needs are made once per row and kept."""
+    own. The masks a windowed or chunked layer needs are made once per row and kept, or for a long segment
+    block by block as they are used (`blocks`)."""
 
     bounds: tuple[tuple[int, int], ...]
     context: tuple[int, ...]
@@ -37,19 +44,34 @@ class RowSegments:
     def visible(self, index: int, layer: LayerAttention, device: torch.device) -> torch.Tensor | None:
         """Segment `index`'s [own, context + own] key mask for `layer`, or None when it is plain causal."""
         (start, stop), context = self.bounds[index], self.context[index]
-        first = self.first_position[index]
-        if context < 0 and not _restricted(first, stop - start, layer):
+        if context < 0 and not _restricted(self.first_position[index], stop - start, layer):
             return None  # plain causal: sdpa's maskless kernels
         cache_key = (index, layer.window, layer.chunk, device)
         if cache_key not in self._masks:
-            own = first + torch.arange(stop - start, device=device)
-            keys = own
-            if context >= 0:
-                prompt_start, prompt_stop = self.bounds[context]
-                prompt = self.first_position[context] + torch.arange(prompt_stop - prompt_start, device=device)
-                keys = torch.cat([prompt, own])
-            self._masks[cache_key] = positions_visible(own, keys, layer)
+            self._masks[cache_key] = positions_visible(*self._positions(index, device), layer)
         return self._masks[cache_key]
+
+    def blocks(self, index: int, layer: LayerAttention, device: torch.device) -> Iterator[tuple] | None:
+        """Segment `index`'s window or chunk mask cut into blocks of BLOCK_ROWS query rows, each with the key
+        columns any of its rows can see: (rows, columns, that block's mask) per block, each made as it is
+        used, so nothing grows with the square of the segment. None where the whole mask is small
+        (MASK_LIMIT), the layer hides no earlier key, or the positions do not increase (`visible` then)."""
+        if not layer.restricts_keys:
+            return None
+        own, keys = self._positions(index, device)
+        if len(own) * len(keys) <= MASK_LIMIT or not bool((keys[1:] > keys[:-1]).all()):
+            return None
+        return (_block(own, keys, layer, rows) for rows in range(0, len(own), BLOCK_ROWS))
+
+    def _positions(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the positions of segment `index`'s queries, those of its keys: its context's, then its own)."""
+        (start, stop), context = self.bounds[index], self.context[index]
+        own = self.first_position[index] + torch.arange(stop - start, device=device)
+        if context < 0:
+            return own, own
+        first, last = self.bounds[context]
+        prompt = self.first_position[context] + torch.arange(last - first, device=device)
+        return own, torch.cat([prompt, own])
 
     def continues(self, index: int, layer: LayerAttention) -> bool:
         """Whether segment `index` (a completion with a context) runs as one causal sequence with its context:
@@ -72,6 +94,18 @@ class RowSegments:
             ]
             self._masks["positions"] = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
         return self._masks["positions"]
+
+
+def _block(own: torch.Tensor, keys: torch.Tensor, layer: LayerAttention, start: int) -> tuple:
+    """Query rows [start, start + BLOCK_ROWS) of a segment: (their slice, the slice of the keys they can see:
+    from the earliest the window or chunk lets the first row see to the last row's own, and the mask)."""
+    rows = slice(start, min(start + BLOCK_ROWS, len(own)))
+    first, last = int(own[rows.start]), int(own[rows.stop - 1])
+    earliest = first - layer.window + 1 if layer.window is not None else 0
+    if layer.chunk is not None:
+        earliest = max(earliest, first // layer.chunk * layer.chunk)
+    columns = slice(int(torch.searchsorted(keys, earliest)), int(torch.searchsorted(keys, last, right=True)))
+    return rows, columns, positions_visible(own[rows], keys[columns], layer)
 
 
 def _restricted(first: int, length: int, layer: LayerAttention) -> bool:
@@ -113,7 +147,7 @@ def segment_attention(
     shared-prompt layout, over its prompt's keys and then its own; each layer's window, chunk, softcap
     and sinks applied on the unpacked sequence's positions (`dpo_train.attention.kernel.attend`). The
     work is the sum of the segments' squares, not the row's square, and nothing of the size of the
-    row's square exists, nor of a long completion's (MASK_LIMIT). [B, H, S, D] in, [B, S, H, D] out."""
+    row's square exists, nor of a long segment's (MASK_LIMIT). [B, H, S, D] in, [B, S, H, D] out."""
     if row_segments is None:
         raise ModelError(
             "this model runs the segment attention and was called without the row's segments; call it "
@@ -134,8 +168,15 @@ def segment_attention(
             v = torch.cat([value[:, :, first:last], v], dim=2)
             if maskless and row_segments.continues(index, layer):  # the prompt's query rows ride along, dropped
                 q, skip = torch.cat([query[:, :, first:last], q], dim=2), last - first
-        visible = None if skip else row_segments.visible(index, layer, query.device)
-        outputs.append(attend(q, k, v, visible, layer, scaling, sinks, dropout)[:, :, skip:])
+        if skip:
+            out = attend(q, k, v, None, layer, scaling, sinks, dropout)[:, :, skip:]
+        elif (blocks := row_segments.blocks(index, layer, query.device)) is not None:  # long, windowed or chunked
+            out = torch.cat(
+                [attend(q[:, :, r], k[:, :, c], v[:, :, c], m, layer, scaling, sinks, dropout) for r, c, m in blocks], 2
+            )
+        else:
+            out = attend(q, k, v, row_segments.visible(index, layer, query.device), layer, scaling, sinks, dropout)
+        outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

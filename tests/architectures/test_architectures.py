@@ -253,30 +253,45 @@ def test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_t
     assert float((ours - truth.float()).norm() / truth.norm()) < 1e-4
 
 
+def _long_segments(monkeypatch) -> list:
+    """Every segment "long" (MASK_LIMIT 0) and blocks of 3 query rows (BLOCK_ROWS: cutting inside windows and
+    chunks); returns the list each block's query row count is appended to."""
+    from dpo_train.attention import segments
+
+    monkeypatch.setattr(segments, "MASK_LIMIT", 0)
+    monkeypatch.setattr(segments, "BLOCK_ROWS", 3)
+    blocks, block = [], segments._block
+    monkeypatch.setattr(segments, "_block", lambda *a: blocks.append(a) or block(*a))
+    return blocks
+
+
 @pytest.mark.parametrize("model_type", sorted(set(ZOO) - set(UNPACKED)))
-def test_a_long_shared_prompt_completion_runs_causal_with_its_prompt_and_equals_eager_unpacked(model_type, monkeypatch):
-    """Past MASK_LIMIT (0 here: every completion) a shared-prompt completion runs as one causal sequence with
-    its prompt, no [own, prompt + own] mask made; where a window, chunk, softcap or sinks rule that out its
-    mask is made as before. Either way each pair's log-probs are eager unpacked's."""
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_long_segments_run_without_their_square_mask_and_equal_eager_unpacked(model_type, layout, monkeypatch):
+    """Past MASK_LIMIT (0 here: every segment) a shared-prompt completion of a plain layer runs as one causal
+    sequence with its prompt, and a windowed or chunked segment's mask is made a block of query rows at a
+    time; a full-causal model makes no mask at all, a windowed or chunked one no whole mask. Either way each
+    pair's log-probs are eager unpacked's."""
     from dpo_train.attention import segments
     from dpo_train.attention.logps import pair_logps
 
-    monkeypatch.setattr(segments, "MASK_LIMIT", 0)
+    blocks = _long_segments(monkeypatch)
     made = []
-    monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a[0].numel()) or positions_visible(*a))
-    model, batch_pairs = _load(model_type, "segments", "shared_prompt").eval(), pairs()
+    monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a) or positions_visible(*a))
+    model, batch_pairs = _load(model_type, "segments", layout).eval(), pairs()
     with torch.no_grad():
-        got = pair_logps(model, pack_shared_prompt(batch_pairs, 16))
+        got = pair_logps(model, LAYOUTS[layout](batch_pairs, 16))
     assert relative_error(got, eager_unpacked(model, batch_pairs)) < TOLERANCE
-    if features_of(model) == "full causal":  # every layer plain: no completion made a mask
-        assert made == [], f"{model_type}: masks of {made} query rows"
+    rows = [(len(queries), layer) for queries, _, layer in made]
+    if features_of(model) == "full causal" and layout == "shared_prompt":
+        assert rows == [], f"{model_type}: masks of {rows} query rows"
+    if any(layer.restricts_keys for _, layer in rows):  # a windowed or chunked layer: blocks of 3 rows
+        assert blocks and all(n <= 3 for n, layer in rows if layer.restricts_keys), f"{model_type}: {rows}"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_gradients_of_a_completion_run_causal_with_its_prompt_equal_eager_unpacked(model_type, monkeypatch):
-    """The causal form's gradients (the prompt's query rows recomputed, their outputs dropped) are the masked
-    form's and eager unpacked's, on plain models and a windowed one."""
-    from dpo_train.attention import segments
-
-    monkeypatch.setattr(segments, "MASK_LIMIT", 0)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "llama4_text", "gemma2"])
+def test_gradients_of_long_segments_equal_eager_unpacked(model_type, monkeypatch):
+    """The causal form's gradients (the prompt's query rows recomputed, their outputs dropped) and the blocked
+    masks' are eager unpacked's, on plain, windowed, chunked and soft-capped models."""
+    _long_segments(monkeypatch)
     test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type)
