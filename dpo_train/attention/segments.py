@@ -55,11 +55,17 @@ class RowSegments:
         """Segment `index`'s window or chunk mask cut into blocks of BLOCK_ROWS query rows, each with the key
         columns any of its rows can see: (rows, columns, that block's mask) per block, each made as it is
         used, so nothing grows with the square of the segment. None where the whole mask is small
-        (MASK_LIMIT), the layer hides no earlier key, or the positions do not increase (`visible` then)."""
-        if not layer.restricts_keys:
+        (MASK_LIMIT), the window or chunk hides no key of the segment (with its context), or the positions do
+        not increase (`visible` then)."""
+        (start, stop), context = self.bounds[index], self.context[index]
+        context_length = self.bounds[context][1] - self.bounds[context][0] if context >= 0 else 0
+        first = self.first_position[context if context >= 0 else index]
+        if (stop - start) * (context_length + stop - start) <= MASK_LIMIT:
+            return None
+        if not _restricted(first, context_length + stop - start, layer):  # no key hidden: maskless, or the eager math
             return None
         own, keys = self._positions(index, device)
-        if len(own) * len(keys) <= MASK_LIMIT or not bool((keys[1:] > keys[:-1]).all()):
+        if not bool((keys[1:] > keys[:-1]).all()):  # once per layer of a long segment: a sync, not a cost
             return None
         return (_block(own, keys, layer, rows) for rows in range(0, len(own), BLOCK_ROWS))
 

@@ -295,3 +295,22 @@ def test_gradients_of_long_segments_equal_eager_unpacked(model_type, monkeypatch
     masks' are eager unpacked's, on plain, windowed, chunked and soft-capped models."""
     _long_segments(monkeypatch)
     test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type)
+
+
+def test_a_window_longer_than_every_segment_stays_maskless_past_the_limit(monkeypatch):
+    """A windowed layer that hides no key of a segment keeps sdpa's maskless kernel, long or not: the blocks
+    are for windows that cut, never a masked detour for one that does not."""
+    from dpo_train.attention import segments
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.model.load import load_model
+    from dpo_train.parallel.device import placement
+
+    blocks = _long_segments(monkeypatch)
+    made = []
+    monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a) or positions_visible(*a))
+    spec = ModelConfig(init={"config": {**model_spec("mistral"), "sliding_window": 200}, "seed": 0})
+    model, batch_pairs = load_model(spec, "segments", placement("cpu", "fp32"), None, "separate").eval(), pairs()
+    with torch.no_grad():
+        got = pair_logps(model, pack_microbatch(batch_pairs, 16))
+    assert relative_error(got, eager_unpacked(model, batch_pairs)) < TOLERANCE
+    assert blocks == [] and made == []
