@@ -57,12 +57,8 @@ class RowSegments:
         used, so nothing grows with the square of the segment. None where the whole mask is small
         (MASK_LIMIT), the window or chunk hides no key of the segment (with its context), or the positions do
         not increase (`visible` then)."""
-        (start, stop), context = self.bounds[index], self.context[index]
-        context_length = self.bounds[context][1] - self.bounds[context][0] if context >= 0 else 0
-        first = self.first_position[context if context >= 0 else index]
-        if (stop - start) * (context_length + stop - start) <= MASK_LIMIT:
-            return None
-        if not _restricted(first, context_length + stop - start, layer):  # no key hidden: maskless, or the eager math
+        first, length, own = self._sequence(index)
+        if own * length <= MASK_LIMIT or not _restricted(first, length, layer):  # small, or no key hidden
             return None
         own, keys = self._positions(index, device)
         if not bool((keys[1:] > keys[:-1]).all()):  # once per layer of a long segment: a sync, not a cost
@@ -83,14 +79,20 @@ class RowSegments:
         """Whether segment `index` (a completion with a context) runs as one causal sequence with its context:
         its mask would pass MASK_LIMIT, its positions continue the context's, and neither window nor chunk
         hides a key of that sequence, so causal over [context, own] is exactly its mask."""
-        context = self.context[index]
-        if context < 0:
+        if self.context[index] < 0:
             return False
-        (start, stop), (first, last) = self.bounds[index], self.bounds[context]
-        own, prompt = stop - start, last - first
-        joined = self.first_position[context] + prompt == self.first_position[index]
-        big = own * (prompt + own) > MASK_LIMIT
-        return big and joined and not _restricted(self.first_position[context], prompt + own, layer)
+        first, length, own = self._sequence(index)
+        joined = first + length - own == self.first_position[index]
+        return own * length > MASK_LIMIT and joined and not _restricted(first, length, layer)
+
+    def _sequence(self, index: int) -> tuple[int, int, int]:
+        """(the first position of segment `index`'s sequence, its context's when it has one; that sequence's
+        length, context and own; the segment's own length)."""
+        (start, stop), context = self.bounds[index], self.context[index]
+        if context < 0:
+            return self.first_position[index], stop - start, stop - start
+        first, last = self.bounds[context]
+        return self.first_position[context], last - first + stop - start, stop - start
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[T] each token's position in its own sequence (row padding counts from 0)."""
