@@ -29,7 +29,15 @@ Parts:
 Measurement children run under an address-space cap of `--cap-gib` (default 10) so that no configuration takes
 the shared machine past it; a configuration that needs more fails and is reported failed.
 
+With `--device cuda` both sides train fp32 on the GPU, and a child's limit (`--limit-gib`, `--cap-gib`) is the
+CUDA caching allocator's (`torch.cuda.set_per_process_memory_fraction`: the tensors both trainers allocate,
+not the CUDA context) instead of RLIMIT_AS (CUDA maps far more address space than it uses); each line adds
+the GPU's peak allocated and reserved memory. `--tokenizer DIR` builds the narrow model and the data with the
+tokenizer files in DIR (SmolLM2's, byte for byte) where the bundled model is not installed.
+
     nice -n 10 .venv/bin/python benchmarks/long_pairs.py [--parts smollm2 narrow limit] [--steps 2]
+    python benchmarks/long_pairs.py --device cuda --tokenizer DIR --parts limit --limit-start 65536 \
+        --limit-max 524288
 """
 
 from __future__ import annotations
@@ -64,14 +72,19 @@ SAMPLE_S = 0.005
 # ---------------------------------------------------------------- data and models (parent)
 
 
-def narrow_model(work: Path) -> str:
+def tokenizer_dir(given: str | None) -> Path:
+    """The directory whose tokenizer files build the data: `given`, or the bundled SmolLM2's."""
+    from dpo_train.model.bundled import materialize_smollm2
+
+    return Path(given) if given else Path(materialize_smollm2())
+
+
+def narrow_model(work: Path, tokenizer: str | None) -> str:
     """WORK/narrow: the random Llama of NARROW with SmolLM2's vocabulary (seed 0) and the tokenizer's own files."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from dpo_train.model.bundled import materialize_smollm2
-
-    smollm2, out = Path(materialize_smollm2()), work / "narrow"
+    smollm2, out = tokenizer_dir(tokenizer), work / "narrow"
     if not (out / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(smollm2)
         ids = {k: getattr(tokenizer, k) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
@@ -85,7 +98,7 @@ def narrow_model(work: Path) -> str:
     return str(out)
 
 
-def dataset(work: Path, length: int, pairs: int) -> str:
+def dataset(work: Path, length: int, pairs: int, tokenizer: str | None = None) -> str:
     """WORK/data-LENGTH: `pairs` plain-text pairs, a 256-token prompt and two different completions of `length`
     tokens (length - 1 single-token words and the EOS the build appends), built with SmolLM2's tokenizer."""
     import random
@@ -93,12 +106,11 @@ def dataset(work: Path, length: int, pairs: int) -> str:
     from transformers import AutoTokenizer
 
     from dpo_data.dataset.store import PairStore
-    from dpo_train.model.bundled import materialize_smollm2
 
     out = work / f"data-{length}x{pairs}"
     if (out / "manifest.json").is_file():
         return str(out)
-    model = str(materialize_smollm2())
+    model = str(tokenizer_dir(tokenizer))
     tokenizer = AutoTokenizer.from_pretrained(model)
     words = [w for w in dict.fromkeys(harness._WORDS) if len(tokenizer.encode(" " + w)) == 1]
     rng = random.Random(length)
@@ -137,19 +149,29 @@ def _tokens(length: int) -> int:
     return 2 * (PROMPT + length) + 64
 
 
-def run(side: str, model: str, data: str, length: int, steps: int, work: str, limit_gib: float) -> dict:
-    """One configuration in this (fresh) process under RLIMIT_AS of `limit_gib`. `side`: `trl`, or
-    `ours:LAYOUT:BUDGET` (BUDGET in MiB, or `null` for the whole head)."""
+def run(side: str, model: str, data: str, length: int, steps: int, work: str, limit_gib: float, device: str) -> dict:
+    """One configuration in this (fresh) process under a memory limit of `limit_gib` (RLIMIT_AS on the CPU, the
+    caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET` (BUDGET in MiB, or `null` for the
+    whole head)."""
+    import torch
+
     limit = int(limit_gib * (1 << 30))
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
+    else:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     sampler = harness.RssSampler(SAMPLE_S)
     out = Path(work) / side.replace(":", "-")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    got = _run_trl(model, data, length, steps, out, sampler) if side == "trl" else None
+    got = _run_trl(model, data, length, steps, out, sampler, device) if side == "trl" else None
     if got is None:
         _, layout, budget = side.split(":")
-        got = _run_ours(model, data, length, steps, out, layout, None if budget == "null" else int(budget), sampler)
+        budget = None if budget == "null" else int(budget)
+        got = _run_ours(model, data, length, steps, out, layout, budget, sampler, device)
+    if device == "cuda":
+        got["cuda_allocated_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
+        got["cuda_reserved_mib"] = torch.cuda.max_memory_reserved() / (1 << 20)
     got["sampled_peak_mib"] = sampler.stop() / (1 << 20)
     got["peak_rss_mib"] = harness.peak_rss_mib()
     with open("/proc/self/status") as f:
@@ -157,7 +179,7 @@ def run(side: str, model: str, data: str, length: int, steps: int, work: str, li
     return got
 
 
-def _run_ours(model, data, length, steps, out, layout, budget, sampler) -> dict:
+def _run_ours(model, data, length, steps, out, layout, budget, sampler, device) -> dict:
     from dpo_train.config.loading import load_config
     from dpo_train.trainer import Trainer, train
 
@@ -180,7 +202,7 @@ def _run_ours(model, data, length, steps, out, layout, budget, sampler) -> dict:
             "activation_checkpointing": True,
             "logits_budget_mib": budget,
         },
-        "distributed": {"device": "cpu"},
+        "distributed": {"device": device},
     }
     microbatch = Trainer.microbatch
 
@@ -198,14 +220,14 @@ def _run_ours(model, data, length, steps, out, layout, budget, sampler) -> dict:
     }
 
 
-def _run_trl(model, data, length, steps, out, sampler) -> dict:
+def _run_trl(model, data, length, steps, out, sampler, device) -> dict:
     from transformers import TrainerCallback
 
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([data])
     pairs = [store.pair(i) for i in _order(data, steps, _tokens(length))]
-    trainer = trl_trainer(model, pairs, out, 1, steps, precomputed=False, pairs_per_step=1)
+    trainer = trl_trainer(model, pairs, out, 1, steps, precomputed=False, pairs_per_step=1, device=device)
     begins: list[float] = []
 
     class Clock(TrainerCallback):
@@ -229,7 +251,7 @@ def measure(side: str, model: str, data: str, length: int, args, work: Path, lim
     """`run` in a fresh interpreter; a failure is a result (`failed`, its last stderr line), not an exit."""
     started = time.perf_counter()
     try:
-        got = harness.call(run, side, model, data, length, steps, str(work), limit_gib, env=ENV)
+        got = harness.call(run, side, model, data, length, steps, str(work), limit_gib, args.device, env=ENV)
     except harness.ChildFailed as failed:
         lines = [x for x in failed.stderr.splitlines() if x.strip()] or ["?"]
         got = {"failed": failed.returncode, "reason": lines[-1][:200]}
@@ -242,8 +264,11 @@ def _line(part: str, model_name: str, length: int, side: str, got: dict) -> str:
     if "failed" in got:
         return f"{head} FAILED (rc {got['failed']}): {got['reason']}  [{got['wall_s']} s]"
     steps = " ".join(f"{s:.2f}" for s in got["step_seconds"])
+    gpu = ""
+    if "cuda_reserved_mib" in got:
+        gpu = f"GPU {got['cuda_allocated_mib']:.0f} / {got['cuda_reserved_mib']:.0f} MiB, "
     return (
-        f"{head} peak {got['peak_rss_mib']:8.0f} MiB, sampled {got['sampled_peak_mib']:8.0f} MiB, "
+        f"{head} {gpu}peak {got['peak_rss_mib']:8.0f} MiB, sampled {got['sampled_peak_mib']:8.0f} MiB, "
         f"VmPeak {got['peak_vm_mib']:8.0f} MiB, s/step {steps}, step-1 loss {got['losses'][0]:.6f}  [{got['wall_s']} s]"
     )
 
@@ -256,7 +281,7 @@ def part_table(part, model, model_name, lengths, extra, args, work, results) -> 
     """Every side at every length (a side that failed at a shorter length is not run longer)."""
     failed: set[str] = set()
     for length in lengths:
-        data = dataset(work, length, args.steps)
+        data = dataset(work, length, args.steps, args.tokenizer)
         for side in sides(args.budget) + (extra if length in args.speed_lengths else []):
             if side in failed or (args.sides and side not in args.sides):
                 continue
@@ -273,7 +298,7 @@ def longest(side: str, model: str, args, work: Path, results: list, start: int =
     fails; True when the longest is only a floor: it passed at `--limit-max`, longer was not tried.)"""
 
     def passes(length: int) -> bool:
-        got = measure(side, model, dataset(work, length, 1), length, args, work, args.limit_gib, 1)
+        got = measure(side, model, dataset(work, length, 1, args.tokenizer), length, args, work, args.limit_gib, 1)
         results.append({"part": "limit", "model": "narrow", "length": length, "side": side, **got})
         print(_line("limit", "narrow", length, side, got), flush=True)
         return "failed" not in got
@@ -310,12 +335,14 @@ def main() -> None:
     parser.add_argument("--limit-start", type=int, default=1024, help="part `limit`: TRL's first try")
     parser.add_argument("--limit-max", type=int, default=32768, help="part `limit` tries no longer completion")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides train (fp32)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer of narrow and limit (default: SmolLM2)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="dpo-long-pairs-"))
     work.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     started = time.perf_counter()
-    narrow = narrow_model(work) if {"narrow", "limit"} & set(args.parts) else None
+    narrow = narrow_model(work, args.tokenizer) if {"narrow", "limit"} & set(args.parts) else None
     limits = {}
     for part in args.parts:  # in the order given
         if part == "smollm2":
@@ -340,6 +367,7 @@ def main() -> None:
         "step-1 max |loss - log 2|": max((abs(x - math.log(2)) for x in losses), default=None),
         "wall_s": round(time.perf_counter() - started, 1),
         "python": sys.version.split()[0],
+        "device": args.device,
     }
     print(json.dumps(summary))
     print("JSON " + json.dumps({"results": results, "summary": summary}))

@@ -9,10 +9,17 @@ HYPER = {"beta": 0.1, "lr": 1.0e-5}  # both trainers: sigmoid loss, AdamW at a c
 
 
 def trl_trainer(
-    model: str, pairs: list, work: Path, micro: int, steps: int, precomputed: bool, pairs_per_step: int = PAIRS_PER_STEP
+    model: str,
+    pairs: list,
+    work: Path,
+    micro: int,
+    steps: int,
+    precomputed: bool,
+    pairs_per_step: int = PAIRS_PER_STEP,
+    device: str = "cpu",
 ):
     """A `DPOTrainer` on `pairs` (records with `prompt`, `chosen`, `rejected` id arrays) in this order, through
-    a sequential sampler: `micro` pairs per micro-batch, `pairs_per_step` per optimizer step, fp32 on CPU, no
+    a sequential sampler: `micro` pairs per micro-batch, `pairs_per_step` per optimizer step, fp32 on `device`, no
     warm-up, weight decay or truncation (`max_length=None`: TRL's default 1024 would cut long pairs, other
     work). With `precomputed`, TRL's own reference pass runs here, so callers do not time it."""
     import datasets
@@ -26,7 +33,7 @@ def trl_trainer(
         for p in pairs
     ]
     ids = datasets.Dataset.from_list(rows)
-    args = peer_args(work / "trl", micro, pairs_per_step // micro, steps)
+    args = peer_args(work / "trl", micro, pairs_per_step // micro, steps, device)
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = DPOTrainer(
@@ -43,15 +50,16 @@ def trl_trainer(
     return trainer
 
 
-def peer_args(out: Path, micro: int, accumulation: int, steps: int):
+def peer_args(out: Path, micro: int, accumulation: int, steps: int, device: str = "cpu"):
     """TRL's `DPOConfig` as the peer runs it: HYPER's sigmoid loss, AdamW at a constant lr, clipping at 1.0, fp32
-    on CPU, no warm-up, weight decay, truncation (`max_length=None`), saving, workers or progress bar."""
+    on `device` (`cpu`, or `cuda`: accelerate's default device), no warm-up, weight decay, truncation
+    (`max_length=None`), saving, workers or progress bar."""
     from trl import DPOConfig
 
     return DPOConfig(
         output_dir=str(out),
         report_to=[],
-        use_cpu=True,
+        use_cpu=device == "cpu",
         bf16=False,
         seed=0,
         per_device_train_batch_size=micro,

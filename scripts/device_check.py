@@ -230,6 +230,9 @@ def model_flops_per_token(model_dir: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--model", default=None, help="a Hugging Face model directory instead of the bundled SmolLM2-135M-Instruct"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device check: torch sees no CUDA device; run it on a GPU machine (or --device cpu)")
@@ -237,9 +240,10 @@ def main() -> None:
     from dpo_train.model.bundled import materialize_smollm2
 
     started = time.perf_counter()
-    model_dir = str(materialize_smollm2())
+    model_dir = args.model or str(materialize_smollm2())
     summary: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     summary["torch"] = torch.__version__
+    summary["model"] = args.model or "SmolLM2-135M-Instruct (bundled)"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         sample = ROOT / "examples" / "sample"

@@ -6,6 +6,7 @@
 #
 #   bash scripts/device_check.sh            # on a GPU machine; PYTHON may name an interpreter with CUDA torch
 #   bash scripts/device_check.sh --device cpu   # the same steps on CPU and gloo, to check the script itself
+#   bash scripts/device_check.sh --model DIR    # another Hugging Face model directory than the bundled SmolLM2
 #
 # With no PYTHON set it uses .venv (created by scripts/env.sh; set DPO_TORCH=torch there for a CUDA build).
 set -euo pipefail

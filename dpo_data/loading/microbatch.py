@@ -143,9 +143,19 @@ def pair_sums(token_values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor
     """
     lengths = batch["segment_length"].long()
     segment_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    per_segment = torch.zeros(len(lengths), dtype=token_values.dtype, device=token_values.device)
-    per_segment = per_segment.index_add(0, segment_of_token.to(token_values.device), token_values)
-    return segments_to_pairs(per_segment, batch)
+    return segments_to_pairs(segment_sums(token_values, segment_of_token.to(token_values.device), len(lengths)), batch)
+
+
+def segment_sums(values: torch.Tensor, segment: torch.Tensor, segments: int) -> torch.Tensor:
+    """Per-target `values` summed per segment [segments], accumulated in float64 and returned in their dtype.
+
+    A float32 running sum of a long segment's log-probs (-700k nats over 64k tokens) keeps a few nats of
+    rounding, and on CUDA `index_add` adds in whatever order its atomics land: the policy's and the
+    reference's sums of the same tokens then differed by 3.6 nats at 64k completion tokens (an H200, step 1,
+    where they must be equal). Summed in float64, both round to the same float32 value and are the exact sum
+    to within float32's own rounding."""
+    total = torch.zeros(segments, dtype=torch.float64, device=values.device)
+    return total.index_add(0, segment, values.to(torch.float64)).to(values.dtype)
 
 
 def segments_to_pairs(per_segment: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:

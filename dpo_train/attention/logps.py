@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import modeling_utils
 
-from dpo_data.loading.microbatch import IGNORE_INDEX, segments_to_pairs
+from dpo_data.loading.microbatch import IGNORE_INDEX, segment_sums, segments_to_pairs
 from dpo_train.attention import head, unpacked
 from dpo_train.attention.inputs import passed_inputs, row_inputs
 from dpo_train.parallel import collectives
@@ -91,6 +92,21 @@ def wpo_weights(aligned: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return weights[:, 0] * weights[:, 1]
 
 
+def logits_mask(keep: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits_to_keep` for the positions `keep` (flat, row-major over `shape`), and the positions it keeps.
+
+    A one-row batch (a packed row) passes `keep` itself: every transformers release slices
+    `hidden_states[:, keep]` with a 1-D mask. A padded batch passes its 2-D mask where transformers has
+    `slice_logits_to_keep` (the heads then keep exactly those positions); older releases index
+    `hidden_states[:, mask]` and cannot take one, so they get the columns any row keeps, in every row."""
+    if shape[0] == 1:
+        return keep, keep
+    if hasattr(modeling_utils, "slice_logits_to_keep"):
+        return keep.view(shape), keep
+    columns = keep.view(shape).any(0)
+    return columns, columns.expand(shape).reshape(-1)
+
+
 def pair_logps(
     model: Any,
     batch: dict[str, Any],
@@ -132,13 +148,14 @@ def pair_logps(
         keep_shape = (1, stop - start)
     if router_aux:
         inputs["output_router_logits"] = True
-    chunk = head.chunk_rows(model, int(keep.sum()))  # None: the model's own head, all logits at once
+    keep, kept = logits_mask(keep, keep_shape)
+    chunk = head.chunk_rows(model, int(kept.sum()))  # None: the model's own head, all logits at once
     with head.HeadInput(model) if chunk else contextlib.nullcontext() as captured:
-        output = model(**inputs, logits_to_keep=keep.view(keep_shape))
+        output = model(**inputs, logits_to_keep=keep)
     scores = captured.hidden if chunk else output.logits  # the final hidden states, or the logits
-    # [N, L, -] if the model ignored the mask (flattened: the row-major order of `keep`), else [M, -]
+    # [N, L, -] if the model ignored the mask (flattened: the row-major order of `kept`), else [kept, -]
     scores = scores.reshape(-1, scores.shape[-1]) if scores.dim() == 3 else scores
-    rows = torch.cumsum(keep, 0)[position] - 1 if scores.shape[0] != keep.shape[0] else position
+    rows = torch.cumsum(kept, 0)[position] - 1 if scores.shape[0] != kept.shape[0] else position
     if chunk:
         picked, log_sum_sq = head.target_logps(scores[rows], captured.head, label, chunk, squares=weighting)
     else:
@@ -148,8 +165,7 @@ def pair_logps(
 
     def pair_sums(values: torch.Tensor) -> torch.Tensor:
         """Per-target values summed per pair [pairs, 2], over the sequence-parallel group too."""
-        per_segment = torch.zeros(len(batch["segment_length"]), dtype=values.dtype, device=device)
-        sums = segments_to_pairs(per_segment.index_add(0, segment, values), batch)
+        sums = segments_to_pairs(segment_sums(values, segment, len(batch["segment_length"])), batch)
         return collectives.sum_same_loss(sums, mesh.group) if shard is not None else sums
 
     sums = pair_sums(picked)

@@ -249,3 +249,53 @@ def test_ld_sums_and_wpo_weights_under_sequence_parallelism_are_one_process(tmp_
             for u, c in PER_TOKEN_MESHES:
                 worst = _worst(expected, got[f"{name} {layout} U{u}C{c}"])
                 assert worst < 1e-5, (name, layout, u, c, worst)
+
+
+def _old_head_slicing(monkeypatch):
+    """transformers before `slice_logits_to_keep` (5.17 and older): the head indexes
+    `hidden_states[:, logits_to_keep, :]`, which a 2-D boolean mask makes an IndexError."""
+    from transformers import modeling_utils
+    from transformers.models.llama import modeling_llama
+
+    def sliced(hidden, keep):
+        return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+
+    monkeypatch.delattr(modeling_utils, "slice_logits_to_keep")
+    monkeypatch.setattr(modeling_llama, "slice_logits_to_keep", sliced)
+
+
+@pytest.mark.parametrize("unpack", [False, True], ids=["packed", "unpacked"])
+def test_heads_that_index_hidden_states_by_the_mask_give_the_same_logps(model, monkeypatch, unpack):
+    """A packed row keeps a 1-D mask, which every release's head takes; an unpacked batch on a release
+    without `slice_logits_to_keep` keeps the columns any row keeps. Either way the log-probs are today's
+    (before, both raised IndexError under 5.17's heads: the mask was always 2-D)."""
+    from dpo_train.attention import unpacked
+
+    if unpack:
+        monkeypatch.setattr(unpacked, "runs_unpacked", lambda m: True)
+    batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
+    with torch.no_grad():
+        today = pair_logps(model, batch)
+        _old_head_slicing(monkeypatch)
+        old = pair_logps(model, batch)
+    torch.testing.assert_close(old.chosen, today.chosen, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(old.rejected, today.rejected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_long_segments_sum_is_its_exact_sum_rounded_once():
+    """2^20 float32 log-probs near -10.8 (a 1M-token segment beside a one-token one): the sum is the float64
+    sum rounded to float32 once. A float32 running sum drifts by whole nats here (and on CUDA, where
+    `index_add` adds in the order its atomics land, by different amounts in the policy's and the reference's
+    pass: 3.6 nats apart at 64k tokens on an H200)."""
+    from dpo_data.loading.microbatch import segment_sums
+
+    g = torch.Generator().manual_seed(0)
+    values = (-10.8 + torch.rand(1 << 20, generator=g)).float()
+    segment = torch.cat([torch.zeros(1 << 20, dtype=torch.long), torch.ones(1, dtype=torch.long)])
+    values = torch.cat([values, torch.tensor([-2.5])])
+    got = segment_sums(values, segment, 2)
+    exact = values[:-1].double().sum().float()
+    assert got.dtype == torch.float32
+    assert got.tolist() == [exact.item(), -2.5]
+    drifting = torch.zeros(2).index_add(0, segment, values)  # the float32 accumulation this replaced
+    assert abs(drifting[0].item() - exact.item()) > 1.0
