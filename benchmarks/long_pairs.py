@@ -151,8 +151,8 @@ def _tokens(length: int) -> int:
 
 def run(side: str, model: str, data: str, length: int, steps: int, work: str, limit_gib: float, device: str) -> dict:
     """One configuration in this (fresh) process under a memory limit of `limit_gib` (RLIMIT_AS on the CPU, the
-    caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET` (BUDGET in MiB, or `null` for the
-    whole head)."""
+    caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET[:TILE]` (BUDGET in MiB, or `null` for
+    the whole head; TILE: train.mlp_tile_tokens)."""
     import torch
 
     limit = int(limit_gib * (1 << 30))
@@ -166,9 +166,9 @@ def run(side: str, model: str, data: str, length: int, steps: int, work: str, li
     out.mkdir(parents=True)
     got = _run_trl(model, data, length, steps, out, sampler, device) if side == "trl" else None
     if got is None:
-        _, layout, budget = side.split(":")
-        budget = None if budget == "null" else int(budget)
-        got = _run_ours(model, data, length, steps, out, layout, budget, sampler, device)
+        _, layout, budget, *tile = side.split(":")
+        budget, tile = None if budget == "null" else int(budget), int(tile[0]) if tile else None
+        got = _run_ours(model, data, length, steps, out, layout, budget, tile, sampler, device)
     if device == "cuda":
         got["cuda_allocated_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
         got["cuda_reserved_mib"] = torch.cuda.max_memory_reserved() / (1 << 20)
@@ -179,7 +179,7 @@ def run(side: str, model: str, data: str, length: int, steps: int, work: str, li
     return got
 
 
-def _run_ours(model, data, length, steps, out, layout, budget, sampler, device) -> dict:
+def _run_ours(model, data, length, steps, out, layout, budget, tile, sampler, device) -> dict:
     from dpo_train.config.loading import load_config
     from dpo_train.trainer import Trainer, train
 
@@ -201,6 +201,7 @@ def _run_ours(model, data, length, steps, out, layout, budget, sampler, device) 
             "precision": "fp32",
             "activation_checkpointing": True,
             "logits_budget_mib": budget,
+            "mlp_tile_tokens": tile,
         },
         "distributed": {"device": device},
     }
@@ -273,8 +274,9 @@ def _line(part: str, model_name: str, length: int, side: str, got: dict) -> str:
     )
 
 
-def sides(budget: int) -> list[str]:
-    return [f"ours:separate:{budget}", f"ours:shared_prompt:{budget}", "ours:separate:null", "trl"]
+def sides(budget: int, tile: int | None = None) -> list[str]:
+    tiled = [f"ours:separate:{budget}:{tile}"] if tile else []
+    return [f"ours:separate:{budget}", *tiled, f"ours:shared_prompt:{budget}", "ours:separate:null", "trl"]
 
 
 def part_table(part, model, model_name, lengths, extra, args, work, results) -> None:
@@ -282,7 +284,7 @@ def part_table(part, model, model_name, lengths, extra, args, work, results) -> 
     failed: set[str] = set()
     for length in lengths:
         data = dataset(work, length, args.steps, args.tokenizer)
-        for side in sides(args.budget) + (extra if length in args.speed_lengths else []):
+        for side in sides(args.budget, args.mlp_tile) + (extra if length in args.speed_lengths else []):
             if side in failed or (args.sides and side not in args.sides):
                 continue
             got = measure(side, model, data, length, args, work, args.cap_gib, args.steps)
@@ -327,6 +329,7 @@ def main() -> None:
     parser.add_argument("--narrow-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--sides", nargs="*", default=None, help="only these sides in parts smollm2 and narrow")
     parser.add_argument("--budget", type=int, default=1024, help="logits_budget_mib of ours' chunked sides")
+    parser.add_argument("--mlp-tile", type=int, default=None, help="also ours separate with train.mlp_tile_tokens")
     parser.add_argument("--speed-budgets", type=int, nargs="*", default=[256], help="more budgets, SmolLM2 only")
     parser.add_argument("--speed-lengths", type=int, nargs="*", default=[512, 2048], help="lengths of --speed-budgets")
     parser.add_argument("--limit-gib", type=float, default=8.0, help="the memory limit of part `limit`")

@@ -34,9 +34,9 @@ ELASTIC_KEYS = (
 depend on these, so the loader re-deals the same steps (a sequence-parallel group shares its rows, so
 its sizes only change how a row is split; the layout only changes how a pair is packed). The loader's
 geometry and the run's layout identity both use this one list."""
-ROUNDING_KEYS = ("logits_budget_mib",)
+ROUNDING_KEYS = ("logits_budget_mib", "mlp_tile_tokens")
 """What may change on resume in either batching: it changes how a micro-batch's sums are rounded (the vocabulary
-head whole or in chunks), never which pairs a step holds."""
+head whole or in chunks, the MLP whole or in tiles), never which pairs a step holds."""
 
 
 RANK_SCHEMA = "checkpoint-rank"

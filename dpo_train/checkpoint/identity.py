@@ -107,6 +107,7 @@ def run_identity(
                 "train_seed": config.train.seed,
                 # recorded only when set, so that a run without it has the identity it had before it existed
                 **({"logits_budget_mib": budget} if (budget := config.train.logits_budget_mib) is not None else {}),
+                **({"mlp_tile_tokens": tile} if (tile := config.train.mlp_tile_tokens) is not None else {}),
             },
         }
     )

@@ -15,6 +15,7 @@ from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.load import load_model
 from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
+from dpo_train.model.tiled_mlp import tile_mlps, tile_note
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 from dpo_train.run.progress import stage
@@ -39,6 +40,9 @@ def load_initial_policy(
         if config.train.weights_from:
             load_weights(model, config.train.weights_from)
         prepare_for_training(model, activation_checkpointing)
+        tiled = tile_mlps(model, config.train.mlp_tile_tokens)
+        if shown and config.train.mlp_tile_tokens is not None:
+            say(tile_note(model, tiled, config.train.mlp_tile_tokens))
         if not config.model.train_vision_tower:
             freeze_vision_tower(model)
     if config.train.probe_packing:

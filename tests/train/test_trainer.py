@@ -23,7 +23,7 @@ through the chunked vocabulary head, the smaller ones through the model's own (i
 against one process's own head)."""
 
 
-def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp", logits_budget_mib=None):
+def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp", logits_budget_mib=None, mlp_tile_tokens=None):
     config = {
         "model": {
             "init": {
@@ -34,7 +34,12 @@ def write_config(tmp_path, dataset, tokenizer_dir, out, strategy="fsdp", logits_
         },
         "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 8, "max_tokens_per_microbatch": 400},
         "optim": {"lr": 1.0e-3},
-        "train": {"output_dir": str(out), "max_steps": 3, "logits_budget_mib": logits_budget_mib},
+        "train": {
+            "output_dir": str(out),
+            "max_steps": 3,
+            "logits_budget_mib": logits_budget_mib,
+            "mlp_tile_tokens": mlp_tile_tokens,
+        },
         "distributed": {"strategy": strategy},
         "eval": {"path": str(dataset)},
     }
@@ -137,9 +142,10 @@ def two_ddp(sample_dataset, smollm2_dir, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_the_same_as_one(single, two_ddp, sample_dataset, smollm2_dir, tmp_path, strategy):
     out = two_ddp
-    if strategy == "fsdp":
+    if strategy == "fsdp":  # and its MLPs in tiles (the reference rebuilt sharded, tiled alike): the same numbers
         out = tmp_path / "two-fsdp"
-        run(write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy, CHUNK_SOME), "--nproc-per-node", "2")
+        config = write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy, CHUNK_SOME, mlp_tile_tokens=64)
+        run(config, "--nproc-per-node", "2")
     assert {r["world_size"] for r in metrics(out)} == {2} and {r["world_size"] for r in metrics(single)} == {1}
     for a, b in zip(metrics(single), metrics(out)):
         assert a["pairs"] == b["pairs"] and a["input_tokens"] == b["input_tokens"]

@@ -1,0 +1,194 @@
+"""train.mlp_tile_tokens: every zoo architecture's MLPs run over tiles of the sequence give its own numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dpo_data.loading.microbatch import pack_microbatch
+from dpo_train.attention.logps import pair_logps
+from dpo_train.config.sections import ModelConfig
+from dpo_train.errors import ConfigError
+from dpo_train.model.tiled_mlp import Tiled, mlps, tile_mlps, tile_of
+from tests.architectures.zoo import ZOO, model_spec, pairs
+
+
+def _load(model_type: str):
+    """The zoo model as a run trains it: training mode, dropout off (Seed-OSS's MLP applies its own)."""
+    from dpo_train.model.load import load_model
+    from dpo_train.model.policy import prepare_for_training
+    from dpo_train.parallel.device import placement
+
+    spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
+    model = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")
+    prepare_for_training(model)
+    return model
+
+
+def _logps_and_gradient(model) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = pair_logps(model, pack_microbatch(pairs()))
+    logps = torch.stack([out.chosen, out.rejected], 1)
+    (logps * torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]], dtype=logps.dtype)).sum().backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    return logps.detach(), torch.cat([g.flatten() for g in grads])
+
+
+@pytest.mark.parametrize("model_type", sorted(ZOO))
+def test_tiled_mlps_give_the_models_own_logps_and_gradients(model_type):
+    """Tiles of 2 positions (every MLP call of the packed row is cut), with activation checkpointing around each
+    layer as a long-pair run has it: the per-pair log-probs and the parameters' gradient are the whole MLP's
+    within 1e-10 relative, in float64, so that only a change of the function could differ (in float32 the
+    tiles' weight gradients, summed in another order, differ by rounding: up to 1.6e-6 here). A mixture of
+    experts is left whole (and its grouped matmul takes no float64: those models compare in float32, 1e-6 and
+    1e-5, their dense layers tiled)."""
+    model = _load(model_type)
+    moe = any(name.endswith("experts") for name, _ in model.named_modules())
+    model, (logps_tolerance, grad_tolerance) = (model, (1e-6, 1e-5)) if moe else (model.double(), (1e-10, 1e-10))
+    tiled = copy.deepcopy(model)
+    names = tile_mlps(tiled, 2)
+    assert tile_of(tiled) == (2 if names else None)
+    assert not any(isinstance(m, Tiled) for m in model.modules()), "the original stays whole"
+    if getattr(tiled, "supports_gradient_checkpointing", False):
+        tiled.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (whole, whole_grad), (got, got_grad) = _logps_and_gradient(model), _logps_and_gradient(tiled)
+    assert float(((got - whole).abs() / whole.abs()).max()) <= logps_tolerance
+    assert float((got_grad - whole_grad).norm() / whole_grad.norm()) <= grad_tolerance
+    for name, module in tiled.named_modules():
+        if any(n.endswith("experts") for n, _ in module.named_modules()) and name.endswith("mlp"):
+            assert not isinstance(module, Tiled), f"{name}: a mixture of experts was tiled"
+
+
+def test_the_zoo_has_tiled_and_untiled_mlps():
+    """The parametrization above is not vacuous: dense MLPs are tiled, mixtures of experts are not."""
+    counts = {t: len(mlps(_load(t))) for t in ("llama", "gemma2", "phi3", "qwen3_moe", "mixtral")}
+    assert counts["llama"] > 0 and counts["gemma2"] > 0 and counts["phi3"] > 0
+    assert counts["qwen3_moe"] == 0 and counts["mixtral"] == 0
+
+
+def test_the_forward_keeps_only_the_tiles_inputs():
+    """With grad, the tiled MLP's forward saves none of its intermediates for the backward (each tile's are
+    recomputed there, one tile at a time); whole, it saves gate, up and their product for every position.
+    Counted with a saved-tensors hook around the MLP call (a checkpoint's own hook takes what is saved inside it)."""
+    model = _load("llama")
+    mlp = model.model.layers[0].mlp
+    hidden = torch.randn(1, 256, mlp.gate_proj.in_features, requires_grad=True)
+
+    def saved_bytes() -> int:
+        sizes: list[int] = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mlp(hidden).sum().backward()
+        return sum(sizes)
+
+    whole = saved_bytes()
+    tile_mlps(model, 16)
+    tiled = saved_bytes()
+    inputs = hidden.numel() * 4
+    intermediate = hidden.shape[1] * mlp.gate_proj.out_features * 4  # one [positions, intermediate] float32
+    assert whole >= inputs + 2 * intermediate
+    assert tiled <= inputs  # the tiles' inputs, views of the MLP's own
+
+
+def test_an_mlp_that_mixes_positions_is_refused_by_name():
+    """A module named `mlp` whose output at a position reads other positions (a running sum here) cannot be
+    tiled: the start-up check finds the difference and names the module, before any step."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class RunningSumMLP(LlamaMLP):
+        def forward(self, x):
+            return super().forward(x.cumsum(-2))
+
+    model = _load("llama")
+    model.model.layers[1].mlp.__class__ = RunningSumMLP
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp \(RunningSumMLP\) mixes positions.*null"):
+        tile_mlps(model, 4)
+
+
+def test_the_run_says_what_it_tiled():
+    from dpo_train.model.tiled_mlp import tile_note
+
+    model = _load("llama")
+    assert tile_note(model, tile_mlps(model, 8), 8) == (
+        "note: LlamaForCausalLM: 2 MLPs run in tiles of 8 positions (train.mlp_tile_tokens)"
+    )
+    moe = _load("mixtral")
+    assert "has nothing to tile" in tile_note(moe, tile_mlps(moe, 8), 8)
+
+
+def test_null_leaves_every_mlp_whole_and_a_copy_stays_tiled():
+    model = _load("qwen2")
+    assert tile_mlps(model, None) == [] and tile_of(model) is None
+    tile_mlps(model, 8)
+    copied = copy.deepcopy(model)  # the live reference is a copy of the policy
+    assert tile_of(copied) == 8
+    assert set(copied.state_dict()) == set(_load("qwen2").state_dict()), "parameter names unchanged"
+
+
+def test_train_mlp_tile_tokens_is_a_positive_count_or_null(tmp_path):
+    from dpo_train.config.loading import load_config
+
+    source = {"data": {"path": str(tmp_path)}, "model": {"path": str(tmp_path)}}
+    assert load_config(source, []).train.mlp_tile_tokens is None
+    assert load_config(source, ["train.mlp_tile_tokens=1024"]).train.mlp_tile_tokens == 1024
+    for bad in ("0", "-4", "many", "1.5", "true"):
+        with pytest.raises(ConfigError) as info:
+            load_config(source, [f"train.mlp_tile_tokens={bad}"])
+        assert "train/mlp_tile_tokens" in str(info.value), str(info.value)
+
+
+def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir, tmp_path, monkeypatch):
+    """dpo-train with `train.mlp_tile_tokens: 16` and activation checkpointing (the tiny model's micro-batches
+    of up to 400 tokens cut in tiles of 16) against the whole MLP, two steps: the same losses, log-probs and
+    gradient norms within 1e-6 relative; the tile is in the checkpoint's identity only when set."""
+    import orjson
+
+    from dpo_train.config.loading import load_config
+    from dpo_train.model import tiled_mlp
+    from dpo_train.trainer import train
+    from tests.harness import tiny_config
+
+    logs, identities, tiles = {}, {}, []
+    checkpoint = tiled_mlp.checkpoint
+    monkeypatch.setattr(tiled_mlp, "checkpoint", lambda *a, **k: tiles.append(1) or checkpoint(*a, **k))
+    for name, tile in (("whole", None), ("tiled", 16)):
+        config = tiny_config(
+            small_dataset,
+            smollm2_dir,
+            tmp_path / name,
+            max_steps=2,
+            save_every=2,
+            activation_checkpointing=True,
+            mlp_tile_tokens=tile,
+        )
+        before = len(tiles)
+        out = train(load_config(config), progress=False)
+        assert (len(tiles) > before) == (tile is not None), "the tiled run cut its MLPs, the whole one did not"
+        logs[name] = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
+        (saved,) = sorted((out / "checkpoints").glob("step-*"))[-1:]
+        identities[name] = orjson.loads((saved / "state.json").read_bytes())["identity"]
+    for whole, tiled in zip(logs["whole"], logs["tiled"], strict=True):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            assert tiled[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-9), (whole["step"], key)
+    assert "mlp_tile_tokens" not in identities["whole"]["layout"]
+    assert identities["tiled"]["layout"]["mlp_tile_tokens"] == 16
+
+
+@pytest.mark.parametrize("batching", ["pairs", "tokens"])
+def test_a_tile_change_on_resume_is_elastic_in_either_batching(batching):
+    """Like the logits budget, the tile only changes rounding: another tile (or none) resumes with a warning."""
+    from dpo_state.state import identity_mismatches
+
+    def identity(**layout) -> dict:
+        return {"layout": {"batching": batching, "world_size": 1, "precision": "fp32", **layout}}
+
+    mismatches, elastic = identity_mismatches(identity(), identity(mlp_tile_tokens=64))
+    assert (mismatches, elastic) == ([], ["layout.mlp_tile_tokens: checkpoint <absent>, this run 64"])
+    mismatches, elastic = identity_mismatches(identity(mlp_tile_tokens=64), identity())
+    assert (mismatches, elastic) == ([], ["layout.mlp_tile_tokens: checkpoint 64, this run <absent>"])
