@@ -26,6 +26,9 @@ Parts:
   memory (the interpreter, libraries, thread stacks and allocator reservations never touched), so it is
   stricter than an RSS limit of the same size, about alike for both sides.
 
+`--mlp-tile T` adds `ours:separate:BUDGET:T` (train.mlp_tile_tokens: T) to the tables, and makes ours' side of
+`limit` tiled.
+
 Measurement children run under an address-space cap of `--cap-gib` (default 10) so that no configuration takes
 the shared machine past it; a configuration that needs more fails and is reported failed.
 
@@ -329,7 +332,9 @@ def main() -> None:
     parser.add_argument("--narrow-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--sides", nargs="*", default=None, help="only these sides in parts smollm2 and narrow")
     parser.add_argument("--budget", type=int, default=1024, help="logits_budget_mib of ours' chunked sides")
-    parser.add_argument("--mlp-tile", type=int, default=None, help="also ours separate with train.mlp_tile_tokens")
+    parser.add_argument(
+        "--mlp-tile", type=int, default=None, help="train.mlp_tile_tokens: one more side in tables, ours' in `limit`"
+    )
     parser.add_argument("--speed-budgets", type=int, nargs="*", default=[256], help="more budgets, SmolLM2 only")
     parser.add_argument("--speed-lengths", type=int, nargs="*", default=[512, 2048], help="lengths of --speed-budgets")
     parser.add_argument("--limit-gib", type=float, default=8.0, help="the memory limit of part `limit`")
@@ -359,7 +364,7 @@ def main() -> None:
             # TRL first; ours then starts at 1.5x TRL's longest (the target), doubling from there
             trl = longest("trl", narrow, args, work, results, start=args.limit_start)
             limits["trl"] = trl
-            ours = f"ours:separate:{args.budget}"
+            ours = f"ours:separate:{args.budget}" + (f":{args.mlp_tile}" if args.mlp_tile else "")
             limits[ours] = longest(ours, narrow, args, work, results, start=max(1024, -(-3 * trl[0] // 2 // 64) * 64))
             for side, (tokens, floor) in limits.items():
                 floor = "at least " if floor else ""
