@@ -9,6 +9,7 @@
 - `choice`: the path a run takes, and the refusals of paths that cannot express a model (`model.load` loads it);
 - `probe`: packed vs unpacked log-probs on a synthetic row before step 1;
 - `head`: the vocabulary head in chunks of scored positions (long pairs in bounded memory);
+- `tiled_mlp`: each decoder layer's MLP over tiles of the sequence (long pairs in bounded memory, too);
 - `compiled`: a function torch.compile builds where it pays, checked against its eager self on first use.
 """
 

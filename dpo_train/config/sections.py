@@ -170,7 +170,7 @@ class TrainSection:
     differs (dpo_train/attention/compiled.py)."""
     mlp_tile_tokens: int | None = None
     """Run each decoder layer's MLP over tiles of this many positions, each tile recomputed in backward, so that a
-    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/model/tiled_mlp.py); null
+    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py); null
     (default): whole. The same numbers (a start-up check refuses an MLP that mixes positions), one more MLP
     forward per step; a mixture of experts stays whole. For long pairs (docs/benchmarks.md)."""
     check_microbatches: bool = True

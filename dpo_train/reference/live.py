@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dpo_train.attention.head import budget_of, mark
-from dpo_train.model.tiled_mlp import tile_mlps, tile_of
+from dpo_train.attention.tiled_mlp import tile_mlps, tile_of
 from dpo_train.parallel.sharding import shard
 
 

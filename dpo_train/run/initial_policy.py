@@ -11,11 +11,11 @@ from dpo_train.attention.head import mark as mark_budget
 from dpo_train.attention.head import note as head_note
 from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
+from dpo_train.attention.tiled_mlp import tile_mlps, tile_note
 from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.load import load_model
 from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
-from dpo_train.model.tiled_mlp import tile_mlps, tile_note
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 from dpo_train.run.progress import stage

@@ -9,9 +9,9 @@ import torch
 
 from dpo_data.loading.microbatch import pack_microbatch
 from dpo_train.attention.logps import pair_logps
+from dpo_train.attention.tiled_mlp import Tiled, mlps, tile_mlps, tile_of
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
-from dpo_train.model.tiled_mlp import Tiled, mlps, tile_mlps, tile_of
 from tests.architectures.zoo import ZOO, model_spec, pairs
 
 
@@ -112,7 +112,7 @@ def test_an_mlp_that_mixes_positions_is_refused_by_name():
 
 
 def test_the_run_says_what_it_tiled():
-    from dpo_train.model.tiled_mlp import tile_note
+    from dpo_train.attention.tiled_mlp import tile_note
 
     model = _load("llama")
     assert tile_note(model, tile_mlps(model, 8), 8) == (
@@ -149,8 +149,8 @@ def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir
     gradient norms within 1e-6 relative; the tile is in the checkpoint's identity only when set."""
     import orjson
 
+    from dpo_train.attention import tiled_mlp
     from dpo_train.config.loading import load_config
-    from dpo_train.model import tiled_mlp
     from dpo_train.trainer import train
     from tests.harness import tiny_config
 
