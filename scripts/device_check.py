@@ -9,8 +9,9 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
    picks (flash-attention varlen when installed, else sdpa);
 3. precompute the reference, train 4 steps in bf16 with a checkpoint every 2; a second run is SIGKILLed
    after step 2 and resumed; `dpo-state diff --values` compares the two bitwise;
-4. tokens/s from metrics.jsonl and model FLOPs utilization against this device's measured matmul peak in
-   the training precision (bf16 on the GPU, fp32 on the CPU);
+4. tokens/s from metrics.jsonl of a run of 10 steps without checkpoints (the median of steps 4 to 10: the
+   first ones build the compiled head) and model FLOPs utilization against this device's measured matmul
+   peak in the training precision (bf16 on the GPU, fp32 on the CPU);
 5. the architecture zoo (tests/architectures/zoo.py) on the device in fp32: every path and layout against
    eager unpacked, per pair, as tests/architectures/test_architectures.py checks on CPU;
 6. the chunked vocabulary head compiled on the device (torch.compile, train.compiled_head) against the eager
@@ -159,18 +160,26 @@ def _train(config: Path, *extra: str, env: dict | None = None, check: bool = Tru
     return proc
 
 
+SPEED_STEPS, SPEED_WARM = 10, 3  # the throughput run's steps, and how many of its first are left out
+
+
 def check_training(model_dir: str, data: str, work: Path, device: str) -> dict:
     # bf16 and 16 pairs per step on the GPU; fp32 and 4 on the CPU smoke run (bf16 matmuls are slow on
     # CPU, and check_logps covers bf16 there)
     precision, pairs = ("bf16", 16) if device != "cpu" else ("fp32", 4)
 
-    def config(name: str) -> Path:
+    def config(name: str, steps: int = 4, save_every: int = 2) -> Path:
         c = {
             "model": {"path": model_dir, "attention": "auto"},
             "reference": {"mode": "precomputed", "path": str(work / "sidecar")},
             "data": {"path": data, "batching": "pairs", "pairs_per_step": pairs, "max_tokens_per_microbatch": 2048},
             "optim": {"lr": 1.0e-5},
-            "train": {"output_dir": str(work / name), "max_steps": 4, "save_every": 2, "precision": precision},
+            "train": {
+                "output_dir": str(work / name),
+                "max_steps": steps,
+                "save_every": save_every,
+                "precision": precision,
+            },
             "distributed": {"device": device},
         }
         path = work / f"{name}.yaml"
@@ -188,13 +197,18 @@ def check_training(model_dir: str, data: str, work: Path, device: str) -> dict:
         text=True,
     )
     records = [json.loads(x) for x in (work / "full" / "metrics.jsonl").read_text().splitlines()]
+    # tokens/s from a run of its own: no checkpoint saves, and past the first steps, which build the compiled
+    # head (train.compiled_head: auto compiles on CUDA; 7-20 s per build on an H200)
+    _train(config("speed", steps=SPEED_STEPS, save_every=0))
+    speed = [json.loads(x) for x in (work / "speed" / "metrics.jsonl").read_text().splitlines()][SPEED_WARM:]
     return {
         "ok": killed.returncode != 0 and "resumed from" in resumed.stderr and diff.returncode == 0,
         "killed_exit": killed.returncode,
         "bitwise_equal_after_resume": diff.returncode == 0,
         "diff": diff.stdout.strip().splitlines()[-1:],
         "losses": [round(r["loss"], 4) for r in records],
-        "tokens_per_s": sorted(r["tokens/s"] for r in records[1:])[len(records[1:]) // 2],
+        "tokens_per_s": sorted(r["tokens/s"] for r in speed)[len(speed) // 2],
+        "tokens_per_s_steps": [SPEED_WARM + 1, SPEED_STEPS],
     }
 
 
