@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from dpo_data.errors import DataError
+from dpo_train.attention import segments
 from dpo_train.attention.features import LayerAttention, call_attention
 from dpo_train.attention.kernel import attend, expand_kv
 from dpo_train.attention.masks import segment_mask
@@ -145,10 +147,35 @@ class SequenceShard:
         layer of that kind: given a boolean mask, sdpa makes (and keeps for backward) such a copy in every layer."""
         key = (layer.window, layer.chunk, dtype)
         if key not in self._masks:
-            visible = segment_mask(self.batch, self.queries, self.extra, layer)[None, None]
-            zero = torch.zeros((), dtype=dtype, device=visible.device)
-            self._masks[key] = torch.where(visible, zero, torch.finfo(dtype).min)
+            self._masks[key] = self._additive(self.queries, layer, dtype)
         return self._masks[key]
+
+    def attend(self, query, key, value, layer, scaling, sinks, dropout) -> torch.Tensor:
+        """Attention of this rank's queries [B, H, Q, D] over the whole row's keys. A mask of more than
+        `segments.MASK_LIMIT` elements ([Q, S]: this rank's share of a long row, every key) is never made whole:
+        the queries go in blocks of `segments.BLOCK_ROWS` rows, each block's mask made for it and, with its
+        attention, recomputed in backward (a checkpoint), so that one block's [rows, S] lives at a time."""
+        rows = query.shape[-2]
+        if rows * key.shape[-2] <= segments.MASK_LIMIT:
+            return attend(query, key, value, self.mask(layer, query.dtype), layer, scaling, sinks, dropout)
+        blocks = []
+        for first in range(0, rows, segments.BLOCK_ROWS):
+            block = query[..., first : first + segments.BLOCK_ROWS, :]
+            args = (block, key, value, first, layer, scaling, sinks, dropout)
+            grad = torch.is_grad_enabled()  # the query may need none while the keys do (LoRA on v_proj only)
+            blocks.append(checkpoint(self._block, *args, use_reentrant=False) if grad else self._block(*args))
+        return torch.cat(blocks, dim=-2)
+
+    def _block(self, query, key, value, first, layer, scaling, sinks, dropout) -> torch.Tensor:
+        """The queries from row `first` on, with their own rows of the mask."""
+        mask = self._additive(self.queries[first : first + query.shape[-2]], layer, query.dtype)
+        return attend(query, key, value, mask, layer, scaling, sinks, dropout)
+
+    def _additive(self, queries: torch.Tensor, layer: LayerAttention, dtype: torch.dtype) -> torch.Tensor:
+        """[1, 1, len(queries), S] of 0 (visible) and dtype's lowest (hidden)."""
+        visible = segment_mask(self.batch, queries, self.extra, layer)[None, None]
+        zero = torch.zeros((), dtype=dtype, device=visible.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
 def split_row(batch: dict, mesh: SequenceMesh) -> tuple[dict, SequenceShard]:
@@ -230,8 +257,7 @@ def sequence_parallel_attention(
     if mesh.context > 1:
         key, value = (_gather_sequence(x, mesh) for x in (key, value))
     key, value = expand_kv(query, key, value)
-    mask = sequence_shard.mask(layer, query.dtype)
-    out = attend(query, key, value, mask, layer, scaling, sinks, dropout)
+    out = sequence_shard.attend(query, key, value, layer, scaling, sinks, dropout)
     if mesh.ulysses > 1:
         out = _sequence_to_heads(out, mesh)
     return out.transpose(1, 2).contiguous(), None

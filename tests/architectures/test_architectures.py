@@ -184,6 +184,82 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     dist.destroy_process_group()
 
 
+BLOCKED_GRADIENTS = ("llama", "gemma2", "gpt_oss", "llama4_text")  # plain; softcap and windows; sinks; chunks
+
+
+def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
+    """Every architecture under Ulysses 2 and context 2 with each rank's [queries, row] mask made a block of 3
+    query rows at a time (MASK_LIMIT 0), against eager unpacked; and, for BLOCKED_GRADIENTS, each rank's
+    gradient through the blocks (each recomputed in backward) against its gradient through the whole mask."""
+    import torch.distributed as dist
+
+    from dpo_train.attention import segments
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.sequence_parallel import SequenceShard, sequence_mesh
+
+    join_gloo(rank, world, port)
+    meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
+    calls, block = [], SequenceShard._block
+    SequenceShard._block = lambda self, *a: calls.append(a[0].shape[-2]) or block(self, *a)
+    weights = torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]])
+
+    def gradient(model, mesh) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        out = pair_logps(model, pack_microbatch(pairs()), mesh)
+        (torch.stack([out.chosen, out.rejected], 1) * weights).sum().backward()
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+        )
+
+    out = {}
+    for model_type in sorted(ZOO):
+        truth = None
+        for name, mesh in meshes.items():
+            for layout, pack in LAYOUTS.items():
+                try:
+                    model = _load(model_type, "auto", layout, mesh)
+                except ConfigError:
+                    continue  # refused as in _sp_worker: nothing to block
+                model.eval()
+                truth = eager_unpacked(model, pairs()) if truth is None else truth
+                limit, block_rows = segments.MASK_LIMIT, segments.BLOCK_ROWS
+                segments.MASK_LIMIT, segments.BLOCK_ROWS = 0, 3
+                try:
+                    with torch.no_grad():
+                        out[f"{model_type} {name} {layout}"] = relative_error(
+                            pair_logps(model, pack(pairs()), mesh), truth
+                        )
+                    if model_type in BLOCKED_GRADIENTS and layout == "separate":
+                        blocked = gradient(model, mesh)
+                        segments.MASK_LIMIT = limit
+                        whole = gradient(model, mesh)
+                        out[f"{model_type} {name} gradient"] = float((blocked - whole).norm() / whole.norm())
+                finally:
+                    segments.MASK_LIMIT, segments.BLOCK_ROWS = limit, block_rows
+    out["block rows"] = sorted(set(calls))
+    if rank == 0:
+        torch.save(out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_long_rows_attend_in_blocks_of_query_rows(tmp_path):
+    """Past MASK_LIMIT a rank never holds its whole [queries, row] mask: blocks of query rows, each with its own
+    mask, recomputed in backward. Every architecture Ulysses and context parallelism run scores each pair as
+    eager unpacked in blocks of 3 rows, and the gradients through the blocks are the whole mask's."""
+    spawn(_sp_blocked_worker, 2, str(tmp_path / "out.pt"))
+    results = torch.load(tmp_path / "out.pt", weights_only=True)
+    rows = results.pop("block rows")
+    assert rows and max(rows) == 3, rows  # blocks of 3 query rows (a last one shorter) were attended
+    gradients = {k: v for k, v in results.items() if k.endswith("gradient")}
+    assert len(gradients) == 2 * len(BLOCKED_GRADIENTS), gradients
+    assert all(v < 1e-5 for v in gradients.values()), gradients
+    scored = {k: v for k, v in results.items() if not k.endswith("gradient")}
+    assert len(scored) > 2 * len(ZOO), "too few architectures ran sequence-parallel"
+    assert all(v < TOLERANCE for v in scored.values()), {k: v for k, v in scored.items() if v >= TOLERANCE}
+
+
 def table_rows(sequence_parallel: dict) -> dict:
     """The docs table's rows from this module's results (run here when not yet run)."""
     rows = {}
