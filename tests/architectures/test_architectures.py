@@ -155,29 +155,40 @@ def test_an_attention_keyword_a_path_does_not_know_is_an_error():
         segment_attention(None, q, q, q, None, row_segments=row_segments(batch), dropout_rng=1)
 
 
-def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
-    import torch.distributed as dist
-
-    from dpo_train.attention.logps import pair_logps
+def _sp_models(rank: int, world: int):
+    """((model type, mesh name, layout), the model in eval mode or its refusal, the mesh, the layout's packer,
+    eager unpacked's log-probs) for every zoo architecture under Ulysses 2 and context 2, in this rank's group."""
     from dpo_train.attention.sequence_parallel import sequence_mesh
 
-    join_gloo(rank, world, port)
     meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
-    out = {}
     for model_type in sorted(ZOO):
         truth = None
         for name, mesh in meshes.items():
             for layout, pack in LAYOUTS.items():
+                key = (model_type, name, layout)
                 try:
                     model = _load(model_type, "auto", layout, mesh)
                 except ConfigError as e:
-                    out[f"{model_type} {name} {layout}"] = str(e)
+                    yield key, str(e), mesh, pack, truth
                     continue
                 model.eval()  # as the reference scores (Seed-OSS has residual dropout)
                 truth = eager_unpacked(model, pairs()) if truth is None else truth
-                with torch.no_grad():
-                    got = pair_logps(model, pack(pairs()), mesh)
-                out[f"{model_type} {name} {layout}"] = relative_error(got, truth)
+                yield key, model, mesh, pack, truth
+
+
+def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
+    import torch.distributed as dist
+
+    from dpo_train.attention.logps import pair_logps
+
+    join_gloo(rank, world, port)
+    out = {}
+    for key, model, mesh, pack, truth in _sp_models(rank, world):
+        if isinstance(model, str):
+            out[" ".join(key)] = model
+            continue
+        with torch.no_grad():
+            out[" ".join(key)] = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
     if rank == 0:
         torch.save(out, result)
     dist.barrier()
@@ -195,10 +206,9 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
 
     from dpo_train.attention import segments
     from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.sequence_parallel import SequenceShard, sequence_mesh
+    from dpo_train.attention.sequence_parallel import SequenceShard
 
     join_gloo(rank, world, port)
-    meshes = {"ulysses 2": sequence_mesh(rank, world, 2, 1), "context 2": sequence_mesh(rank, world, 1, 2)}
     calls, block = [], SequenceShard._block
     SequenceShard._block = lambda self, *a: calls.append(a[0].shape[-2]) or block(self, *a)
     weights = torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]])
@@ -212,30 +222,21 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
         )
 
     out = {}
-    for model_type in sorted(ZOO):
-        truth = None
-        for name, mesh in meshes.items():
-            for layout, pack in LAYOUTS.items():
-                try:
-                    model = _load(model_type, "auto", layout, mesh)
-                except ConfigError:
-                    continue  # refused as in _sp_worker: nothing to block
-                model.eval()
-                truth = eager_unpacked(model, pairs()) if truth is None else truth
-                limit, block_rows = segments.MASK_LIMIT, segments.BLOCK_ROWS
-                segments.MASK_LIMIT, segments.BLOCK_ROWS = 0, 3
-                try:
-                    with torch.no_grad():
-                        out[f"{model_type} {name} {layout}"] = relative_error(
-                            pair_logps(model, pack(pairs()), mesh), truth
-                        )
-                    if model_type in BLOCKED_GRADIENTS and layout == "separate":
-                        blocked = gradient(model, mesh)
-                        segments.MASK_LIMIT = limit
-                        whole = gradient(model, mesh)
-                        out[f"{model_type} {name} gradient"] = float((blocked - whole).norm() / whole.norm())
-                finally:
-                    segments.MASK_LIMIT, segments.BLOCK_ROWS = limit, block_rows
+    for (model_type, name, layout), model, mesh, pack, truth in _sp_models(rank, world):
+        if isinstance(model, str):
+            continue  # refused as in _sp_worker: nothing to block
+        limit, block_rows = segments.MASK_LIMIT, segments.BLOCK_ROWS
+        segments.MASK_LIMIT, segments.BLOCK_ROWS = 0, 3
+        try:
+            with torch.no_grad():
+                out[f"{model_type} {name} {layout}"] = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
+            if model_type in BLOCKED_GRADIENTS and layout == "separate":
+                blocked = gradient(model, mesh)
+                segments.MASK_LIMIT = limit
+                whole = gradient(model, mesh)
+                out[f"{model_type} {name} gradient"] = float((blocked - whole).norm() / whole.norm())
+        finally:
+            segments.MASK_LIMIT, segments.BLOCK_ROWS = limit, block_rows
     out["block rows"] = sorted(set(calls))
     if rank == 0:
         torch.save(out, result)
