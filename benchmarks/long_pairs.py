@@ -18,13 +18,14 @@ Parts:
 - narrow: a random Llama with SmolLM2's vocabulary (hidden 64, 2 layers, tied head; saved once with the
   tokenizer's files) at `--narrow-lengths`, the same sides; a side whose earlier length failed is not run
   longer.
-- limit: on the narrow model, the longest completion each side trains one step of under an address-space
-  limit of `--limit-gib` (RLIMIT_AS set in the child: this machine's cgroups are v1 and not ours to change),
-  found by doubling (TRL from 1024; ours from 1.5x TRL's longest, the issue's target) up to `--limit-max`,
-  then bisecting to `--resolution` tokens, each try a fresh process judged passed
-  (it trained) or failed (it did not: MemoryError, "can't allocate memory", killed). RLIMIT_AS counts virtual
-  memory (the interpreter, libraries, thread stacks and allocator reservations never touched), so it is
-  stricter than an RSS limit of the same size, about alike for both sides.
+- limit: on the narrow model (or SmolLM2-135M-Instruct, `--limit-model smollm2`), the longest completion each
+  side trains one step of under an address-space limit of `--limit-gib` (RLIMIT_AS set in the child: this
+  machine's cgroups are v1 and not ours to change), found by doubling (TRL from `--limit-start`; ours from
+  1.5x TRL's longest, the issue's target) up to `--limit-max`, then bisecting to `--resolution` tokens, each
+  try a fresh process judged passed (it trained) or failed (it did not: MemoryError, "can't allocate memory",
+  killed). RLIMIT_AS counts virtual memory (the interpreter, libraries, thread stacks and allocator
+  reservations never touched), so it is stricter than an RSS limit of the same size, about alike for both
+  sides.
 
 `--mlp-tile T` adds `ours:separate:BUDGET:T` (train.mlp_tile_tokens: T) to the tables, and makes ours' side of
 `limit` tiled.
@@ -297,15 +298,16 @@ def part_table(part, model, model_name, lengths, extra, args, work, results) -> 
                 failed.add(side)
 
 
-def longest(side: str, model: str, args, work: Path, results: list, start: int = 1024) -> tuple[int, bool]:
-    """The longest completion `side` trains 1 step of under RLIMIT_AS of `--limit-gib`: doubling from `start`
-    until a try fails or passes at `--limit-max`, then bisecting to `--resolution` tokens. (0 when `start`
-    fails; True when the longest is only a floor: it passed at `--limit-max`, longer was not tried.)"""
+def longest(side: str, model: str, name: str, args, work: Path, results: list, start: int) -> tuple[int, bool]:
+    """The longest completion `side` trains 1 step of `model` (called `name`) under the limit of `--limit-gib`:
+    doubling from `start` until a try fails or passes at `--limit-max`, then bisecting to `--resolution` tokens.
+    (0 when `start` fails; True when the longest is only a floor: it passed at `--limit-max`, longer was not
+    tried.)"""
 
     def passes(length: int) -> bool:
         got = measure(side, model, dataset(work, length, 1, args.tokenizer), length, args, work, args.limit_gib, 1)
-        results.append({"part": "limit", "model": "narrow", "length": length, "side": side, **got})
-        print(_line("limit", "narrow", length, side, got), flush=True)
+        results.append({"part": "limit", "model": name, "length": length, "side": side, **got})
+        print(_line("limit", name, length, side, got), flush=True)
         return "failed" not in got
 
     good, bad, length = 0, None, start
@@ -341,6 +343,9 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=10.0, help="address-space cap of every other child")
     parser.add_argument("--resolution", type=int, default=1024, help="bisection stops within this many tokens")
     parser.add_argument("--limit-start", type=int, default=1024, help="part `limit`: TRL's first try")
+    parser.add_argument(
+        "--limit-model", default="narrow", choices=["narrow", "smollm2"], help="the model part `limit` trains"
+    )
     parser.add_argument("--limit-max", type=int, default=32768, help="part `limit` tries no longer completion")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides train (fp32)")
@@ -350,7 +355,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     started = time.perf_counter()
-    narrow = narrow_model(work, args.tokenizer) if {"narrow", "limit"} & set(args.parts) else None
+    narrow_limit = "limit" in args.parts and args.limit_model == "narrow"
+    narrow = narrow_model(work, args.tokenizer) if "narrow" in args.parts or narrow_limit else None
+    limit_model = narrow if narrow_limit else None
+    if "limit" in args.parts and args.limit_model == "smollm2":
+        from dpo_train.model.bundled import materialize_smollm2
+
+        limit_model = str(materialize_smollm2())
     limits = {}
     for part in args.parts:  # in the order given
         if part == "smollm2":
@@ -362,10 +373,12 @@ def main() -> None:
             part_table("narrow", narrow, "narrow", args.narrow_lengths, [], args, work, results)
         elif part == "limit":
             # TRL first; ours then starts at 1.5x TRL's longest (the target), doubling from there
-            trl = longest("trl", narrow, args, work, results, start=args.limit_start)
+            name, start = args.limit_model, args.limit_start
+            trl = longest("trl", limit_model, name, args, work, results, start)
             limits["trl"] = trl
             ours = f"ours:separate:{args.budget}" + (f":{args.mlp_tile}" if args.mlp_tile else "")
-            limits[ours] = longest(ours, narrow, args, work, results, start=max(1024, -(-3 * trl[0] // 2 // 64) * 64))
+            target = max(start, -(-3 * trl[0] // 2 // 64) * 64)
+            limits[ours] = longest(ours, limit_model, name, args, work, results, target)
             for side, (tokens, floor) in limits.items():
                 floor = "at least " if floor else ""
                 print(f"limit: {side} trains {floor}{tokens} completion tokens under {args.limit_gib} GiB", flush=True)

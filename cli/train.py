@@ -176,6 +176,9 @@ def main(
     score every pair of the run's own micro-batches as the reference does on the same row reordered
     (train.parity_guard): a difference is exit 2 before the optimizer steps. Supported architectures:
     docs/train-config.md.
+
+    Host tensors of 2 MiB or more go in huge pages (PyTorch's THP_MEM_ALLOC_ENABLE=1, set unless already
+    set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed.
     """
     _counts(nproc_per_node, nnodes)
     if from_trl or not config:
