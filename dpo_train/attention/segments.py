@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from dpo_train.attention.features import LayerAttention, call_attention
 from dpo_train.attention.kernel import attend, expand_kv, positions_visible
@@ -16,16 +16,17 @@ from dpo_train.errors import ModelError
 ATTENTION = "dpo_segments"
 """The transformers attention implementation name (`model.attention: segments`, and auto on CPU)."""
 BLOCK_ROWS = 1024
-"""Query rows per block of a long segment's window or chunk mask (`RowSegments.blocks`): a block's mask is
-at most BLOCK_ROWS x (BLOCK_ROWS + window) elements."""
+"""Query rows per block of a long segment (`RowSegments.long`): a windowed block's mask is at most BLOCK_ROWS x
+(BLOCK_ROWS + window) elements, and an eager (soft-capped or sink) block's scores H x BLOCK_ROWS x its keys."""
 MASK_LIMIT = 2**24
 """A segment whose [own, context + own] key mask would have more elements than this (16 Mi: 80 MiB of boolean
 and float mask, about a 4k segment) is never given that mask: a shared-prompt completion of a plain layer runs
 as one causal sequence with its prompt, the prompt's query rows recomputed and dropped (sdpa's maskless
 kernels, never more attention work than the separate layout does: `RowSegments.continues`), and a windowed or
-chunked layer's mask is made a block of query rows at a time (`RowSegments.blocks`). Memory then grows
-linearly with the length. Below it the whole mask is kept for the row: a long prompt with short completions
-would otherwise recompute the prompt's attention for each."""
+chunked layer's mask, and a soft-capped or sink layer's scores, are made a block of query rows at a time
+(`RowSegments.long`; the eager blocks recomputed in backward). Memory then grows linearly with the length.
+Below it the whole mask is kept for the row: a long prompt with short completions would otherwise recompute
+the prompt's attention for each."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class RowSegments:
     then run on by one), and the segment it also sees (its context: the pair's prompt in the
     shared-prompt layout), -1 for none. Row padding past the last segment is one more segment of its
     own. The masks a windowed or chunked layer needs are made once per row and kept, or for a long segment
-    block by block as they are used (`blocks`)."""
+    block by block as they are used (`long`)."""
 
     bounds: tuple[tuple[int, int], ...]
     context: tuple[int, ...]
@@ -51,19 +52,19 @@ class RowSegments:
             self._masks[cache_key] = positions_visible(*self._positions(index, device), layer)
         return self._masks[cache_key]
 
-    def blocks(self, index: int, layer: LayerAttention, device: torch.device) -> Iterator[tuple] | None:
-        """Segment `index`'s window or chunk mask cut into blocks of BLOCK_ROWS query rows, each with the key
-        columns any of its rows can see: (rows, columns, that block's mask) per block, each made as it is
-        used, so nothing grows with the square of the segment. None where the whole mask is small
-        (MASK_LIMIT), the window or chunk hides no key of the segment (with its context), or the positions do
-        not increase (`visible` then)."""
+    def long(self, index: int, layer: LayerAttention, device: torch.device, eager: bool) -> tuple | None:
+        """(segment `index`'s query positions, its key positions: its context's, then its own) when it goes a
+        block of BLOCK_ROWS query rows at a time (`_blocked`): its whole mask would pass MASK_LIMIT, and a
+        window or chunk hides a key of it (with its context) or the layer takes the eager math (`eager`:
+        softcap or sinks, whose scores are as square as a mask). None where it runs whole (`visible`), or
+        where the positions do not increase."""
         first, length, own = self._sequence(index)
-        if own * length <= MASK_LIMIT or not _restricted(first, length, layer):  # small, or no key hidden
+        if own * length <= MASK_LIMIT or not (eager or _restricted(first, length, layer)):
             return None
         own, keys = self._positions(index, device)
         if not bool((keys[1:] > keys[:-1]).all()):  # once per layer of a long segment: a sync, not a cost
             return None
-        return (_block(own, keys, layer, rows) for rows in range(0, len(own), BLOCK_ROWS))
+        return own, keys
 
     def _positions(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the positions of segment `index`'s queries, those of its keys: its context's, then its own)."""
@@ -104,16 +105,35 @@ class RowSegments:
         return self._masks["positions"]
 
 
-def _block(own: torch.Tensor, keys: torch.Tensor, layer: LayerAttention, start: int) -> tuple:
-    """Query rows [start, start + BLOCK_ROWS) of a segment: (their slice, the slice of the keys they can see:
-    from the earliest the window or chunk lets the first row see to the last row's own, and the mask)."""
+def _blocked(q, k, v, own, keys, layer: LayerAttention, scaling, sinks, dropout: float) -> torch.Tensor:
+    """A long segment a block of BLOCK_ROWS query rows at a time, each over the keys its rows can see with its
+    own mask, so that nothing grows with the square of the segment. Through sdpa a block keeps its mask and
+    output for backward; through the eager math (softcap, sinks) it would keep its [H, rows, keys] scores, so
+    there each block, mask included, is recomputed in backward (a non-reentrant checkpoint)."""
+    recompute = (layer.softcap is not None or sinks is not None) and torch.is_grad_enabled()
+    outputs = []
+    for start in range(0, len(own), BLOCK_ROWS):
+        rows, columns = _span(own, keys, layer, start)
+        args = (q[:, :, rows], k[:, :, columns], v[:, :, columns], own[rows], keys[columns])
+        args += (layer, scaling, sinks, dropout)
+        outputs.append(checkpoint(_block, *args, use_reentrant=False) if recompute else _block(*args))
+    return torch.cat(outputs, 2)
+
+
+def _block(q, k, v, own, keys, layer: LayerAttention, scaling, sinks, dropout: float) -> torch.Tensor:
+    """One block's attention, its rows' mask over its keys made here (in backward too, under a checkpoint)."""
+    return attend(q, k, v, positions_visible(own, keys, layer), layer, scaling, sinks, dropout)
+
+
+def _span(own: torch.Tensor, keys: torch.Tensor, layer: LayerAttention, start: int) -> tuple[slice, slice]:
+    """Query rows [start, start + BLOCK_ROWS) of a segment and the keys they can see: from the earliest the
+    window or chunk lets the first row see to the last row's own."""
     rows = slice(start, min(start + BLOCK_ROWS, len(own)))
     first, last = int(own[rows.start]), int(own[rows.stop - 1])
     earliest = first - layer.window + 1 if layer.window is not None else 0
     if layer.chunk is not None:
         earliest = max(earliest, first // layer.chunk * layer.chunk)
-    columns = slice(int(torch.searchsorted(keys, earliest)), int(torch.searchsorted(keys, last, right=True)))
-    return rows, columns, positions_visible(own[rows], keys[columns], layer)
+    return rows, slice(int(torch.searchsorted(keys, earliest)), int(torch.searchsorted(keys, last, right=True)))
 
 
 def _restricted(first: int, length: int, layer: LayerAttention) -> bool:
@@ -165,7 +185,7 @@ def segment_attention(
     if tuned(module):
         query = by_position(module, query, row_segments.positions(query.device))
     key, value = expand_kv(query, key, value)
-    maskless = layer.softcap is None and sinks is None  # else the eager math, whose scores are square anyway
+    maskless = layer.softcap is None and sinks is None  # else the eager math: square scores, long ones in blocks
     outputs = []
     for index, ((start, stop), context) in enumerate(zip(row_segments.bounds, row_segments.context)):
         q, k, v = query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]
@@ -178,10 +198,8 @@ def segment_attention(
                 q, skip = torch.cat([query[:, :, first:last], q], dim=2), last - first
         if skip:
             out = attend(q, k, v, None, layer, scaling, sinks, dropout)[:, :, skip:]
-        elif (blocks := row_segments.blocks(index, layer, query.device)) is not None:  # long, windowed or chunked
-            out = torch.cat(
-                [attend(q[:, :, r], k[:, :, c], v[:, :, c], m, layer, scaling, sinks, dropout) for r, c, m in blocks], 2
-            )
+        elif (long := row_segments.long(index, layer, query.device, not maskless)) is not None:
+            out = _blocked(q, k, v, *long, layer, scaling, sinks, dropout)
         else:
             out = attend(q, k, v, row_segments.visible(index, layer, query.device), layer, scaling, sinks, dropout)
         outputs.append(out)

@@ -364,12 +364,42 @@ def test_long_segments_run_without_their_square_mask_and_equal_eager_unpacked(mo
         assert rows == [], f"{model_type}: masks of {rows} query rows"
     if any(layer.restricts_keys for _, layer in rows):  # a windowed or chunked layer: blocks of 3 rows
         assert blocks and all(n <= 3 for n, layer in rows if layer.restricts_keys), f"{model_type}: {rows}"
+    if _eager(model):  # soft-capped or sink layers, windowed or not: their square scores in blocks of 3 rows too
+        assert any(_eager_block(b) and not b[5].restricts_keys for b in blocks), f"{model_type}: no full block"
+        assert all(n <= 3 for n, _ in rows), f"{model_type}: {rows}"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "llama4_text", "gemma2"])
+def _eager(model) -> bool:
+    """Whether some layer takes the eager math (softcap or sinks): the zoo's soft-capped and sink models."""
+    return any(word in features_of(model) for word in ("softcapping", "sinks"))
+
+
+def _eager_block(block: tuple) -> bool:
+    """A `segments._block` call's arguments (q, k, v, own, keys, layer, scaling, sinks, dropout): eager math?"""
+    return block[5].softcap is not None or block[7] is not None
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_long_eager_segments_are_recomputed_a_block_at_a_time(model_type, monkeypatch):
+    """A soft-capped or sink layer's scores are as square as a mask: past MASK_LIMIT its blocks of query rows run
+    under a checkpoint, so that no block's scores are kept for backward, which makes each block again."""
+    from dpo_train.attention.logps import pair_logps
+
+    blocks = _long_segments(monkeypatch)
+    model = _load(model_type, "segments", "shared_prompt")
+    out = pair_logps(model, pack_shared_prompt(pairs()))
+    forward = sum(map(_eager_block, blocks))
+    (out.chosen.sum() - out.rejected.sum()).backward()
+    again = sum(map(_eager_block, blocks)) - forward
+    assert forward > 0 and all(len(b[3]) <= 3 for b in blocks), forward
+    assert again == forward, f"backward remade {again} of the {forward} eager blocks"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "llama4_text", "gemma2", "gpt_oss"])
 def test_gradients_of_long_segments_equal_eager_unpacked(model_type, monkeypatch):
     """The causal form's gradients (the prompt's query rows recomputed, their outputs dropped) and the blocked
-    masks' are eager unpacked's, on plain, windowed, chunked and soft-capped models."""
+    masks' and of the eager blocks (recomputed in backward) are eager unpacked's, on plain, windowed, chunked,
+    soft-capped and sink models."""
     _long_segments(monkeypatch)
     test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type)
 
