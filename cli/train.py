@@ -178,7 +178,9 @@ def main(
     docs/train-config.md.
 
     Host tensors of 2 MiB or more go in huge pages (PyTorch's THP_MEM_ALLOC_ENABLE=1, set unless already
-    set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed.
+    set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed. The
+    model runs its own code, the code the checks above check: transformers' hub kernels are off
+    (USE_HUB_KERNELS=NO unless set; YES brings them back, unchecked).
     """
     _counts(nproc_per_node, nnodes)
     if from_trl or not config:

@@ -24,7 +24,7 @@ from dpo_train.errors import ConfigError
 from dpo_train.model.policy import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
 from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
-from dpo_train.run.host_memory import use_huge_pages
+from dpo_train.run.environment import set_run_environment
 from dpo_train.run.preflight import (
     apply_dataset_template,
     check_data,
@@ -120,9 +120,9 @@ def local_run(
 
 def _placed(config: TrainConfig, progress: bool) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
     """Check the config and the model paths, place this rank, join the process group torchrun describes, and
-    load the run's tokenizer: where every run starts (host memory in huge pages before anything large is
-    allocated)."""
-    use_huge_pages()
+    load the run's tokenizer: where every run starts (its process environment first, before anything large is
+    allocated or any model loads)."""
+    set_run_environment()
     check_config(config)
     check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
