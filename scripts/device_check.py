@@ -248,6 +248,9 @@ def main() -> None:
         "--model", default=None, help="a Hugging Face model directory instead of the bundled SmolLM2-135M-Instruct"
     )
     args = parser.parse_args()
+    from dpo_train.run.environment import set_run_environment
+
+    set_run_environment()  # as every run sets it: the model's own code (no hub kernels: offline, they fail to load)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device check: torch sees no CUDA device; run it on a GPU machine (or --device cpu)")
     from dpo_data.prepare.build import BuildOptions, build
