@@ -11,7 +11,8 @@ ordinary sdpa path), Ulysses U = 2 and 4, and context C = 2 and 4. Per rank:
 - bytes handed to collectives during the step (all-to-all, all-gather, reduce-scatter, all-reduce):
   what the split costs in communication; the single-process run has none.
 
-    .venv/bin/python benchmarks/sequence_parallel_bench.py [--prompt 3072 --completion 512]
+    .venv/bin/python benchmarks/sequence_parallel_bench.py [--prompt 3072 --completion 512] [--meshes 2x1 1x2]
+        [--mask-limit N: segments.MASK_LIMIT, 4611686018427387904 for a whole mask however long the row]
 """
 
 from __future__ import annotations
@@ -57,19 +58,24 @@ def _count_collectives(traffic: dict) -> None:
         setattr(dist, name, counted)
 
 
-def _worker(rank: int, world: int, port: int, ulysses: int, context: int, lengths: tuple, work: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, ulysses: int, context: int, lengths: tuple, work: str, mask_limit: int | None
+) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.attention import segments
     from dpo_train.attention.choice import attention_for
     from dpo_train.attention.logps import pair_logps
     from dpo_train.attention.sequence_parallel import sequence_mesh
     from dpo_train.parallel.device import placement
 
     torch.set_num_threads(1)  # ranks share the cores; one process gets the same one thread
+    if mask_limit is not None:
+        segments.MASK_LIMIT = mask_limit
     mesh = None
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -130,16 +136,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=3072)
     parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument(
+        "--mask-limit", type=int, default=None, help="segments.MASK_LIMIT in every rank (default: its own)"
+    )
+    parser.add_argument("--meshes", nargs="+", default=None, help="only these U x C, as UxC (1x1 always runs)")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # inherited by the spawned ranks
     lengths = (args.prompt, args.completion, args.completion)
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for ulysses, context in MESHES:
+        meshes = [m for m in MESHES if m == (1, 1) or args.meshes is None or f"{m[0]}x{m[1]}" in args.meshes]
+        for ulysses, context in meshes:
             world = ulysses * context
             mp.start_processes(
                 _worker,
-                args=(world, harness.free_port(), ulysses, context, lengths, work),
+                args=(world, harness.free_port(), ulysses, context, lengths, work, args.mask_limit),
                 nprocs=world,
                 start_method="spawn",
             )
