@@ -60,7 +60,12 @@ import harness
 from trl_peer import HYPER, train_timed, trl_trainer
 
 PROMPT = 256
-ENV = {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "USE_HUB_KERNELS": "NO",  # both sides run the model's own code (ours sets it anyway; offline, TRL would fail)
+}
 NARROW = {
     "model_type": "llama",
     "hidden_size": 64,
