@@ -362,11 +362,6 @@ def main() -> None:
     started = time.perf_counter()
     narrow_limit = "limit" in args.parts and args.limit_model == "narrow"
     narrow = narrow_model(work, args.tokenizer) if "narrow" in args.parts or narrow_limit else None
-    limit_model = narrow if narrow_limit else None
-    if "limit" in args.parts and args.limit_model == "smollm2":
-        from dpo_train.model.bundled import materialize_smollm2
-
-        limit_model = str(materialize_smollm2())
     limits = {}
     for part in args.parts:  # in the order given
         if part == "smollm2":
@@ -379,6 +374,7 @@ def main() -> None:
         elif part == "limit":
             # TRL first; ours then starts at 1.5x TRL's longest (the target), doubling from there
             name, start = args.limit_model, args.limit_start
+            limit_model = narrow if narrow_limit else str(tokenizer_dir(None))  # the bundled SmolLM2
             trl = longest("trl", limit_model, name, args, work, results, start)
             limits["trl"] = trl
             ours = f"ours:separate:{args.budget}" + (f":{args.mlp_tile}" if args.mlp_tile else "")
