@@ -158,10 +158,15 @@ def _tokens(length: int) -> int:
     return 2 * (PROMPT + length) + 64
 
 
-def run(side: str, model: str, data: str, length: int, steps: int, work: str, limit_gib: float, device: str) -> dict:
+def run(
+    side: str, model: str, data: str, length: int, steps: int, work: str, limit_gib: float, device: str, live: bool
+) -> dict:
     """One configuration in this (fresh) process under a memory limit of `limit_gib` (RLIMIT_AS on the CPU, the
     caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET[:TILE]` (BUDGET in MiB, or `null` for
-    the whole head; TILE: train.mlp_tile_tokens)."""
+    the whole head; TILE: train.mlp_tile_tokens). `live`: also the peak of live tensor bytes on the CPU
+    (`harness.LiveTensors`, from before the model loads)."""
+    import contextlib
+
     import torch
 
     limit = int(limit_gib * (1 << 30))
@@ -173,11 +178,16 @@ def run(side: str, model: str, data: str, length: int, steps: int, work: str, li
     out = Path(work) / side.replace(":", "-")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    got = _run_trl(model, data, length, steps, out, sampler, device) if side == "trl" else None
-    if got is None:
-        _, layout, budget, *tile = side.split(":")
-        budget, tile = None if budget == "null" else int(budget), int(tile[0]) if tile else None
-        got = _run_ours(model, data, length, steps, out, layout, budget, tile, sampler, device)
+    meter = harness.LiveTensors() if live else contextlib.nullcontext()
+    with meter:
+        if side == "trl":
+            got = _run_trl(model, data, length, steps, out, sampler, device)
+        else:
+            _, layout, budget, *tile = side.split(":")
+            budget, tile = None if budget == "null" else int(budget), int(tile[0]) if tile else None
+            got = _run_ours(model, data, length, steps, out, layout, budget, tile, sampler, device)
+    if live:
+        got["live_peak_mib"] = meter.peak_mib
     if device == "cuda":
         got["cuda_allocated_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
         got["cuda_reserved_mib"] = torch.cuda.max_memory_reserved() / (1 << 20)
@@ -261,7 +271,8 @@ def measure(side: str, model: str, data: str, length: int, args, work: Path, lim
     """`run` in a fresh interpreter; a failure is a result (`failed`, its last stderr line), not an exit."""
     started = time.perf_counter()
     try:
-        got = harness.call(run, side, model, data, length, steps, str(work), limit_gib, args.device, env=ENV)
+        call = (side, model, data, length, steps, str(work), limit_gib, args.device, args.live)
+        got = harness.call(run, *call, env=ENV)
     except harness.ChildFailed as failed:
         lines = [x for x in failed.stderr.splitlines() if x.strip()] or ["?"]
         got = {"failed": failed.returncode, "reason": lines[-1][:200]}
@@ -277,6 +288,8 @@ def _line(part: str, model_name: str, length: int, side: str, got: dict) -> str:
     gpu = ""
     if "cuda_reserved_mib" in got:
         gpu = f"GPU {got['cuda_allocated_mib']:.0f} / {got['cuda_reserved_mib']:.0f} MiB, "
+    if "live_peak_mib" in got:
+        gpu += f"live tensors {got['live_peak_mib']:.0f} MiB, "
     return (
         f"{head} {gpu}peak {got['peak_rss_mib']:8.0f} MiB, sampled {got['sampled_peak_mib']:8.0f} MiB, "
         f"VmPeak {got['peak_vm_mib']:8.0f} MiB, s/step {steps}, step-1 loss {got['losses'][0]:.6f}  [{got['wall_s']} s]"
@@ -355,6 +368,9 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides train (fp32)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer of narrow and limit (default: SmolLM2)")
+    parser.add_argument(
+        "--live", action="store_true", help="also each side's peak of live CPU tensor bytes (the profiler's record)"
+    )
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="dpo-long-pairs-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from dpo_data.progress import say
 from dpo_train.attention.compiled import Checked
 from dpo_train.attention.features import text_config, wrapped
+from dpo_train.attention.recompute import autocast_state
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class _ChunkedLogps(torch.autograd.Function):
                     square[start:stop] = got[1]
         ctx.save_for_backward(hidden, labels)
         ctx.head, ctx.cuts = head, cuts
-        ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.autocast = autocast_state(hidden.device.type)
         ctx.mark_non_differentiable(square)
         return picked, square
 
@@ -166,13 +167,6 @@ CHUNK_LOGPS = Checked(chunk_logps, "vocabulary head (forward)")
 CHUNK_GRAD = Checked(chunk_grad, "vocabulary head (backward)")
 """The chunk bodies as the chunked head runs them: compiled on CUDA by default, each checked against its eager
 form on its first chunk (`compiled.Checked`; train.compiled_head)."""
-
-
-def _autocast_state(device_type: str) -> dict:
-    """The autocast the forward ran under, so that backward recomputes the chunks' logits alike."""
-    if not torch.is_autocast_enabled(device_type):
-        return {"enabled": False}
-    return {"enabled": True, "dtype": torch.get_autocast_dtype(device_type)}
 
 
 BUDGET_MARK = "dpo_logits_budget"

@@ -3,11 +3,17 @@
 A long pair's peak memory past the vocabulary head is the recomputed layer's activations in the backward, and
 the MLP's are most of them: gate, up, activation and product, each `intermediate_size` wide for every token
 (4 x 1,536 floats a token on SmolLM2 against its 576-wide hidden states). With `train.mlp_tile_tokens: T`, an
-MLP given more than T positions runs on T at a time, each tile under a non-reentrant activation checkpoint:
-the forward keeps only the tiles' inputs (views of its own input), and the backward recomputes and frees one
-tile's intermediates at a time. The MLP acts on each position alone, so the tiles' outputs, concatenated, are
-its output (the start-up check below holds each MLP class to that); the price is one more MLP forward per
-step. Under no_grad (the reference, precompute) the tiles just run one after another.
+MLP given more than T positions runs on T at a time: the forward keeps only its input and none of the tiles'
+intermediates, and the backward recomputes one tile at a time, each tile's intermediates freed before the next.
+The MLP acts on each position alone, so the tiles' outputs, concatenated, are its output (the start-up check
+below holds each MLP class to that). Under no_grad (the reference, precompute) the tiles just run one after
+another.
+
+What it costs: under activation checkpointing, nothing. The MLP's input is saved by a step of its own
+(`_Input`) before the tiles run, and is the last tensor a layer saves (in layers whose MLP ends them), so the
+layer's recompute in the backward stops there (torch.utils.checkpoint's early stop), and the tiles' backward
+recomputes the MLP once, as the layer's recompute would have: two MLP forwards a step, tiled or whole. Without
+activation checkpointing the tiles' recompute is one more MLP forward a step.
 
 The MLP is found as a module named `mlp` (every decoder family of the zoo names it so); a mixture of experts
 (`experts` inside) is left whole: its router's outputs are recorded per call, and tiles would split them.
@@ -19,8 +25,8 @@ import inspect
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from dpo_train.attention.recompute import autocast_state
 from dpo_train.errors import ConfigError
 
 ATTRIBUTE = "dpo_mlp_tile"
@@ -38,12 +44,74 @@ class Tiled:
         whole = super().forward  # the MLP's own forward (the next class after this mixin)
         if args or kwargs or not torch.is_tensor(hidden) or hidden.dim() < 2 or hidden.shape[-2] <= tile:
             return whole(hidden, *args, **kwargs)
-        parts = hidden.split(tile, dim=-2)
-        if torch.is_grad_enabled():
-            outputs = [checkpoint(whole, part, use_reentrant=False) for part in parts]
-        else:
-            outputs = [whole(part) for part in parts]
-        return torch.cat(outputs, dim=-2)
+        if not torch.is_grad_enabled():
+            return torch.cat([whole(part) for part in hidden.split(tile, dim=-2)], dim=-2)
+        kept = _Kept()
+        if hidden.requires_grad:
+            hidden = _Input.apply(hidden, kept)
+        else:  # no graph reaches it (nothing before this MLP trains): nothing to save or recompute
+            kept.hidden = hidden
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return _Tiles.apply(hidden, kept, whole, tile, *trained)
+
+
+class _Kept:
+    """Where `_Tiles`' backward finds the MLP's input: the node of `_Input` that saved it, or the tensor itself."""
+
+    ctx: Any = None
+    hidden: torch.Tensor | None = None
+
+    def input(self) -> torch.Tensor:
+        return self.hidden if self.hidden is not None else self.ctx.saved_tensors[0]
+
+
+class _Input(torch.autograd.Function):
+    """The MLP's input, saved for `_Tiles`' backward as this step's own (identity) saved tensor, before any tile
+    runs: the last tensor the layer saves, where a checkpointed layer's recompute stops."""
+
+    @staticmethod
+    def forward(ctx, hidden, kept):
+        ctx.save_for_backward(hidden)
+        kept.ctx = ctx
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Tiles(torch.autograd.Function):
+    """Forward: the MLP over tiles without a graph. Backward: each tile recomputed with one, and its gradient
+    taken (to its input and to the trained parameters, summed over the tiles) before the next tile runs."""
+
+    @staticmethod
+    def forward(ctx, hidden, kept, whole, tile, *trained):
+        ctx.kept, ctx.whole, ctx.tile, ctx.trained = kept, whole, tile, trained
+        ctx.autocast = autocast_state(hidden.device.type)
+        with torch.no_grad():
+            return torch.cat([whole(part) for part in hidden.split(tile, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden = ctx.kept.input()
+        wants_hidden = ctx.needs_input_grad[0]
+        params = [p for p, needs in zip(ctx.trained, ctx.needs_input_grad[4:]) if needs]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        with torch.enable_grad(), torch.autocast(hidden.device.type, **ctx.autocast):
+            for start in range(0, hidden.shape[-2], ctx.tile):
+                size = min(ctx.tile, hidden.shape[-2] - start)
+                part = hidden.narrow(-2, start, size).detach().requires_grad_(wants_hidden)
+                inputs = [part] * wants_hidden + params
+                got = torch.autograd.grad(ctx.whole(part), inputs, grad.narrow(-2, start, size), allow_unused=True)
+                if wants_hidden:
+                    grad_hidden.narrow(-2, start, size).copy_(got[0])
+                for k, g in enumerate(got[wants_hidden:]):
+                    if g is not None:
+                        sums[k] = g if sums[k] is None else sums[k].add_(g)
+        summed = iter(sums)
+        grad_params = [next(summed) if needs else None for needs in ctx.needs_input_grad[4:]]
+        return grad_hidden, None, None, None, *grad_params
 
 
 _CLASSES: dict[type, type] = {}

@@ -171,8 +171,9 @@ class TrainSection:
     mlp_tile_tokens: int | None = None
     """Run each decoder layer's MLP over tiles of this many positions, each tile recomputed in backward, so that a
     long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py); null
-    (default): whole. The same numbers (a start-up check refuses an MLP that mixes positions), one more MLP
-    forward per step; a mixture of experts stays whole. For long pairs (docs/benchmarks.md)."""
+    (default): whole. The same numbers (a start-up check refuses an MLP that mixes positions); with activation
+    checkpointing no more compute where the MLP ends its layer, else one more MLP forward per step; a mixture of
+    experts stays whole. For long pairs (docs/benchmarks.md)."""
     check_microbatches: bool = True
     """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
     feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""

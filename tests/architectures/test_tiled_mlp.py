@@ -68,10 +68,10 @@ def test_the_zoo_has_tiled_and_untiled_mlps():
     assert counts["qwen3_moe"] == 0 and counts["mixtral"] == 0
 
 
-def test_the_forward_keeps_only_the_tiles_inputs():
+def test_the_forward_keeps_only_the_mlps_input():
     """With grad, the tiled MLP's forward saves none of its intermediates for the backward (each tile's are
-    recomputed there, one tile at a time); whole, it saves gate, up and their product for every position.
-    Counted with a saved-tensors hook around the MLP call (a checkpoint's own hook takes what is saved inside it)."""
+    recomputed there, one tile at a time): only its input; whole, it saves gate, up and their product for every
+    position. Counted with a saved-tensors hook around the MLP's forward."""
     model = _load("llama")
     mlp = model.model.layers[0].mlp
     hidden = torch.randn(1, 256, mlp.gate_proj.in_features, requires_grad=True)
@@ -84,7 +84,8 @@ def test_the_forward_keeps_only_the_tiles_inputs():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mlp(hidden).sum().backward()
+            out = mlp(hidden)
+        out.sum().backward()
         return sum(sizes)
 
     whole = saved_bytes()
@@ -93,7 +94,45 @@ def test_the_forward_keeps_only_the_tiles_inputs():
     inputs = hidden.numel() * 4
     intermediate = hidden.shape[1] * mlp.gate_proj.out_features * 4  # one [positions, intermediate] float32
     assert whole >= inputs + 2 * intermediate
-    assert tiled <= inputs  # the tiles' inputs, views of the MLP's own
+    assert tiled == inputs
+
+
+MLP_LAST = ("llama", "qwen2", "phi3", "cohere2", "starcoder2")
+"""Layers the MLP ends (its output only added to the residual)."""
+NORM_AFTER = ("gemma2", "olmo2", "exaone4")
+"""Layers with a norm after the MLP, which saves the MLP's output for its own backward."""
+
+
+@pytest.mark.parametrize("model_type", MLP_LAST + NORM_AFTER)
+def test_under_activation_checkpointing_tiles_cost_no_mlp_forward_where_the_mlp_ends_the_layer(model_type):
+    """Positions through the MLP's own forward in one forward and backward of the zoo's packed row, with each layer
+    checkpointed, tiled against whole. Where the MLP ends the layer, the layer's recompute stops at the MLP's saved
+    input and the tiles' backward is the one recompute: as many positions as whole (forward and recompute). Where
+    a norm follows the MLP, that norm needs the MLP's output, so the recompute runs it: one forward more (1.5x)."""
+    model = _load(model_type)
+    (_, first), *_ = mlps(model)
+    cls, counted = type(first), []
+    own = cls.forward
+
+    def counting(self, x, *args, **kwargs):
+        counted.append(x.shape[-2])
+        return own(self, x, *args, **kwargs)
+
+    positions = {}
+    for name, tile in (("whole", None), ("tiled", 2)):
+        copied = copy.deepcopy(model)
+        tile_mlps(copied, tile)
+        copied.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        counted.clear()
+        cls.forward = counting
+        try:
+            _logps_and_gradient(copied)
+        finally:
+            cls.forward = own
+        positions[name] = sum(counted)
+    assert positions["whole"] > 0
+    expected = positions["whole"] * (1 if model_type in MLP_LAST else 1.5)
+    assert positions["tiled"] == expected, positions
 
 
 def test_an_mlp_that_mixes_positions_is_refused_by_name():
@@ -155,8 +194,8 @@ def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir
     from tests.harness import tiny_config
 
     logs, identities, tiles = {}, {}, []
-    checkpoint = tiled_mlp.checkpoint
-    monkeypatch.setattr(tiled_mlp, "checkpoint", lambda *a, **k: tiles.append(1) or checkpoint(*a, **k))
+    backward = tiled_mlp._Tiles.backward  # counted: the tiles' backward ran
+    monkeypatch.setattr(tiled_mlp._Tiles, "backward", staticmethod(lambda *a: tiles.append(1) or backward(*a)))
     for name, tile in (("whole", None), ("tiled", 16)):
         config = tiny_config(
             small_dataset,
