@@ -3,6 +3,7 @@ chunk of logits, in forward and in backward (which recomputes each chunk's logit
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -63,19 +64,36 @@ class Head:
 
 def head_of(model: Any) -> Head | None:
     """The head `model`'s own forward applies, or None where it is not one the toolkit knows how to chunk
-    faithfully (an output embedding that is not a plain `nn.Linear`, such as LoRA on `lm_head`)."""
+    faithfully (an output embedding that is not a plain `nn.Linear`, such as LoRA on `lm_head`). The scales are
+    read from the decoder's config as each family's forward applies them (`check_head` compares the result with
+    the model's own head before a run uses it)."""
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(out) is not torch.nn.Linear:
         return None
-    config = model.config
+    config = text_config(model)
+    multiply, divide = [], []
     scale = getattr(model, "logit_scale", None)  # Cohere keeps it on the model, from config.logit_scale
+    multiply.append(scale)
+    multiply.append(getattr(config, "output_multiplier", None))  # Muse Glimmer, before its softcap
+    multiply.append(getattr(config, "lm_head_multiplier", None))  # Falcon-H1 (muP)
+    scaling = getattr(config, "logits_scaling", None)  # Granite divides the logits by it
+    if config.model_type == "hyperclovax":  # which multiplies them by it
+        multiply.append(scaling)
+    elif config.model_type != "minicpm3":  # which divides the hidden states before lm_head: `HeadInput` gets them so
+        divide.append(scaling)
     return Head(
         out.weight,
         out.bias,
-        multiply=float(scale) if scale is not None else None,
-        divide=getattr(config, "logits_scaling", None),
+        multiply=_product(multiply),
+        divide=_product(divide),
         softcap=getattr(config, "final_logit_softcapping", None),
     )
+
+
+def _product(factors: list) -> float | None:
+    """The product of the factors that are set (None when none is)."""
+    found = [float(f) for f in factors if f is not None]
+    return math.prod(found) if found else None
 
 
 def chunk_spans(rows: int, chunk: int) -> list[tuple[int, int]]:

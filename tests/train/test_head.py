@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dpo_train.attention.head import Head, chunk_spans, head_of, target_logps
+from dpo_train.attention.head import Head, HeadInput, chunk_spans, head_of, target_logps
 from dpo_train.model.policy import init_config
-from tests.architectures.zoo import model_spec
+from tests.architectures.zoo import BASE, ZOO, model_spec
 
 ROWS, HIDDEN, VOCAB = 37, 16, 101
 TOLERANCE = 1e-6
@@ -90,15 +90,33 @@ def test_a_chunk_boundary_off_by_one_is_seen(cut):
     assert not all(error <= 1e-3 for error in errors.values()), errors
 
 
-# each head transform the zoo's models apply: none (tied and untied), Gemma 2's softcap, Granite's scaling,
-# Cohere 2's logit scale
+# each head transform a family applies: none (tied and untied), Gemma 2's softcap, Granite's division, Cohere 2's
+# logit scale, Falcon-H1's multiplier, HyperCLOVA X's multiplication by what Granite divides by, and MiniCPM3's
+# division of the hidden states before the projection (so none after it)
 MODELS = {
     "llama": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": False},
     "gemma2": {},
     "granite": {},
     "cohere2": {"logit_scale": 0.25},
+    "falcon_h1": {"lm_head_multiplier": 0.41},
+    "hyperclovax": {"logits_scaling": 2.5},
+    "minicpm3": {  # multi-head latent attention: as many key-value heads as heads
+        "num_key_value_heads": 4,
+        "dim_model_base": 16,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+    },  # logits_scaling: hidden_size / dim_model_base = 4
 }
+
+
+def _spec(model_type: str) -> dict:
+    """The zoo's spec of the family, or the zoo's base sizes for a family the zoo does not hold."""
+    spec = model_spec(model_type) if model_type in ZOO else {"model_type": model_type, **BASE}
+    return {**spec, **MODELS[model_type]}
 
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
@@ -106,9 +124,7 @@ def test_the_models_own_head_is_read_and_chunked_exactly(model_type):
     """From the model's final hidden states, the chunked head gives the log-probs of the model's own forward
     (its own logits, whatever it applies after the projection) and the same gradients for every parameter."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        init_config({**model_spec(model_type), **MODELS[model_type]}), attn_implementation="eager"
-    ).eval()
+    model = AutoModelForCausalLM.from_config(init_config(_spec(model_type)), attn_implementation="eager").eval()
     head = head_of(model)
     assert head is not None
     ids = torch.randint(3, 97, (1, 29))
@@ -119,8 +135,9 @@ def test_the_models_own_head_is_read_and_chunked_exactly(model_type):
         return logits.log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
 
     def chunked() -> torch.Tensor:
-        hidden = model.model(input_ids=ids).last_hidden_state[0, :-1]
-        return target_logps(hidden, head_of(model), labels, 6)[0]
+        with HeadInput(model) as kept:  # what the model's forward hands its lm_head
+            model(input_ids=ids)
+        return target_logps(kept.hidden[0, :-1], head_of(model), labels, 6)[0]
 
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
