@@ -30,6 +30,10 @@ Parts:
 `--mlp-tile T` adds `ours:separate:BUDGET:T` (train.mlp_tile_tokens: T) to the tables, and makes ours' side of
 `limit` tiled.
 
+`--live` adds each configuration's peak of live tensor bytes on the CPU (`harness.LiveTensors`: the profiler's
+record of every allocation and free, from before the model loads): what `torch.cuda.max_memory_allocated`
+counts on a GPU, without the host allocator's retention that RSS includes. The profiler slows a step.
+
 Measurement children run under an address-space cap of `--cap-gib` (default 10) so that no configuration takes
 the shared machine past it; a configuration that needs more fails and is reported failed.
 
