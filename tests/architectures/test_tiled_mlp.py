@@ -135,6 +135,33 @@ def test_under_activation_checkpointing_tiles_cost_no_mlp_forward_where_the_mlp_
     assert positions["tiled"] == expected, positions
 
 
+def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients():
+    """LoRA on the MLP's projections of a tiled model (tiled at load, adapters after, as a run does): the tiles'
+    backward hands the adapters' gradients to the graph and none to the frozen base weights; float64, each layer
+    checkpointed, adapters made non-zero so that they change the numbers."""
+    from dpo_train.model.lora import apply_lora
+
+    lora = {"r": 4, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
+    runs = []
+    for tile in (None, 2):
+        model = _load("llama").double()
+        tile_mlps(model, tile)
+        model = apply_lora(model, lora)
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logps, grad = _logps_and_gradient(model)
+        trained = [n for n, p in model.named_parameters() if p.grad is not None]
+        runs.append((logps, grad, trained))
+    (whole, whole_grad, whole_trained), (got, got_grad, got_trained) = runs
+    assert got_trained == whole_trained and all(".lora_" in n for n in got_trained)
+    assert any("mlp" in n for n in got_trained)
+    assert float(((got - whole).abs() / whole.abs()).max()) <= 1e-10
+    assert float((got_grad - whole_grad).norm() / whole_grad.norm()) <= 1e-10
+
+
 def test_an_mlp_that_mixes_positions_is_refused_by_name():
     """A module named `mlp` whose output at a position reads other positions (a running sum here) cannot be
     tiled: the start-up check finds the difference and names the module, before any step."""
