@@ -269,8 +269,8 @@ def _trained_all(tmp_path, runs: dict) -> dict:
 @pytest.mark.slow
 def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
     """dp1xU2, dp1xC2, dp2xU2 and U2xC2 train the same weights as one process after 2 steps (live
-    reference, FSDP2 and DDP), with the same pair counts and losses; counting a pair once per group rank
-    fails."""
+    reference, FSDP2 and DDP), with the same pair counts and losses, and so does dp1xC2 with each layer
+    checkpointed and its MLP in tiles; counting a pair once per group rank fails."""
     dataset = str(sample_dataset)
     runs = {"base": (1, _train_config(dataset), False)}
     runs |= {
@@ -278,6 +278,9 @@ def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
         for name, (world, u, c, strategy) in LAYOUTS.items()
     }
     runs["mutant"] = (2, _train_config(dataset, 2, 1, "fsdp"), True)
+    tiled = _train_config(dataset, 1, 2, "ddp")  # each rank's half of a row in tiles of 4 (every MLP call cut)
+    tiled["train"] |= {"activation_checkpointing": True, "mlp_tile_tokens": 4}
+    runs["dp1 x C2, MLP in tiles"] = (2, tiled, False)
     trained = _trained_all(tmp_path, runs)
     base_params, base_records = trained.pop("base")
 
@@ -288,7 +291,7 @@ def test_training_under_every_mesh_equals_one_process(sample_dataset, tmp_path):
 
     mutant, _ = trained.pop("mutant")
     for name, (params, records) in trained.items():
-        world = LAYOUTS[name][0]
+        world = LAYOUTS[name.split(",")[0]][0]
         assert worst(params) < RTOL, (name, worst(params))
         for a, b in zip(base_records, records, strict=True):
             assert (b["pairs"], b["input_tokens"], b["world_size"]) == (a["pairs"], a["input_tokens"], world), name
