@@ -27,8 +27,8 @@ Parts:
   reservations never touched), so it is stricter than an RSS limit of the same size, about alike for both
   sides.
 
-`--mlp-tile T` adds `ours:separate:BUDGET:T` (train.mlp_tile_tokens: T) to the tables, and makes ours' side of
-`limit` tiled.
+`--mlp-tile T` adds `ours:separate:BUDGET:T` and `ours:shared_prompt:BUDGET:T` (train.mlp_tile_tokens: T) to the
+tables, and makes ours' side of `limit` tiled.
 
 `--live` adds each configuration's peak of live tensor bytes on the CPU (`harness.LiveTensors`: the profiler's
 record of every allocation and free, from before the model loads): what `torch.cuda.max_memory_allocated`
@@ -301,8 +301,8 @@ def _line(part: str, model_name: str, length: int, side: str, got: dict) -> str:
 
 
 def sides(budget: int, tile: int | None = None) -> list[str]:
-    tiled = [f"ours:separate:{budget}:{tile}"] if tile else []
-    return [f"ours:separate:{budget}", *tiled, f"ours:shared_prompt:{budget}", "ours:separate:null", "trl"]
+    tiled = [f"ours:{layout}:{budget}:{tile}" for layout in ("separate", "shared_prompt")] if tile else []
+    return [f"ours:separate:{budget}", f"ours:shared_prompt:{budget}", *tiled, "ours:separate:null", "trl"]
 
 
 def part_table(part, model, model_name, lengths, extra, args, work, results) -> None:
