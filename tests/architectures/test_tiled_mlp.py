@@ -135,10 +135,12 @@ def test_under_activation_checkpointing_tiles_cost_no_mlp_forward_where_the_mlp_
     assert positions["tiled"] == expected, positions
 
 
-def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients():
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients(checkpointed):
     """LoRA on the MLP's projections of a tiled model (tiled at load, adapters after, as a run does): the tiles'
-    backward hands the adapters' gradients to the graph and none to the frozen base weights; float64, each layer
-    checkpointed, adapters made non-zero so that they change the numbers."""
+    backward hands the adapters' gradients to the graph and none to the frozen base weights; float64, adapters
+    made non-zero so that they change the numbers. Without activation checkpointing the first layer's MLP input
+    needs no gradient (nothing before it trains): its tiles' backward reads the input it kept itself."""
     from dpo_train.model.lora import apply_lora
 
     lora = {"r": 4, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
@@ -151,7 +153,8 @@ def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         logps, grad = _logps_and_gradient(model)
         trained = [n for n, p in model.named_parameters() if p.grad is not None]
         runs.append((logps, grad, trained))
