@@ -120,26 +120,57 @@ def check_gradients(case: Case, layout: str) -> None:
     out = vision_pair_logps(packed, pack_vision(case.pairs, packed.config, layout, pad_to_multiple_of=16))
     (torch.stack([out.chosen, out.rejected], dim=1).double() * weights).sum().backward()
     (eager_unpacked_vision(alone, case.pairs, grad=True) * weights).sum().backward()
-    truth = dict(alone.named_parameters())
-    # a tensor whose gradient is zero in exact arithmetic (a key bias: softmax ignores a shift shared by every
-    # key) holds rounding noise: its error is measured against a millionth of the model's largest gradient
-    floor = 1e-6 * max(float(p.grad.abs().max()) for p in truth.values() if p.grad is not None)
-    errors = {}
-    for key, parameter in packed.named_parameters():
-        want = truth[key].grad
-        if want is None:
-            assert parameter.grad is None or not parameter.grad.any(), key
-            continue
-        errors[key] = float((parameter.grad - want).abs().max()) / max(float(want.abs().max()), floor)
+    errors = gradient_errors(packed, alone)
     case.gradients[layout] = worst = max(errors.values())
     assert worst < TOLERANCE, f"{max(errors, key=errors.get)}: gradient off by {worst:.1e} relative"
     language = [k for k in errors if "language_model" in k or "text_model" in k]
     assert len(errors) > 10 and language and any(TOWER[case.name] in k for k in errors)
 
 
+def gradient_errors(got, truth) -> dict[str, float]:
+    """Each parameter's relative gradient error, `got`'s against `truth`'s (two models after their backward). A
+    tensor whose gradient is zero in exact arithmetic (a key bias: softmax ignores a shift shared by every key)
+    holds rounding noise: its error is measured against a millionth of the model's largest gradient."""
+    truth = dict(truth.named_parameters())
+    floor = 1e-6 * max(float(p.grad.abs().max()) for p in truth.values() if p.grad is not None)
+    errors = {}
+    for key, parameter in got.named_parameters():
+        want = truth[key].grad
+        if want is None:
+            assert parameter.grad is None or not parameter.grad.any(), key
+            continue
+        errors[key] = float((parameter.grad - want).abs().max()) / max(float(want.abs().max()), floor)
+    return errors
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradients_equal_each_sequence_run_alone(family, layout):
     check_gradients(family, layout)
+
+
+def test_tiled_mlps_give_the_whole_mlps_logps_and_gradients(family):
+    """train.mlp_tile_tokens on a vision-language model tiles its vision tower's MLPs too (the tower trained, as
+    with model.train_vision_tower: its tiles' backward runs), in tiles of 2 positions: the packed row's log-probs
+    and every parameter's gradient equal the whole MLPs' (fp32: the tiles sum the weights' gradients in another
+    order)."""
+    from dpo_train.attention.tiled_mlp import tile_mlps
+
+    weights = torch.linspace(0.5, 2.0, 2 * len(family.pairs), dtype=torch.float64).view(len(family.pairs), 2)
+    runs = []
+    for tile in (None, 2):
+        model = load(family.path, segments.ATTENTION).eval()
+        tiled = tile_mlps(model, tile)
+        out = vision_pair_logps(model, pack_vision(family.pairs, model.config, "separate", pad_to_multiple_of=16))
+        logps = torch.stack([out.chosen, out.rejected], dim=1).double()
+        (logps * weights).sum().backward()
+        runs.append((model, tiled, logps.detach()))
+    (whole_model, _, whole), (tiled_model, tiled, got) = runs
+    assert any(TOWER[family.name] in name for name in tiled)
+    assert any("language_model" in name or "text_model" in name for name in tiled)
+    assert float(((got - whole).abs() / whole.abs()).max()) < TOLERANCE
+    errors = gradient_errors(tiled_model, whole_model)
+    assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
+    assert any(TOWER[family.name] in k for k in errors)
 
 
 # -- the docs table: docs/vision.md's supported families are what the checks above measured ---------------------
