@@ -165,6 +165,26 @@ def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients(checkpointed)
     assert float((got_grad - whole_grad).norm() / whole_grad.norm()) <= 1e-10
 
 
+def test_the_tiles_backward_recomputes_under_the_forwards_autocast():
+    """A bf16 autocast forward, its backward called outside the autocast (as a CUDA backward runs, on the engine's
+    own threads): the tiles recomputed in backward run their projections in bf16 as the forward did, so that the
+    recomputed tile is the forward's (recomputed in fp32 it would not be)."""
+    model = _load("llama")
+    tile_mlps(model, 2)
+    gate = model.model.layers[0].mlp.gate_proj
+    dtypes: list[torch.dtype] = []
+    hook = gate.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pair_logps(model, pack_microbatch(pairs()))
+        forward = len(dtypes)
+        (out.chosen.sum() - out.rejected.sum()).backward()
+    finally:
+        hook.remove()
+    assert forward > 0 and len(dtypes) > forward, "the backward recomputed the tiles"
+    assert set(dtypes) == {torch.bfloat16}, dtypes
+
+
 def test_an_mlp_that_mixes_positions_is_refused_by_name():
     """A module named `mlp` whose output at a position reads other positions (a running sum here) cannot be
     tiled: the start-up check finds the difference and names the module, before any step."""
