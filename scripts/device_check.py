@@ -15,7 +15,10 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
 5. the architecture zoo (tests/architectures/zoo.py) on the device in fp32: every path and layout against
    eager unpacked, per pair, as tests/architectures/test_architectures.py checks on CPU;
 6. the chunked vocabulary head compiled on the device (torch.compile, train.compiled_head) against the eager
-   chunked head on the CPU, with its speed against the eager head on the device.
+   chunked head on the CPU, with its speed against the eager head on the device;
+7. the MLPs in tiles (train.mlp_tile_tokens) on the device, each layer checkpointed: in fp32 the log-probs and
+   gradients of the whole MLPs, as many positions through the MLPs as whole (the layer's recompute stopped at the
+   tiles' saved input), and in bf16 autocast the tiles recomputed in bf16 by the backward's own threads.
 """
 
 from __future__ import annotations
@@ -150,6 +153,53 @@ def check_head(device: str, rows: int = 2048, chunk: int = 512) -> dict:
     return {"ok": ok, "relative_errors": errors, "compiled": states, "dropped_because": why, **timing}
 
 
+def check_tiles(model_dir: str, data: str, device: str, tile: int = 64) -> dict:
+    """Step 7: SmolLM2's MLPs whole and in tiles of `tile` positions on `device`, each layer checkpointed, on one
+    packed micro-batch of 4 pairs: fp32 log-probs and gradients (relative), MLP positions in the forward and
+    backward, and in bf16 autocast the dtypes of the first MLP's projection in the backward's recompute."""
+    from dpo_data.dataset.store import PairStore
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.tiled_mlp import tile_mlps
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.policy import load_policy, prepare_for_training
+
+    store = PairStore([data])
+    batch = pack_microbatch([store.pair(i) for i in range(4)], pad_to_multiple_of=8)
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def run(tiles: int | None, bf16: bool) -> tuple:
+        model = load_policy(ModelConfig(path=model_dir), "sdpa")
+        prepare_for_training(model, activation_checkpointing=True)
+        tile_mlps(model, tiles)
+        model.to(device)
+        positions, dtypes = [0], []
+        mlp = model.model.layers[0].mlp
+        mlp.register_forward_pre_hook(lambda module, args: positions.__setitem__(0, positions[0] + args[0].shape[-2]))
+        mlp.gate_proj.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            out = pair_logps(model, batch)
+        forward = len(dtypes)
+        (out.chosen.sum() - 0.5 * out.rejected.sum()).backward()
+        logps = torch.cat([out.chosen, out.rejected]).detach().double().cpu()
+        grads = torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
+        return logps, grads, positions[0], set(dtypes[forward:])
+
+    (logps, grads, whole_positions, _), (got, got_grads, positions, _) = run(None, False), run(tile, False)
+    *_, backward_dtypes = run(tile, True)
+    errors = {
+        "logps": float(((got - logps).abs() / logps.abs()).max()),
+        "gradients": float((got_grads - grads).norm() / grads.norm()),
+    }
+    ok = max(errors.values()) < 1e-4 and positions == whole_positions and backward_dtypes == {torch.bfloat16}
+    return {
+        "ok": ok,
+        "relative_errors_fp32": errors,
+        "mlp_positions_whole_tiled": [whole_positions, positions],
+        "bf16_recompute_dtypes": sorted(str(d) for d in backward_dtypes),
+    }
+
+
 def _train(config: Path, *extra: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "dpo_cli.train", str(config), "--quiet", *extra]
     proc = subprocess.run(
@@ -272,6 +322,7 @@ def main() -> None:
         summary["compiled_head"] = check_head(args.device)
         summary["train_precompute_kill_resume"] = check_training(model_dir, data, work, args.device)
         summary["architectures"] = check_architectures(args.device)
+        summary["tiled_mlps"] = check_tiles(model_dir, data, args.device)
     peak = matmul_peak(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)  # as trained
     achieved = summary["train_precompute_kill_resume"]["tokens_per_s"] * model_flops_per_token(model_dir)
     summary["throughput"] = {
