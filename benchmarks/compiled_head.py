@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """The chunked vocabulary head eager against compiled (train.compiled_head), seconds per forward and backward.
 
-    python benchmarks/compiled_head.py [--device cpu] [--rows 4096] [--chunks 512 1092]
+    python benchmarks/compiled_head.py [--device cpu] [--rows 4096] [--chunks 512 1092] [--no-softcap]
 
-SmolLM2's vocabulary and width (49,152 x 576) with Gemma's softcap, fp32: `rows` scored positions in chunks of
-`--chunks` rows each (1,092 is what the default train.logits_budget_mib of 1024 gives SmolLM2). Each chunk size
-runs in a fresh interpreter `scripts/device_check.py`'s `check_head`: the compiled head on `--device` against
-the eager one on the CPU, then 3 timed forward-and-backward passes of each form on `--device` after a warm one
-(the compiled form's first call builds it with inductor and checks it: `first_compiled_s`).
+SmolLM2's vocabulary and width (49,152 x 576) with Gemma's softcap (none with `--no-softcap`: SmolLM2's own head),
+fp32: `rows` scored positions in chunks of `--chunks` rows each (1,092 is what the default train.logits_budget_mib
+of 1024 gives SmolLM2). Each chunk size runs in a fresh interpreter `scripts/device_check.py`'s `check_head`: the
+compiled head on `--device` against the eager one on the CPU, then 3 timed forward-and-backward passes of each form
+on `--device` after a warm one (the compiled form's first call builds it with inductor and checks it:
+`first_compiled_s`).
 
 Output: one line per chunk size, then one line `JSON {...}`.
 """
@@ -24,12 +25,12 @@ import harness
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(device: str, rows: int, chunk: int) -> dict:
+def measure(device: str, rows: int, chunk: int, softcap: float | None) -> dict:
     """The device check's head part, in this (fresh) process."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from device_check import check_head
 
-    return check_head(device, rows, chunk)
+    return check_head(device, rows, chunk, softcap)
 
 
 def main() -> None:
@@ -37,11 +38,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1092])
+    parser.add_argument("--no-softcap", action="store_true", help="a plain head (SmolLM2's), not Gemma's softcap")
     args = parser.parse_args()
+    softcap = None if args.no_softcap else 30.0
     results = []
     for chunk in args.chunks:
-        got = harness.call(measure, args.device, args.rows, chunk, env={"TRANSFORMERS_VERBOSITY": "error"})
-        got.update(chunk=chunk, rows=args.rows, eager_over_compiled=round(got["eager_s"] / got["compiled_s"], 2))
+        got = harness.call(measure, args.device, args.rows, chunk, softcap, env={"TRANSFORMERS_VERBOSITY": "error"})
+        got.update(
+            chunk=chunk,
+            rows=args.rows,
+            softcap=softcap,
+            eager_over_compiled=round(got["eager_s"] / got["compiled_s"], 2),
+        )
         results.append(got)
         worst = max(got["relative_errors"].values())
         print(

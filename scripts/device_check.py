@@ -108,11 +108,11 @@ def check_architectures(device: str) -> dict:
     return {"ok": worst < TOLERANCE, "worst_relative_error": worst, "results": results}
 
 
-def check_head(device: str, rows: int = 2048, chunk: int = 512) -> dict:
-    """The chunked vocabulary head compiled on the device (train.compiled_head: true) against the eager chunked
-    head on the CPU, fp32, SmolLM2's vocabulary and width with Gemma's softcap: log-probs, log sum p^2 and the
-    gradients of the hidden states and the weight; and seconds per forward and backward on the device, eager
-    and compiled (after the compiled one's first, building, call)."""
+def check_head(device: str, rows: int = 2048, chunk: int = 512, softcap: float | None = 30.0) -> dict:
+    """The chunked vocabulary head compiled on the device (train.compiled_head: true) against the eager chunked head
+    on the CPU, fp32, SmolLM2's vocabulary and width with Gemma's softcap (or `softcap`): log-probs, log sum p^2 and
+    the gradients of the hidden states and the weight; and seconds per forward and backward on the device, eager and
+    compiled (after the compiled one's first, building, call)."""
     from dpo_train.attention import compiled, head
 
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def check_head(device: str, rows: int = 2048, chunk: int = 512) -> dict:
         compiled.choose(mode)
         w = weight.to(where, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates across runs
         h = hidden.to(where, copy=True).requires_grad_()
-        picked, square = head.target_logps(h, head.Head(w, softcap=30.0), labels.to(where), chunk)
+        picked, square = head.target_logps(h, head.Head(w, softcap=softcap), labels.to(where), chunk)
         (picked * weights.to(where)).sum().backward()
         _sync(where)
         return [t.detach().to("cpu", copy=True) for t in (picked, square, h.grad, w.grad)]

@@ -51,14 +51,15 @@ class Head:
 
     def to_linear(self, z: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
         """The chain rule of `logits` after the linear: the gradient at its output from the one at the logits
-        (`z`: `scaled` of the same rows)."""
+        (`z`: `scaled` of the same rows), computed in `grad_logits`' own memory (a chunk's: one [rows, vocab]
+        tensor fewer alive)."""
         g = grad_logits
         if self.softcap is not None:
-            g = g * (1 - torch.tanh(z / self.softcap) ** 2)
+            g.mul_(torch.tanh(z / self.softcap).square_().neg_().add_(1))
         if self.divide is not None:
-            g = g / self.divide
+            g.div_(self.divide)
         if self.multiply is not None:
-            g = g * self.multiply
+            g.mul_(self.multiply)
         return g
 
 
@@ -162,22 +163,25 @@ class _ChunkedLogps(torch.autograd.Function):
 
 
 def chunk_logps(hidden, labels, weight, bias, multiply, divide, softcap, squares) -> tuple[torch.Tensor, ...]:
-    """One chunk's forward: (log p(label) per row, log sum_v p(v)^2 per row, empty without `squares`)."""
+    """One chunk's forward: (log p(label) per row, log sum_v p(v)^2 per row, empty without `squares`). At most
+    two [rows, vocab] tensors alive: the logits, and log-sum-exp's own."""
     logits = Head(weight, bias, multiply, divide, softcap).logits(hidden)
     log_z = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None]).squeeze(1) - log_z
-    square = torch.logsumexp(2 * logits, dim=-1) - 2 * log_z if squares else logits.new_empty(0)
-    return picked, square
+    if not squares:
+        return picked, logits.new_empty(0)
+    # log sum_v p(v)^2 = logsumexp(2 z) - 2 log Z, the doubled logits made in their own memory (not needed again)
+    return picked, torch.logsumexp(logits.mul_(2), dim=-1) - 2 * log_z
 
 
 def chunk_grad(hidden, labels, grad, weight, bias, multiply, divide, softcap) -> tuple[torch.Tensor]:
     """One chunk's backward up to the projection: (the gradient at the linear's output [rows, vocab],) of
-    sum grad * log p(label), from the chunk's logits recomputed: d log p(label) / d logits = onehot - softmax."""
+    sum grad * log p(label), from the chunk's logits recomputed: d log p(label) / d logits = onehot - softmax,
+    made in the softmax's memory (the logits and it: two [rows, vocab] tensors alive; a softcap's three)."""
     head = Head(weight, bias, multiply, divide, softcap)
     z = head.scaled(hidden)
-    logits = head.capped(z)
-    grad = grad[:, None].to(logits.dtype)
-    g = (-torch.softmax(logits, dim=-1) * grad).scatter_add(1, labels[:, None], grad)
+    grad = grad[:, None].to(z.dtype)
+    g = torch.softmax(head.capped(z), dim=-1).mul_(-grad).scatter_add_(1, labels[:, None], grad)
     return (head.to_linear(z, g),)
 
 
