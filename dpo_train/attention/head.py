@@ -51,11 +51,11 @@ class Head:
 
     def to_linear(self, z: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
         """The chain rule of `logits` after the linear: the gradient at its output from the one at the logits
-        (`z`: `scaled` of the same rows), computed in `grad_logits`' own memory (a chunk's: one [rows, vocab]
-        tensor fewer alive)."""
+        (`z`: `scaled` of the same rows), computed in `grad_logits`' own memory, without a graph (a chunk's
+        backward: one [rows, vocab] tensor alive besides `z` and the gradient)."""
         g = grad_logits
         if self.softcap is not None:
-            g.mul_(torch.tanh(z / self.softcap).square_().neg_().add_(1))
+            g.mul_((z / self.softcap).tanh_().square_().neg_().add_(1))
         if self.divide is not None:
             g.div_(self.divide)
         if self.multiply is not None:

@@ -73,6 +73,40 @@ def test_every_chunk_size_gives_the_whole_heads_logps_and_gradients(kind, chunk)
     assert max(errors.values()) <= TOLERANCE, errors
 
 
+def _peak_copies(head: Head, rows: int) -> float:
+    """The peak of live tensor bytes while one chunk of `rows` positions runs forward and backward, in [rows, vocab]
+    float32 copies (the profiler's record of every CPU allocation; what was alive before is not counted)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(rows, head.weight.shape[1], generator=g).requires_grad_()
+    labels = torch.randint(0, head.weight.shape[0], (rows,), generator=g)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        picked, _ = target_logps(hidden, head, labels, rows)
+        picked.sum().backward()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    live = peak = 0
+    for e in events:
+        if e.device_type() == DeviceType.CPU:
+            live += e.nbytes()
+            peak = max(peak, live)
+    return peak / (rows * head.weight.shape[0] * 4)
+
+
+@pytest.mark.parametrize("softcap, copies", [(None, 2), (3.0, 3)])
+def test_a_chunk_holds_two_copies_of_its_logits_three_with_a_softcap(softcap, copies):
+    """The chunk bodies make what they can in place: the forward holds the logits and log-sum-exp's own, the
+    backward the logits and the softmax (a softcap's derivative one more). A chunk of 512 positions over 4,096
+    tokens (8 MiB a copy); the rest of the step (a hidden-state gradient, the weight's) is under 0.1 of a copy."""
+    g = torch.Generator().manual_seed(3)
+    head = Head(torch.randn(4096, 8, generator=g).requires_grad_(), softcap=softcap)
+    got = _peak_copies(head, 512)
+    assert copies <= got < copies + 0.25, got
+
+
 def _overlapping(rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk + 1, rows)) for start in range(0, rows, chunk)]
 
