@@ -117,32 +117,6 @@ class RssSampler:
         return self.peak
 
 
-class LiveTensors:
-    """While open, every CPU tensor allocation and free, through the profiler's memory events (the one record of
-    them PyTorch keeps on the CPU); `peak_mib` is then the highest sum of live tensor bytes: on the CPU what
-    `torch.cuda.max_memory_allocated` counts on a GPU, free of the host allocator's retention that RSS includes.
-    Tensors alive before it opened are not counted. The profiler holds every op's event: for a few steps."""
-
-    def __enter__(self) -> LiveTensors:
-        from torch.profiler import ProfilerActivity, profile
-
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._profile.__exit__(*exc)
-        from torch.autograd import DeviceType
-
-        events = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]
-        live = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            if e.device_type() == DeviceType.CPU:  # a GPU run's device tensors have their own counter
-                live += e.nbytes()  # negative for a free
-                peak = max(peak, live)
-        self.peak_mib = peak / (1 << 20)
-
-
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
     with socket.socket() as s:

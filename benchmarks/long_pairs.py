@@ -30,8 +30,8 @@ Parts:
 `--mlp-tile T` adds `ours:separate:BUDGET:T` and `ours:shared_prompt:BUDGET:T` (train.mlp_tile_tokens: T) to the
 tables, and makes ours' side of `limit` tiled.
 
-`--live` adds each configuration's peak of live tensor bytes on the CPU (`harness.LiveTensors`: the profiler's
-record of every allocation and free, from before the model loads): what `torch.cuda.max_memory_allocated`
+`--live` adds each configuration's peak of live tensor bytes on the CPU (`tests.harness.LiveTensors`: the
+profiler's record of every allocation and free, from before the model loads): what `torch.cuda.max_memory_allocated`
 counts on a GPU, without the host allocator's retention that RSS includes. The profiler slows a step.
 
 Measurement children run under an address-space cap of `--cap-gib` (default 10) so that no configuration takes
@@ -168,7 +168,7 @@ def run(
     """One configuration in this (fresh) process under a memory limit of `limit_gib` (RLIMIT_AS on the CPU, the
     caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET[:TILE]` (BUDGET in MiB, or `null` for
     the whole head; TILE: train.mlp_tile_tokens). `live`: also the peak of live tensor bytes on the CPU
-    (`harness.LiveTensors`, from before the model loads)."""
+    (`tests.harness.LiveTensors`, from before the model loads)."""
     import contextlib
 
     import torch
@@ -182,7 +182,12 @@ def run(
     out = Path(work) / side.replace(":", "-")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    meter = harness.LiveTensors() if live else contextlib.nullcontext()
+    meter = contextlib.nullcontext()
+    if live:
+        sys.path.append(str(harness.ROOT))  # after PYTHONPATH: another checkout given there keeps its dpo_train
+        from tests.harness import LiveTensors
+
+        meter = LiveTensors()
     with meter:
         if side == "trl":
             got = _run_trl(model, data, length, steps, out, sampler, device)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from dpo_train.attention.head import Head, HeadInput, chunk_spans, head_of, target_logps
 from dpo_train.model.policy import init_config
 from tests.architectures.zoo import BASE, ZOO, model_spec
+from tests.harness import LiveTensors
 
 ROWS, HIDDEN, VOCAB = 37, 16, 101
 TOLERANCE = 1e-6
@@ -76,24 +77,13 @@ def test_every_chunk_size_gives_the_whole_heads_logps_and_gradients(kind, chunk)
 def _peak_copies(head: Head, rows: int) -> float:
     """The peak of live tensor bytes while one chunk of `rows` positions runs forward and backward, in [rows, vocab]
     float32 copies (the profiler's record of every CPU allocation; what was alive before is not counted)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(rows, head.weight.shape[1], generator=g).requires_grad_()
     labels = torch.randint(0, head.weight.shape[0], (rows,), generator=g)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with LiveTensors() as meter:
         picked, _ = target_logps(hidden, head, labels, rows)
         picked.sum().backward()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    live = peak = 0
-    for e in events:
-        if e.device_type() == DeviceType.CPU:
-            live += e.nbytes()
-            peak = max(peak, live)
-    return peak / (rows * head.weight.shape[0] * 4)
+    return meter.peak_mib * (1 << 20) / (rows * head.weight.shape[0] * 4)
 
 
 @pytest.mark.parametrize("softcap, copies", [(None, 2), (3.0, 3)])
