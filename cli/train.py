@@ -181,6 +181,10 @@ def main(
     set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed. The
     model runs its own code, the code the checks above check: transformers' hub kernels are off
     (USE_HUB_KERNELS=NO unless set; YES brings them back, unchecked).
+
+    Long pairs: train.logits_budget_mib (the vocabulary head in chunks), train.activation_checkpointing and
+    train.mlp_tile_tokens (each MLP a tile of positions at a time, free under checkpointing where the MLP ends
+    its layer) bound a step's memory (docs/train-config.md, "Long pairs").
     """
     _counts(nproc_per_node, nnodes)
     if from_trl or not config:
