@@ -27,8 +27,8 @@ Parts:
   reservations never touched), so it is stricter than an RSS limit of the same size, about alike for both
   sides.
 
-`--mlp-tile T` adds `ours:separate:BUDGET:T` and `ours:shared_prompt:BUDGET:T` (train.mlp_tile_tokens: T) to the
-tables, and makes ours' side of `limit` tiled.
+`--mlp-tile T` (a count or `auto`) adds `ours:separate:BUDGET:T` and `ours:shared_prompt:BUDGET:T`
+(train.mlp_tile_tokens: T) to the tables, and makes ours' side of `limit` tiled.
 
 `--live` adds each configuration's peak of live tensor bytes on the CPU (`tests.harness.LiveTensors`: the
 profiler's record of every allocation and free, from before the model loads): what `torch.cuda.max_memory_allocated`
@@ -167,8 +167,8 @@ def run(
 ) -> dict:
     """One configuration in this (fresh) process under a memory limit of `limit_gib` (RLIMIT_AS on the CPU, the
     caching allocator's on CUDA). `side`: `trl`, or `ours:LAYOUT:BUDGET[:TILE]` (BUDGET in MiB, or `null` for
-    the whole head; TILE: train.mlp_tile_tokens). `live`: also the peak of live tensor bytes on the CPU
-    (`tests.harness.LiveTensors`, from before the model loads)."""
+    the whole head; TILE: train.mlp_tile_tokens, a count or `auto`; none: null). `live`: also the peak of live
+    tensor bytes on the CPU (`tests.harness.LiveTensors`, from before the model loads)."""
     import contextlib
 
     import torch
@@ -193,7 +193,8 @@ def run(
             got = _run_trl(model, data, length, steps, out, sampler, device)
         else:
             _, layout, budget, *tile = side.split(":")
-            budget, tile = None if budget == "null" else int(budget), int(tile[0]) if tile else None
+            budget = None if budget == "null" else int(budget)
+            tile = (tile[0] if tile[0] == "auto" else int(tile[0])) if tile else None
             got = _run_ours(model, data, length, steps, out, layout, budget, tile, sampler, device)
     if live:
         got["live_peak_mib"] = meter.peak_mib
@@ -305,7 +306,7 @@ def _line(part: str, model_name: str, length: int, side: str, got: dict) -> str:
     )
 
 
-def sides(budget: int, tile: int | None = None) -> list[str]:
+def sides(budget: int, tile: int | str | None = None) -> list[str]:
     tiled = [f"ours:{layout}:{budget}:{tile}" for layout in ("separate", "shared_prompt")] if tile else []
     return [f"ours:separate:{budget}", f"ours:shared_prompt:{budget}", *tiled, "ours:separate:null", "trl"]
 
@@ -362,7 +363,10 @@ def main() -> None:
     parser.add_argument("--sides", nargs="*", default=None, help="only these sides in parts smollm2 and narrow")
     parser.add_argument("--budget", type=int, default=1024, help="logits_budget_mib of ours' chunked sides")
     parser.add_argument(
-        "--mlp-tile", type=int, default=None, help="train.mlp_tile_tokens: one more side in tables, ours' in `limit`"
+        "--mlp-tile",
+        type=lambda v: v if v == "auto" else int(v),
+        default=None,
+        help="train.mlp_tile_tokens (a count or auto): one more side in tables, ours' in `limit`",
     )
     parser.add_argument("--speed-budgets", type=int, nargs="*", default=[256], help="more budgets, SmolLM2 only")
     parser.add_argument("--speed-lengths", type=int, nargs="*", default=[512, 2048], help="lengths of --speed-budgets")

@@ -183,8 +183,8 @@ def main(
     (USE_HUB_KERNELS=NO unless set; YES brings them back, unchecked).
 
     Long pairs: train.logits_budget_mib (the vocabulary head in chunks), train.activation_checkpointing and
-    train.mlp_tile_tokens (each MLP a tile of positions at a time, free under checkpointing where the MLP ends
-    its layer) bound a step's memory (docs/train-config.md, "Long pairs").
+    train.mlp_tile_tokens (each MLP a tile of positions at a time; its default, auto, tiles where checkpointing
+    makes that free) bound a step's memory (docs/train-config.md, "Long pairs").
     """
     _counts(nproc_per_node, nnodes)
     if from_trl or not config:

@@ -14,7 +14,7 @@ from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.progress import Stage, say
 from dpo_state.faults import step_fault
-from dpo_train.attention import check_same_row, pair_logps, row_inputs
+from dpo_train.attention import check_same_row, pair_logps, row_inputs, tile_of
 from dpo_train.checkpoint import (
     Checkpointable,
     Checkpoints,
@@ -128,7 +128,8 @@ class Trainer:
     def identity(self) -> dict:
         """What a checkpoint of this run records and a resume must share (`checkpoint.identity`)."""
         reference = self.weights, self.reference.sidecar_sha256
-        return run_identity(self.run, self.policy, self.optimizer, self.scheduler, reference, self.router_aux_coef)
+        parts = self.run, self.policy, self.optimizer, self.scheduler, reference, self.router_aux_coef
+        return run_identity(*parts, mlp_tile=tile_of(self.policy))
 
     def microbatch(self, batch: dict) -> None:
         """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward

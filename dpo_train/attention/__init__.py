@@ -22,5 +22,6 @@ __all__, __getattr__ = front(
         "inputs": ("row_inputs",),
         "logps": ("pair_logps",),
         "sequence_parallel": ("check_same_row",),
+        "tiled_mlp": ("tile_of",),
     },
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -56,18 +58,27 @@ def thresholds(model: Any) -> list[int]:
     return [*sizes, *([int(original)] if original else [])]
 
 
-def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
-    """[pairs, 2] completion log-prob sums, each (prompt + completion) run alone through the model's own
-    eager attention with no mask: what packing must reproduce. Where transformers' eager attention is
-    known not to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi) its sdpa."""
+@contextmanager
+def eager_attention(model: Any) -> Iterator[None]:
+    """Meanwhile, the model's decoder runs transformers' eager attention, or its sdpa where eager is known not
+    to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi); a vision-language model's
+    tower keeps its own. A backward that recomputes checkpointed layers needs it too."""
     from dpo_train.attention.unpacked import eager_wrong
 
-    config = text_config(model)  # the decoder's attention only: a vision-language model's tower keeps its own
-    truth = "sdpa" if eager_wrong(config) else "eager"
-    saved, config._attn_implementation = config._attn_implementation, truth
-    device = next(model.parameters()).device
+    config = text_config(model)
+    saved, config._attn_implementation = config._attn_implementation, "sdpa" if eager_wrong(config) else "eager"
     try:
-        sums = torch.zeros(len(pairs), 2, dtype=torch.float64)
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
+    """[pairs, 2] completion log-prob sums, each (prompt + completion) run alone through the model's own
+    eager attention (`eager_attention`) with no mask: what packing must reproduce."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    with eager_attention(model):
         for i, pair in enumerate(pairs):
             for j, completion in enumerate((pair.chosen, pair.rejected)):
                 ids = torch.as_tensor(np.concatenate([pair.prompt, completion]), dtype=torch.long, device=device)
@@ -75,9 +86,7 @@ def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
                 n = len(pair.prompt)
                 picked = torch.log_softmax(logits[n - 1 : -1], -1).gather(1, ids[n:, None].long())
                 sums[i, j] = picked.sum()
-        return sums
-    finally:
-        config._attn_implementation = saved
+    return sums
 
 
 def probe(model: Any, layout: str) -> float:

@@ -17,6 +17,9 @@ activation checkpointing the tiles' recompute is one more MLP forward a step.
 
 The MLP is found as a module named `mlp` (every decoder family of the zoo names it so); a mixture of experts
 (`experts` inside) is left whole: its router's outputs are recorded per call, and tiles would split them.
+
+`train.mlp_tile_tokens: auto` (the default) tiles, at `AUTO` positions, only where that is free: under activation
+checkpointing, the MLPs that `free_mlps` counts recomputed no more often tiled than whole; otherwise none.
 """
 
 from __future__ import annotations
@@ -26,11 +29,16 @@ from typing import Any
 
 import torch
 
+from dpo_train.attention.probe import eager_attention
 from dpo_train.attention.recompute import autocast_state
 from dpo_train.errors import ConfigError
 
 ATTRIBUTE = "dpo_mlp_tile"
 """The tile, in positions, on an MLP that runs tiled (read by `Tiled.forward`; a copy of the model keeps it)."""
+
+AUTO = 4096
+"""`auto`'s tile: a row longer than this holds one tile's MLP intermediates (0.7 GiB in fp32 for a 7B Llama's
+4 x 11,008 floats a position); a row within it, the MLP whole. 4,096 rows keep each projection a large matmul."""
 
 _CHECK_TILE = 3
 _CHECK_POSITIONS = 2 * _CHECK_TILE + 1  # three tiles, the last one short
@@ -144,6 +152,95 @@ def mlps(model: Any) -> list[tuple[str, Any]]:
         if "experts" not in names and _width(module) is not None and _one_input(module):
             found.append((name, module))
     return found
+
+
+def apply_setting(model: Any, setting: int | str | None, checkpointed: bool) -> str | None:
+    """`train.mlp_tile_tokens` applied to `model`: a count tiles every MLP (`tile_mlps`); `auto` tiles, at `AUTO`
+    positions, the MLPs whose tiles are free under the model's activation checkpointing (`free_mlps`), and none
+    without it (there tiles would cost an MLP forward); null none. Returns what the run says about it (None:
+    nothing, as for auto without checkpointing, which leaves the model as it was)."""
+    if setting != "auto":
+        tiled = tile_mlps(model, setting)
+        return None if setting is None else tile_note(model, tiled, setting)
+    if not checkpointed:
+        return None
+    found, model_name = dict(mlps(model)), type(model).__name__
+    if not found:
+        return tile_note(model, [], AUTO)
+    try:
+        free = free_mlps(model)
+    except Exception as error:  # noqa: BLE001 - auto only saves memory: a model it cannot count trains as before
+        return (
+            f"note: {model_name}: its MLPs run whole (train.mlp_tile_tokens: auto could not count them: "
+            f"{type(error).__name__}: {error}); a count tiles them"
+        )
+    for name in free:
+        tile(found[name], AUTO)
+    whole = len(found) - len(free)
+    if not free:
+        return (
+            f"note: {model_name}: its {whole} MLPs run whole (train.mlp_tile_tokens: auto): under activation "
+            "checkpointing their layers' recompute would run them again tiled (a norm after the MLP, say); a "
+            "count tiles them anyway, at one more MLP forward a step"
+        )
+    left = f"; {whole} left whole, whose tiles would cost compute" if whole else ""
+    return f"note: {model_name}: {len(free)} MLPs run in tiles of {AUTO} positions (train.mlp_tile_tokens: auto{left})"
+
+
+def free_mlps(model: Any) -> list[str]:
+    """The MLPs (`mlps`) whose tiles cost no MLP forward under `model`'s activation checkpointing, counted on the
+    model itself: each in tiles of one position, a two-token row through its eager attention (`eager_attention`),
+    forward and backward to the embeddings, the parameters frozen meanwhile (no gradient is kept) and the RNG
+    forked. An MLP whose own forward saw each position twice (the tiles' forward, their backward's recompute) is
+    free; three times, its layer's recompute ran it too (a norm after it saves its output). One the row does not
+    reach (a vision tower), or that mixes positions, is not. Every module is left as it found it."""
+    found = [(name, module) for name, module in mlps(model) if _tiles_exactly(name, module)]
+    classes = {name: type(module) for name, module in found}
+    seen: dict[str, int] = dict.fromkeys(classes, 0)
+    hooks = [_first_linear(module).register_forward_pre_hook(_counter(seen, name)) for name, module in found]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    embeddings = model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.requires_grad_())
+    try:
+        for _, module in found:
+            tile(module, 1)
+        model.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]), eager_attention(model):
+            row = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+            logits = model(input_ids=row, use_cache=False).logits
+            forward = dict(seen)
+            logits.sum().backward()
+    finally:
+        for hook in (*hooks, embeddings):
+            hook.remove()
+        for p in trained:
+            p.requires_grad_(True)
+        for name, module in found:
+            module.__class__ = classes[name]
+            delattr(module, ATTRIBUTE)
+    return [name for name in classes if forward[name] > 0 and seen[name] == 2 * forward[name]]
+
+
+def _counter(seen: dict[str, int], name: str) -> Any:
+    """A forward pre-hook adding its input's positions (dim -2) to `seen[name]`."""
+
+    def count(module: Any, args: tuple) -> None:
+        seen[name] += args[0].shape[-2]
+
+    return count
+
+
+def _first_linear(module: Any) -> Any:
+    """The MLP's first linear layer (the one `_width` reads), called once per forward of the MLP."""
+    return next(m for m in module.modules() if isinstance(getattr(m, "in_features", None), int))
+
+
+def _tiles_exactly(name: str, module: Any) -> bool:
+    """Whether `module` passes `_check` (auto leaves an MLP that fails it whole, where a count refuses it)."""
+    try:
+        _check(name, module)
+    except ConfigError:
+        return False
+    return True
 
 
 def tile_mlps(model: Any, tokens: int | None) -> list[str]:

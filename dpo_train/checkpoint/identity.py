@@ -61,11 +61,13 @@ def run_identity(
     scheduler: Any,
     reference: tuple[str, str | None],
     router_aux_coef: float = 0.0,
+    mlp_tile: int | None = None,
 ) -> dict:
     """The parts `dpo_state.state.identity_mismatches` compares: dataset, tokenizer, reference,
     objective, optimizer (its trainable parameters), model (LoRA settings), scheduler and layout
     (whose ELASTIC_KEYS may change in pairs batching). `reference`: the initial policy's weights fingerprint
-    and the precomputed table's sha256 (None for a live reference)."""
+    and the precomputed table's sha256 (None for a live reference). `mlp_tile`: the tile the policy's MLPs run
+    with (`train.mlp_tile_tokens` resolved; None: whole)."""
     config, store, place, geometry = run.config, run.data, run.place, run.geometry
     weights, sidecar_sha256 = reference
     return normalized(
@@ -107,7 +109,7 @@ def run_identity(
                 "train_seed": config.train.seed,
                 # recorded only when set, so that a run without it has the identity it had before it existed
                 **({"logits_budget_mib": budget} if (budget := config.train.logits_budget_mib) is not None else {}),
-                **({"mlp_tile_tokens": tile} if (tile := config.train.mlp_tile_tokens) is not None else {}),
+                **({"mlp_tile_tokens": mlp_tile} if mlp_tile is not None else {}),
             },
         }
     )

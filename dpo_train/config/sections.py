@@ -168,12 +168,13 @@ class TrainSection:
     inductor's C++ build costs more than it saves) | true (any device) | false. Each process checks the compiled
     form's first chunk against the eager one and keeps the eager one, with a note, if it fails to build or
     differs (dpo_train/attention/compiled.py)."""
-    mlp_tile_tokens: int | None = None
+    mlp_tile_tokens: int | str | None = "auto"
     """Run each decoder layer's MLP over tiles of this many positions, each tile recomputed in backward, so that a
-    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py); null
-    (default): whole. The same numbers (a start-up check refuses an MLP that mixes positions); with activation
-    checkpointing no more compute where the MLP ends its layer, else one more MLP forward per step; a mixture of
-    experts stays whole. For long pairs (docs/benchmarks.md)."""
+    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py). The
+    same numbers (a start-up check refuses an MLP that mixes positions); with activation checkpointing no more
+    compute where the MLP ends its layer, else one more MLP forward per step; a mixture of experts stays whole.
+    auto (default): 4096 under activation checkpointing on the MLPs a start-up count finds free, else whole;
+    null: whole. For long pairs (docs/train-config.md, "Long pairs")."""
     check_microbatches: bool = True
     """Check every micro-batch against the contract (docs/loader.md) before its forward: any loader may
     feed the trainer, and a malformed micro-batch would otherwise train on the wrong tokens silently."""

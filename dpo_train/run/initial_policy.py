@@ -11,7 +11,7 @@ from dpo_train.attention.head import mark as mark_budget
 from dpo_train.attention.head import note as head_note
 from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
-from dpo_train.attention.tiled_mlp import tile_mlps, tile_note
+from dpo_train.attention.tiled_mlp import apply_setting
 from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.load import load_model
@@ -40,9 +40,9 @@ def load_initial_policy(
         if config.train.weights_from:
             load_weights(model, config.train.weights_from)
         prepare_for_training(model, activation_checkpointing)
-        tiled = tile_mlps(model, config.train.mlp_tile_tokens)
-        if shown and config.train.mlp_tile_tokens is not None:
-            say(tile_note(model, tiled, config.train.mlp_tile_tokens))
+        said = apply_setting(model, config.train.mlp_tile_tokens, activation_checkpointing)
+        if shown and said:
+            say(said)
         if not config.model.train_vision_tower:
             freeze_vision_tower(model)
     if config.train.probe_packing:

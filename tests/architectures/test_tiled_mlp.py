@@ -220,16 +220,85 @@ def test_null_leaves_every_mlp_whole_and_a_copy_stays_tiled():
     assert set(copied.state_dict()) == set(_load("qwen2").state_dict()), "parameter names unchanged"
 
 
-def test_train_mlp_tile_tokens_is_a_positive_count_or_null(tmp_path):
+def test_train_mlp_tile_tokens_is_auto_a_positive_count_or_null(tmp_path):
     from dpo_train.config.loading import load_config
 
     source = {"data": {"path": str(tmp_path)}, "model": {"path": str(tmp_path)}}
-    assert load_config(source, []).train.mlp_tile_tokens is None
+    assert load_config(source, []).train.mlp_tile_tokens == "auto"
     assert load_config(source, ["train.mlp_tile_tokens=1024"]).train.mlp_tile_tokens == 1024
-    for bad in ("0", "-4", "many", "1.5", "true"):
+    assert load_config(source, ["train.mlp_tile_tokens=null"]).train.mlp_tile_tokens is None
+    for bad in ("0", "-4", "many", "1.5", "true", "Auto"):
         with pytest.raises(ConfigError) as info:
             load_config(source, [f"train.mlp_tile_tokens={bad}"])
         assert "train/mlp_tile_tokens" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("model_type", MLP_LAST + NORM_AFTER)
+def test_auto_tiles_the_mlps_whose_tiles_checkpointing_makes_free(model_type):
+    """`auto` counts, on the model itself, how often each MLP runs in a checkpointed forward and backward when
+    tiled: it tiles (at AUTO) the MLPs that run no more often than whole, the ones the test above finds free, and
+    leaves the others, and every MLP without checkpointing, as they were; the count keeps no gradient, leaves
+    every parameter's requires_grad and draws nothing from the RNG."""
+    from dpo_train.attention.tiled_mlp import AUTO, apply_setting
+
+    model = _load(model_type)
+    assert apply_setting(model, "auto", checkpointed=False) is None and tile_of(model) is None
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.model.embed_tokens.requires_grad_(False)  # as under LoRA: one the count must give back frozen
+    model.model.layers[0].register_forward_pre_hook(_draw)  # as a router's jitter would
+    trainable, rng = [p.requires_grad for p in model.parameters()], torch.get_rng_state()
+    said = apply_setting(model, "auto", checkpointed=True)
+    tiled = [name for name, module in mlps(model) if isinstance(module, Tiled)]
+    if model_type in MLP_LAST:
+        assert tiled == [name for name, _ in mlps(model)] and len(tiled) == 2 and tile_of(model) == AUTO
+        assert said.endswith(f"2 MLPs run in tiles of {AUTO} positions (train.mlp_tile_tokens: auto)"), said
+    else:
+        assert tiled == [] and tile_of(model) is None
+        assert "its 2 MLPs run whole (train.mlp_tile_tokens: auto)" in said, said
+    assert [p.requires_grad for p in model.parameters()] == trainable
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_auto_leaves_a_model_the_count_cannot_run_as_it_was():
+    """A model whose forward fails on the count's row trains whole, as before auto, with a note naming the error:
+    auto only saves memory, so it never stops a run the model would otherwise make."""
+    from dpo_train.attention.tiled_mlp import apply_setting
+
+    model = _load("qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainable = [p.requires_grad for p in model.parameters()]
+    model.model.layers[1].register_forward_pre_hook(_fail)
+    said = apply_setting(model, "auto", checkpointed=True)
+    assert "its MLPs run whole (train.mlp_tile_tokens: auto could not count them: RuntimeError: no row" in said
+    assert tile_of(model) is None and not any(isinstance(m, Tiled) for m in model.modules())
+    assert [p.requires_grad for p in model.parameters()] == trainable
+
+
+def _fail(*_) -> None:
+    raise RuntimeError("no row like this one")
+
+
+def _draw(*_) -> None:
+    """A forward pre-hook drawing from the RNG."""
+    torch.rand(1)
+
+
+def test_auto_leaves_an_mlp_that_mixes_positions_whole_where_a_count_refuses_it():
+    from dpo_train.attention.tiled_mlp import apply_setting
+
+    model = _load("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    first = model.model.layers[0].mlp
+
+    class MixingMLP(type(first)):
+        def forward(self, x):
+            return super().forward(x.cumsum(-2))
+
+    first.__class__ = MixingMLP
+    said = apply_setting(model, "auto", checkpointed=True)
+    assert not isinstance(first, Tiled) and isinstance(model.model.layers[1].mlp, Tiled)
+    assert "1 MLPs run in tiles" in said and "1 left whole" in said, said
 
 
 def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir, tmp_path, monkeypatch):
@@ -267,6 +336,19 @@ def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir
             assert tiled[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-9), (whole["step"], key)
     assert "mlp_tile_tokens" not in identities["whole"]["layout"]
     assert identities["tiled"]["layout"]["mlp_tile_tokens"] == 16
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_auto_records_the_tile_the_policy_runs_in_the_identity(small_dataset, smollm2_dir, tmp_path, checkpointing):
+    """The default, auto: a checkpointed run's identity holds the tile its Llama MLPs run with, an uncheckpointed
+    run's none (its MLPs whole), as if it had said null."""
+    from dpo_train.attention.tiled_mlp import AUTO
+    from tests.harness import tiny_config, tiny_trainer
+
+    config = tiny_config(small_dataset, smollm2_dir, tmp_path, activation_checkpointing=checkpointing)
+    assert "mlp_tile_tokens" not in config["train"]
+    layout = tiny_trainer(config).identity()["layout"]
+    assert layout.get("mlp_tile_tokens", "absent") == (AUTO if checkpointing else "absent")
 
 
 @pytest.mark.parametrize("batching", ["pairs", "tokens"])

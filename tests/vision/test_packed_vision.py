@@ -173,6 +173,21 @@ def test_tiled_mlps_give_the_whole_mlps_logps_and_gradients(family):
     assert any(TOWER[family.name] in k for k in errors)
 
 
+def test_auto_tiles_the_decoders_mlps_and_leaves_the_towers_whole(family):
+    """train.mlp_tile_tokens: auto on a checkpointed vision-language model: its count's text row reaches the
+    decoder's MLPs, tiled, and not the tower's, left whole (a count set by hand tiles both, as above)."""
+    from dpo_train.attention.tiled_mlp import Tiled, apply_setting, mlps
+    from dpo_train.model.policy import prepare_for_training
+
+    model = load(family.path, segments.ATTENTION)
+    prepare_for_training(model, activation_checkpointing=True)
+    said = apply_setting(model, "auto", checkpointed=True)
+    tiled = {name for name, module in mlps(model) if isinstance(module, Tiled)}
+    tower = {name for name, _ in mlps(model) if TOWER[family.name] in name}
+    assert tiled and tower and tiled == {name for name, _ in mlps(model)} - tower
+    assert f"{len(tiled)} MLPs run in tiles" in said and f"{len(tower)} left whole" in said, said
+
+
 # -- the docs table: docs/vision.md's supported families are what the checks above measured ---------------------
 
 DOCS = docs_blocks.DOCS / "vision.md"
