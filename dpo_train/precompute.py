@@ -36,7 +36,9 @@ def precompute_reference(
         )
     run = precompute_run(config, progress)
     store, place, layout = run.data, run.place, config.data.layout
-    model, weights = load_initial_policy(config, place, run.mesh, shown=run.shown)  # the trainer's own
+    # the trainer's own policy, checkpointing included: `train.mlp_tile_tokens: auto` then tiles the same MLPs
+    checkpointed = config.train.activation_checkpointing
+    model, weights = load_initial_policy(config, place, run.mesh, checkpointed, shown=run.shown)
     run.check_model(model)
     model.to(place.device)
     steps, pairs = _planned(run) if only_planned else (None, None)

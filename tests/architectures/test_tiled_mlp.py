@@ -351,6 +351,33 @@ def test_auto_records_the_tile_the_policy_runs_in_the_identity(small_dataset, sm
     assert layout.get("mlp_tile_tokens", "absent") == (AUTO if checkpointing else "absent")
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_precomputed_reference_tiles_the_mlps_its_run_tiles(
+    small_dataset, smollm2_dir, tmp_path, monkeypatch, checkpointing
+):
+    """--precompute-reference builds the run's own initial policy, activation checkpointing included, so `auto`
+    tiles the MLPs the training run tiles and the reference's rows run through the same tiles."""
+    from dpo_train.attention.tiled_mlp import AUTO
+    from dpo_train.config.loading import load_config
+    from dpo_train.precompute import precompute_reference
+    from dpo_train.run import initial_policy
+    from tests.train.test_sidecar_guards import _precomputed_config
+
+    tiles, apply = [], initial_policy.apply_setting
+
+    def applied(model, *args):
+        said = apply(model, *args)
+        tiles.append(tile_of(model))
+        return said
+
+    monkeypatch.setattr(initial_policy, "apply_setting", applied)
+    path, _ = _precomputed_config(
+        tmp_path, small_dataset, smollm2_dir, train={"activation_checkpointing": checkpointing}
+    )
+    precompute_reference(load_config(path), progress=False)
+    assert tiles == [AUTO if checkpointing else None]
+
+
 @pytest.mark.parametrize("batching", ["pairs", "tokens"])
 def test_a_tile_change_on_resume_is_elastic_in_either_batching(batching):
     """Like the logits budget, the tile only changes rounding: another tile (or none) resumes with a warning."""
