@@ -183,7 +183,7 @@ def apply_setting(model: Any, setting: int | str | None, checkpointed: bool) -> 
             "checkpointing their layers' recompute would run them again tiled (a norm after the MLP, say); a "
             "count tiles them anyway, at one more MLP forward a step"
         )
-    left = f"; {whole} left whole, whose tiles would cost compute" if whole else ""
+    left = f"; {whole} left whole" if whole else ""
     return f"note: {model_name}: {len(free)} MLPs run in tiles of {AUTO} positions (train.mlp_tile_tokens: auto{left})"
 
 
