@@ -4,6 +4,7 @@ tensors only (no pickled items), and the split of optimizer state into tensors (
 from __future__ import annotations
 
 import contextlib
+import enum
 import pickle
 import warnings
 from pathlib import Path
@@ -52,12 +53,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return self._member  # some Python releases (3.11.2) pickle an enum's member as getattr(class, name)
         if (module, name) in _METADATA_CLASSES or (module == "torch" and _is_dtype(name)):
             return super().find_class(module, name)
         raise StateError(
             f"{self.path}: refusing to unpickle it: it names {module}.{name}, which DCP metadata never holds "
             "(only DCP's metadata classes, torch.Size, dtypes and layouts are allowed); the file was replaced, "
             "and a checkpoint that anyone else could write must not be loaded"
+        )
+
+    def _member(self, cls: Any, name: Any) -> Any:
+        """`getattr(cls, name)` where that is how the pickle names a member of an enum this unpickler builds
+        (`_MEM_FORMAT_ENCODING`); any other attribute of anything is refused: a general getattr would reach
+        past the allowed classes to whatever their attributes hold."""
+        if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        owner = cls.__qualname__ if isinstance(cls, type) else type(cls).__qualname__
+        raise StateError(
+            f"{self.path}: refusing to unpickle it: it asks builtins.getattr for {owner}.{str(name)[:80]}, where "
+            "DCP metadata only ever names an enum's member; the file was replaced, and a checkpoint that anyone "
+            "else could write must not be loaded"
         )
 
     def persistent_load(self, pid: Any) -> Any:

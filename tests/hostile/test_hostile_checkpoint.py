@@ -111,6 +111,72 @@ def test_a_pickle_payload_in_the_tensor_data_is_never_executed(run, tmp_path, ru
     assert not marker.exists()
 
 
+class _ByName(pickle.Pickler):
+    """Pickles an enum's member as `getattr(its class, its name)`, as Python 3.11.2 does; `extra` maps an object
+    to another getattr call of the same form, as a hostile file could write."""
+
+    def __init__(self, file, extra=None):
+        super().__init__(file)
+        self.extra = extra or {}
+
+    def reducer_override(self, obj):
+        import enum
+
+        if id(obj) in self.extra:
+            return getattr, self.extra[id(obj)]
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickled(metadata, extra=None) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    _ByName(buffer, extra).dump(metadata)
+    return buffer.getvalue()
+
+
+def test_metadata_written_by_python_3_11_2_is_read_and_resumed(run, run_cli):
+    """Python 3.11.2 pickles DCP's `_MEM_FORMAT_ENCODING` members as `getattr(class, name)`. Before: every
+    checkpoint it wrote failed `verify` as replaced, and `train.resume: auto` skipped them all and trained
+    again from step 0 (found by scripts/device_run.sh on Debian's Python 3.11.2)."""
+    from dpo_state.dcp_io import read_dcp_metadata
+
+    step = _step(run, 2)
+    original = read_dcp_metadata(step / "dcp")
+    written = _repickled(original)
+    assert b"getattr" in written
+    (step / "dcp" / ".metadata").write_bytes(written)
+    write_commit(step, 2)
+    assert read_dcp_metadata(step / "dcp") == original
+    state_here(run_cli, "verify", step)
+    resumed = train_cli(run / "c.yaml")
+    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
+
+
+def test_getattr_in_the_metadata_reaches_an_enums_members_only(run, tmp_path, run_cli):
+    """The getattr a pickle may name is held to an enum member of an allowed class: the same call on another
+    attribute, another class or an object is refused by name, before it is made."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    from dpo_state.dcp_io import read_dcp_metadata
+    from dpo_state.errors import StateError
+
+    step, source = _step(run, 2), read_dcp_metadata(_step(run, 1) / "dcp")
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT  # in every tensor's properties: its uses are replaced
+    for reached, named in (
+        ((_MEM_FORMAT_ENCODING, "__class__"), "_MEM_FORMAT_ENCODING.__class__"),
+        ((Metadata, "__init__"), "Metadata.__init__"),
+        ((source, "storage_data"), "Metadata.storage_data"),
+    ):
+        (step / "dcp" / ".metadata").write_bytes(_repickled(source, {id(member): reached}))
+        with pytest.raises(StateError, match=f"asks builtins.getattr for {named}"):
+            read_dcp_metadata(step / "dcp")
+    write_commit(step, 2)
+    _every_reader_refuses(run_cli, run, step, tmp_path / "never", "asks builtins.getattr for Metadata.storage_data")
+
+
 def test_a_checkpoint_holds_tensors_only_and_its_hyperparameters_as_json(run):
     from dpo_state.dcp_io import read_dcp_metadata
     from dpo_state.state import read_state_tree
