@@ -194,7 +194,8 @@ def free_mlps(model: Any) -> list[str]:
     forked. An MLP whose own forward saw each position twice (the tiles' forward, their backward's recompute) is
     free; three times, its layer's recompute ran it too (a norm after it saves its output). One the row does not
     reach (a vision tower), or that mixes positions, is not. Every module is left as it found it."""
-    found = [(name, module) for name, module in mlps(model) if _tiles_exactly(name, module)]
+    exact: dict[type, bool] = {}  # one check per class, as `tile_mlps` makes
+    found = [(n, m) for n, m in mlps(model) if exact.setdefault(type(m), _tiles_exactly(n, m))]
     classes = {name: type(module) for name, module in found}
     seen: dict[str, int] = dict.fromkeys(classes, 0)
     hooks = [_first_linear(module).register_forward_pre_hook(_counter(seen, name)) for name, module in found]
@@ -230,8 +231,9 @@ def _counter(seen: dict[str, int], name: str) -> Any:
 
 
 def _first_linear(module: Any) -> Any:
-    """The MLP's first linear layer (the one `_width` reads), called once per forward of the MLP."""
-    return next(m for m in module.modules() if isinstance(getattr(m, "in_features", None), int))
+    """The MLP's first linear layer (LoRA's wrapped one too), called once per forward of the MLP; None if it has
+    none."""
+    return next((m for m in module.modules() if isinstance(getattr(m, "in_features", None), int)), None)
 
 
 def _tiles_exactly(name: str, module: Any) -> bool:
@@ -280,8 +282,9 @@ def _one_input(module: Any) -> bool:
 
 
 def _width(module: Any) -> int | None:
-    """The MLP's input width: its first linear layer's `in_features` (LoRA's wrapped one too)."""
-    return next((m.in_features for m in module.modules() if isinstance(getattr(m, "in_features", None), int)), None)
+    """The MLP's input width: its first linear layer's `in_features`."""
+    linear = _first_linear(module)
+    return None if linear is None else linear.in_features
 
 
 def _check(name: str, module: Any) -> None:
