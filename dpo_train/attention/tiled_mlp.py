@@ -141,6 +141,15 @@ def tile_of(model: Any) -> int | None:
     return next((getattr(m, ATTRIBUTE) for m in model.modules() if isinstance(m, Tiled)), None)
 
 
+def copy_tiles(source: Any, target: Any) -> None:
+    """Tile `target`'s MLPs as `source`'s are: the same modules, by name, at the same tiles. A model built apart
+    from its policy (an FSDP2 reference, from the meta device) runs each MLP as the policy does; `auto` may leave
+    some whole (a vision tower's), which a count over the whole model would tile."""
+    for name, module in source.named_modules():
+        if isinstance(module, Tiled):
+            tile(target.get_submodule(name), getattr(module, ATTRIBUTE))
+
+
 def mlps(model: Any) -> list[tuple[str, Any]]:
     """The modules `tile_mlps` tiles: named `mlp`, holding a linear layer, no `experts` inside, and called with
     the hidden states alone (Bloom's MLP also adds the residual it is given: left whole)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dpo_train.attention.head import budget_of, mark
-from dpo_train.attention.tiled_mlp import tile_mlps, tile_of
+from dpo_train.attention.tiled_mlp import copy_tiles
 from dpo_train.parallel.sharding import shard
 
 
@@ -42,7 +42,7 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     for name, buffer in policy.named_buffers():
         reference.get_buffer(name).copy_(buffer)
     mark(reference, budget_of(policy))  # its logits kept within the same budget (a copy carries it itself)
-    tile_mlps(reference, tile_of(policy))  # and its MLPs in the policy's tiles
+    copy_tiles(policy, reference)  # and its MLPs as the policy runs them
     return reference
 
 

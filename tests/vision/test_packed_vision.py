@@ -16,6 +16,7 @@ from dpo_train.vision.score import vision_pair_logps
 from dpo_train.vision.truth import eager_unpacked_vision
 from tests import docs_blocks
 from tests.docs_blocks import markdown_table
+from tests.harness import spawn
 from tests.vision.pairs import vision_pairs
 from tests.vision.tiny_vlm import load_processor
 
@@ -186,6 +187,32 @@ def test_auto_tiles_the_decoders_mlps_and_leaves_the_towers_whole(family):
     tower = {name for name, _ in mlps(model) if TOWER[family.name] in name}
     assert tiled and tower and tiled == {name for name, _ in mlps(model)} - tower
     assert f"{len(tiled)} MLPs run in tiles" in said and f"{len(tower)} left whole" in said, said
+
+
+def test_the_sharded_reference_runs_the_mlps_the_policy_tiles(vlm_dirs):
+    """Under FSDP2 the live reference is built apart from the policy (from the meta device, sharded): it tiles the
+    MLPs the policy's `auto` tiled and leaves the tower's whole, as the policy does (a count over the whole copy
+    tiled the tower too)."""
+    spawn(_sharded_reference, 2, str(vlm_dirs["qwen2_5_vl"]))
+
+
+def _sharded_reference(rank: int, world: int, port: int, path: str) -> None:
+    from dpo_train.attention.tiled_mlp import Tiled, apply_setting
+    from dpo_train.model.policy import prepare_for_training
+    from dpo_train.reference.live import frozen_reference
+    from tests.harness import join_gloo
+
+    join_gloo(rank, world, port)
+    policy = load(path, segments.ATTENTION)
+    prepare_for_training(policy, activation_checkpointing=True)
+    apply_setting(policy, "auto", checkpointed=True)
+    reference = frozen_reference(policy, "fsdp", world)
+
+    def tiles(model) -> dict[str, int]:
+        return {name: m.dpo_mlp_tile for name, m in model.named_modules() if isinstance(m, Tiled)}
+
+    assert tiles(policy) and tiles(reference) == tiles(policy)
+    assert not any(TOWER["qwen2_5_vl"] in name for name in tiles(reference))
 
 
 # -- the docs table: docs/vision.md's supported families are what the checks above measured ---------------------
