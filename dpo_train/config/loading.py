@@ -4,6 +4,7 @@ sections -> rules."""
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -136,24 +137,32 @@ def _types(node: dict) -> list[str]:
 
 
 def _with_range(schema: dict, problem: str) -> str:
-    """A schema problem of a bound (minimum, maximum), also naming the key's whole range."""
-    path, _, message = problem.partition(": ")
+    """A schema problem of a bounded key (out of range, of another type, or a word it does not take), also naming
+    everything the key allows."""
+    path, _, _ = problem.partition(": ")
     node = schema
     for part in path.split("/"):
         node = node.get("items", {}) if part.isdigit() else node.get("properties", {}).get(part, {})
-    if not ("minimum" in message or "maximum" in message) or not any(key in node for key in _BOUNDS):
+    if not any(key in node for key in _BOUNDS):
         return problem
     return f'{problem}; allowed: {_allowed(node)} (docs/train-config.md, "Bounds")'
 
 
 _BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+_WORD = re.compile(r"\^(\w+)\$")
+"""A pattern that admits one word (`^auto$`): a bounded key's word besides its numbers."""
 
 
 def _allowed(node: dict) -> str:
-    """The range a schema node states, as an interval: 'an integer in [1, 1_000_000]', 'a number in (0, 100]'."""
+    """What a bounded node admits: its interval ('an integer in [1, 1_000_000]', 'a number in (0, 100]'), then the
+    word its pattern names and null, where it takes them."""
     low = _end(node, "minimum", "[") or _end(node, "exclusiveMinimum", "(") or "(-inf"
     high = _end(node, "maximum", "]") or _end(node, "exclusiveMaximum", ")") or "inf)"
-    return f"{'an integer' if 'integer' in _types(node) else 'a number'} in {low}, {high}"
+    options = [f"{'an integer' if 'integer' in _types(node) else 'a number'} in {low}, {high}"]
+    word = _WORD.fullmatch(node.get("pattern", ""))
+    options += [word.group(1)] if word and "string" in _types(node) else []
+    options += ["null"] if "null" in _types(node) else []
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
 
 
 def _end(node: dict, key: str, bracket: str) -> str | None:

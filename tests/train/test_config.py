@@ -151,7 +151,19 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
         ),
         (
             ["loss.router_aux_coef=-1"],
-            SCHEMA + "loss/router_aux_coef: -1 is less than the minimum of 0; allowed: a number in [0, 1_000]" + BOUNDS,
+            SCHEMA
+            + "loss/router_aux_coef: -1 is less than the minimum of 0; allowed: a number in [0, 1_000] or null"
+            + BOUNDS,
+        ),
+        (
+            ["train.mlp_tile_tokens=many"],
+            SCHEMA + "train/mlp_tile_tokens: 'many' does not match '^auto$'; allowed: an integer in [1, 1_048_576], "
+            "auto or null" + BOUNDS,
+        ),
+        (
+            ["train.logits_budget_mib=lots"],
+            SCHEMA + "train/logits_budget_mib: 'lots' is not of type 'integer', 'null'; allowed: an integer in "
+            "[1, 1_048_576] or null" + BOUNDS,
         ),
         (
             ["loss.type=robust", "loss.label_smoothing=0.5"],
@@ -171,7 +183,17 @@ BOUNDS = ' (docs/train-config.md, "Bounds")'
             "create it with `dpo-train CONFIG --precompute-reference`",
         ),
     ],
-    ids=["type", "beta", "nll_weight", "router_aux_coef", "robust-smoothing", "ipo-smoothing", "sidecar"],
+    ids=[
+        "type",
+        "beta",
+        "nll_weight",
+        "router_aux_coef",
+        "tile-word",
+        "budget-word",
+        "robust-smoothing",
+        "ipo-smoothing",
+        "sidecar",
+    ],
 )
 def test_each_rule_refuses_its_case_by_name(overrides, message):
     """Once LossConfig's own checks (type, beta, smoothing, nll_weight, router_aux_coef) or the trainer's
