@@ -75,7 +75,7 @@ def test_a_pickle_payload_in_the_dcp_metadata_is_refused_before_anything_is_buil
     step = _step(run, 2)
     (step / "dcp" / ".metadata").write_bytes(pickle.dumps({"x": _CreatesFile(marker)}))
     write_commit(step, 2)  # whoever can write the checkpoint can also write its hashes
-    _every_reader_refuses(run_cli, run, step, marker, "names io.open")
+    _every_reader_refuses(run_cli, run, step, marker, f"names {open.__module__}.open")  # _io.open from Python 3.12
 
 
 def test_a_pickled_item_indexed_by_valid_metadata_is_refused(run, tmp_path, run_cli):
