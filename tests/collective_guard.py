@@ -83,7 +83,8 @@ def _write() -> None:
 
 if __name__ == "__main__":
     for name in _WRAPPED:
-        setattr(dist, name, _guarded(name, getattr(dist, name)))
+        if hasattr(dist, name):  # all_gather_single and reduce_scatter_single arrived in torch 2.13
+            setattr(dist, name, _guarded(name, getattr(dist, name)))
     atexit.register(_write)
     real_exit = os._exit  # a failing rank leaves through os._exit, which skips atexit
 

@@ -122,8 +122,22 @@ def test_an_unwritable_output_dir_is_a_named_error(small_dataset, smollm2_dir, t
         assert "cannot create the lock file" in failed.stderr and "Traceback" not in failed.stderr
 
 
+@pytest.fixture
+def ctrl_c_heard():
+    """SIGINT delivered as a Ctrl-C is, here and in the trainers this test starts: a shell without job control
+    starts its background commands with SIGINT ignored (`(pytest &)`), and a child inherits that, so these tests
+    would see a run that never hears its Ctrl-C."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.slow
-def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(small_dataset, smollm2_dir, tmp_path):
+def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(
+    small_dataset, smollm2_dir, tmp_path, ctrl_c_heard
+):
     import signal
     import time
 
@@ -150,7 +164,7 @@ def test_sigint_names_the_last_committed_checkpoint_and_how_to_resume(small_data
     ids=["once", "twice"],
 )
 def test_ctrl_c_during_a_save_lets_it_commit_and_a_second_stops_at_once(
-    small_dataset, smollm2_dir, tmp_path, points, latest
+    small_dataset, smollm2_dir, tmp_path, points, latest, ctrl_c_heard
 ):
     # a real SIGINT to the trainer's process at the named points of step 2's save (DPO_TRAIN_INTERRUPT). Before
     # the hold, one Ctrl-C there lost step 2, and one inside DCP's save was "saving step 2 failed", exit 1
@@ -163,7 +177,7 @@ def test_ctrl_c_during_a_save_lets_it_commit_and_a_second_stops_at_once(
     assert committed == [f"step-{k:06d}" for k in range(1, latest + 1)]
 
 
-def test_a_ctrl_c_that_dcp_wraps_is_an_interrupt_not_a_failed_save(tmp_path):
+def test_a_ctrl_c_that_dcp_wraps_is_an_interrupt_not_a_failed_save(tmp_path, ctrl_c_heard):
     # a second Ctrl-C inside DCP's save: DCP catches it and raises a CheckpointException holding it, which the
     # save used to report as a rank's failure (exit 1, "free disk space"); it is the user's interrupt
     import signal
