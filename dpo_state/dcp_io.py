@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import pathlib
 import pickle
 import warnings
 from pathlib import Path
@@ -33,13 +34,16 @@ _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name ("torch.strided") to the layout object
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
     ("collections", "OrderedDict"),
 }
 """Everything DCP's `.metadata` may name: DCP's own metadata classes, `torch.Size`, dtypes (checked apart),
-layouts by name, paths (the checkpoint id) and ordered dicts. Nothing here runs code beyond building
+layouts by name, paths (the checkpoint id, `_PATHS`) and ordered dicts. Nothing here runs code beyond building
 plain values."""
+
+_PATHS = {("pathlib", name) for name in ("PosixPath", "WindowsPath")}
+_PATHS |= {("pathlib._local", name) for _, name in _PATHS}
+"""The checkpoint id's path classes, under the module each Python pickles them from: Python 3.13 moved them to
+`pathlib._local`. Either name is read as `pathlib`'s class, so a checkpoint written by one Python reads on another."""
 
 _TENSOR = {"$tensor": True}
 """Where `split_tensors` took a tensor out of a state tree (in the JSON part)."""
@@ -55,6 +59,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("builtins", "getattr"):
             return self._member  # some Python releases (3.11.2) pickle an enum's member as getattr(class, name)
+        if (module, name) in _PATHS:
+            return getattr(pathlib, name)
         if (module, name) in _METADATA_CLASSES or (module == "torch" and _is_dtype(name)):
             return super().find_class(module, name)
         raise StateError(

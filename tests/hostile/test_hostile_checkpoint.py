@@ -155,6 +155,28 @@ def test_metadata_written_by_python_3_11_2_is_read_and_resumed(run, run_cli):
     assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
 
 
+def test_metadata_written_by_python_3_13_is_read_and_resumed(run, run_cli):
+    """Python 3.13 pickles the checkpoint id's path as `pathlib._local.PosixPath`. Before: every checkpoint it
+    wrote failed `verify` as replaced and `train.resume: auto` trained again from step 0 (found by the suite on
+    Python 3.13 at stop 50). Any Python reads either name."""
+    import re
+
+    from dpo_state.dcp_io import read_dcp_metadata
+
+    step = _step(run, 2)
+    original = read_dcp_metadata(step / "dcp")
+    written, count = re.subn(
+        rb"cpathlib(\._local)?\nPosixPath\n", b"cpathlib._local\nPosixPath\n", pickle.dumps(original, protocol=2)
+    )
+    assert count >= 1
+    (step / "dcp" / ".metadata").write_bytes(written)
+    write_commit(step, 2)
+    assert read_dcp_metadata(step / "dcp") == original
+    state_here(run_cli, "verify", step)
+    resumed = train_cli(run / "c.yaml")
+    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
+
+
 def test_getattr_in_the_metadata_reaches_an_enums_members_only(run, tmp_path, run_cli):
     """The getattr a pickle may name is held to an enum member of an allowed class: the same call on another
     attribute, another class or an object is refused by name, before it is made."""
