@@ -40,8 +40,7 @@ _METADATA_CLASSES = {
 layouts by name, paths (the checkpoint id, `_PATHS`) and ordered dicts. Nothing here runs code beyond building
 plain values."""
 
-_PATHS = {("pathlib", name) for name in ("PosixPath", "WindowsPath")}
-_PATHS |= {("pathlib._local", name) for _, name in _PATHS}
+_PATHS = {(module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")}
 """The checkpoint id's path classes, under the module each Python pickles them from: Python 3.13 moved them to
 `pathlib._local`. Either name is read as `pathlib`'s class, so a checkpoint written by one Python reads on another."""
 

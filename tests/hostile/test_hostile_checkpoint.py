@@ -137,6 +137,19 @@ def _repickled(metadata, extra=None) -> bytes:
     return buffer.getvalue()
 
 
+def _resumes_from(run, run_cli, step, written: bytes, original) -> None:
+    """`written` as step's DCP metadata (its hashes rewritten): it reads back as `original`, verifies, and the run
+    resumes from it."""
+    from dpo_state.dcp_io import read_dcp_metadata
+
+    (step / "dcp" / ".metadata").write_bytes(written)
+    write_commit(step, 2)
+    assert read_dcp_metadata(step / "dcp") == original
+    state_here(run_cli, "verify", step)
+    resumed = train_cli(run / "c.yaml")
+    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
+
+
 def test_metadata_written_by_python_3_11_2_is_read_and_resumed(run, run_cli):
     """Python 3.11.2 pickles DCP's `_MEM_FORMAT_ENCODING` members as `getattr(class, name)`. Before: every
     checkpoint it wrote failed `verify` as replaced, and `train.resume: auto` skipped them all and trained
@@ -147,12 +160,7 @@ def test_metadata_written_by_python_3_11_2_is_read_and_resumed(run, run_cli):
     original = read_dcp_metadata(step / "dcp")
     written = _repickled(original)
     assert b"getattr" in written
-    (step / "dcp" / ".metadata").write_bytes(written)
-    write_commit(step, 2)
-    assert read_dcp_metadata(step / "dcp") == original
-    state_here(run_cli, "verify", step)
-    resumed = train_cli(run / "c.yaml")
-    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
+    _resumes_from(run, run_cli, step, written, original)
 
 
 def test_metadata_written_by_python_3_13_is_read_and_resumed(run, run_cli):
@@ -169,12 +177,7 @@ def test_metadata_written_by_python_3_13_is_read_and_resumed(run, run_cli):
         rb"cpathlib(\._local)?\nPosixPath\n", b"cpathlib._local\nPosixPath\n", pickle.dumps(original, protocol=2)
     )
     assert count >= 1
-    (step / "dcp" / ".metadata").write_bytes(written)
-    write_commit(step, 2)
-    assert read_dcp_metadata(step / "dcp") == original
-    state_here(run_cli, "verify", step)
-    resumed = train_cli(run / "c.yaml")
-    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
+    _resumes_from(run, run_cli, step, written, original)
 
 
 def test_getattr_in_the_metadata_reaches_an_enums_members_only(run, tmp_path, run_cli):

@@ -16,7 +16,7 @@ from dpo_train.vision.score import vision_pair_logps
 from dpo_train.vision.truth import eager_unpacked_vision
 from tests import docs_blocks
 from tests.docs_blocks import markdown_table
-from tests.harness import spawn
+from tests.harness import join_gloo, spawn
 from tests.vision.pairs import vision_pairs
 from tests.vision.tiny_vlm import load_processor
 
@@ -197,10 +197,9 @@ def test_the_sharded_reference_runs_the_mlps_the_policy_tiles(vlm_dirs):
 
 
 def _sharded_reference(rank: int, world: int, port: int, path: str) -> None:
-    from dpo_train.attention.tiled_mlp import Tiled, apply_setting
+    from dpo_train.attention.tiled_mlp import ATTRIBUTE, Tiled, apply_setting
     from dpo_train.model.policy import prepare_for_training
     from dpo_train.reference.live import frozen_reference
-    from tests.harness import join_gloo
 
     join_gloo(rank, world, port)
     policy = load(path, segments.ATTENTION)
@@ -209,7 +208,7 @@ def _sharded_reference(rank: int, world: int, port: int, path: str) -> None:
     reference = frozen_reference(policy, "fsdp", world)
 
     def tiles(model) -> dict[str, int]:
-        return {name: m.dpo_mlp_tile for name, m in model.named_modules() if isinstance(m, Tiled)}
+        return {name: getattr(m, ATTRIBUTE) for name, m in model.named_modules() if isinstance(m, Tiled)}
 
     assert tiles(policy) and tiles(reference) == tiles(policy)
     assert not any(TOWER["qwen2_5_vl"] in name for name in tiles(reference))
