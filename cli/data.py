@@ -159,7 +159,9 @@ def build(
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives, the reject
     fraction exceeds --max-reject-fraction or a --chat-template is not prefix-stable on a row (nothing
     is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out); 2 on a
-    usage, input-file or template-file error. With --part, the refusals on counts wait for dpo-data merge.
+    usage, input-file or template-file error, or an installed library outside dpo-toolkit's ranges (checked
+    first, as by merge and dpo-train; docs/dependencies.md). With --part, the refusals on counts wait for
+    dpo-data merge.
 
     Rows with images (TRL's vision shape: an 'images' list, {"type": "image"} parts in the prompt's messages) need
     --processor; with --tokenizer such a row stops the build (exit 2). Their images are stored in record batches
@@ -169,8 +171,10 @@ def build(
     from dpo_data import BuildOptions
     from dpo_data import build as run_build
     from dpo_data.prepare.parts import resolve_part
+    from dpo_state.installed import check_installed
 
     with user_errors():
+        check_installed()
         if processor_dir is None and _given("max_image_pixels"):  # even at its default: a text build has no images
             from dpo_data.prepare.build import pixels_without_processor
 
@@ -269,11 +273,13 @@ def merge(part_dirs, out, overwrite) -> None:
     parts' filesystem), and hashed against their part.json; the rejects are merged in input order. Like a
     build: one lock per --out, a staging directory, an atomic swap. Exit 0 on success; 1 when the counts
     refuse the dataset as a build would (no pair survived, --max-reject-fraction); 2 on a missing,
-    duplicate, unfinished or mismatched part.
+    duplicate, unfinished or mismatched part, or an installed library outside dpo-toolkit's ranges.
     """
     from dpo_data.prepare.merge import merge as run_merge
+    from dpo_state.installed import check_installed
 
     with user_errors():
+        check_installed()
         result = run_merge(list(part_dirs), out, overwrite=overwrite, progress=True)
     click.echo(_summary(result))
     if result.error:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from dpo_cli.errors import fail
+from dpo_cli.errors import fail, user_errors
 
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -177,6 +177,10 @@ def main(
     (train.parity_guard): a difference is exit 2 before the optimizer steps. Supported architectures:
     docs/train-config.md.
 
+    First of all, the installed libraries must be within the ranges dpo-toolkit declares (torch, transformers,
+    ...; PEFT with model.lora): a release outside them is exit 2, naming each and the pip command that fixes it
+    (DPO_ALLOW_UNTESTED_DEPENDENCIES=1 warns instead; docs/dependencies.md, "Checked at run time").
+
     Host tensors of 2 MiB or more go in huge pages (PyTorch's THP_MEM_ALLOC_ENABLE=1, set unless already
     set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed. The
     model runs its own code, the code the checks above check: transformers' hub kernels are off
@@ -193,6 +197,7 @@ def main(
         sys.exit(_translate(config, from_trl, list(overrides), processes, other))
     nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)  # the command line's flags first
     _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
+    _dependencies()
     if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
@@ -238,6 +243,14 @@ def _config_file(config: str) -> None:
         read_yaml_file(Path(config))
     except ConfigError as e:
         fail(str(e))
+
+
+def _dependencies() -> None:
+    """The installed libraries within the ranges dpo-toolkit declares, before torchrun starts a rank."""
+    from dpo_state.installed import check_installed
+
+    with user_errors():
+        check_installed()
 
 
 def _counts(nproc_per_node: int, nnodes: int) -> None:

@@ -32,3 +32,8 @@ class StateError(ToolkitError):
 
 class AttestationError(ToolkitError):
     """A tokenizer that cannot be attested (for example a slow tokenizer without a Rust backend)."""
+
+
+class DependencyError(ToolkitError):
+    """An installed library outside the range dpo-toolkit declares (missing, too old, too new); the message
+    names each, the version found, the range and the pip command that fixes it."""

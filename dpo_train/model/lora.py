@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dpo_state.installed import check_installed
 from dpo_train.errors import ConfigError
 
 # PEFT asks transformers 5 for `is_gradient_checkpointing`, which warns of its rename on every call.
@@ -31,6 +32,7 @@ def apply_lora(model: Any, lora: dict) -> Any:
     equals the base model (the reference)."""
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("model.lora needs PEFT: pip install 'dpo-toolkit[lora]' (or pip install peft)")
+    check_installed("lora")
     from peft import LoraConfig, get_peft_model
 
     from dpo_train.vision.families import lora_excluded

@@ -1,0 +1,72 @@
+"""The installed libraries checked against the ranges dpo-toolkit declares, before a command produces anything."""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+from packaging.version import InvalidVersion, Version
+
+from dpo_state.errors import DependencyError
+
+DISTRIBUTION = "dpo-toolkit"
+UNTESTED = "DPO_ALLOW_UNTESTED_DEPENDENCIES"
+"""Set to 1 to run outside the declared ranges anyway: the refusal becomes a warning on stderr."""
+
+
+def declared(extra: str | None = None) -> list[Requirement]:
+    """dpo-toolkit's requirements as installed with it (its metadata's Requires-Dist, written from pyproject.toml):
+    the unconditional ones, or those of `extra` alone. None when the code runs from a tree never installed."""
+    try:
+        lines = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+    requirements = [Requirement(line) for line in lines]
+    if extra is None:
+        return [r for r in requirements if r.marker is None]
+    return [r for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})]
+
+
+def outside(requirements: list[Requirement]) -> dict[Requirement, str]:
+    """Each requirement the installed distribution does not meet -> what is installed ("not installed", or its
+    version). A pre-release counts as the version it precedes (torch 2.11.0a0, a nightly or a vendor's build
+    of the 2.11 branch, is older than 2.11), as pip compares them."""
+    unmet = {}
+    for requirement in requirements:
+        try:
+            found = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            unmet[requirement] = "not installed"
+            continue
+        try:
+            met = requirement.specifier.contains(Version(found), prereleases=True)
+        except InvalidVersion:
+            met = False
+        if not met:
+            unmet[requirement] = found
+    return unmet
+
+
+def check_installed(extra: str | None = None) -> None:
+    """Refuse a process whose libraries are outside dpo-toolkit's declared ranges (the unconditional ones, or
+    those of `extra`). Releases older than the floors are not just untested: torch 2.9 loses part of an FSDP2
+    gradient silently and 2.6 cannot save a one-process checkpoint (docs/dependencies.md). pip enforces the
+    ranges at install; this catches what pip did not see (--no-deps, a container's own torch, a later
+    downgrade). With DPO_ALLOW_UNTESTED_DEPENDENCIES=1 the refusal is a warning on stderr."""
+    unmet = outside(declared(extra))
+    if not unmet:
+        return
+    found = "\n".join(f"  - {r.name}: {version}; needed: {_pinned(r)}" for r, version in unmet.items())
+    what = f"installed libraries outside the ranges dpo-toolkit is tested on (docs/dependencies.md):\n{found}"
+    if os.environ.get(UNTESTED) == "1":
+        print(f"warning: {what}\n({UNTESTED}=1: running anyway, untested)", file=sys.stderr)
+        return
+    fix = " ".join(f"'{_pinned(r)}'" for r in unmet)
+    raise DependencyError(f"{what}\nFix: pip install {fix}; or set {UNTESTED}=1 to run anyway, untested")
+
+
+def _pinned(requirement: Requirement) -> str:
+    """`peft>=0.18`: the name and range, without the extra's marker (what pip install takes)."""
+    return f"{requirement.name}{requirement.specifier}"

@@ -1,0 +1,131 @@
+"""The installed libraries against dpo-toolkit's declared ranges: an old torch, transformers or PEFT is refused
+by the commands that produce something, before they start, with the pip command that fixes it."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from dpo_state.errors import DependencyError
+from dpo_state.installed import UNTESTED, check_installed, declared, outside
+from tests.harness import data_here, train_here, write_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """Install a distribution's metadata (a dist-info directory, no code) first on sys.path, as pip's files of
+    another release would be: `installed("torch", "2.9.1")`. Imports are untouched; only what pip and
+    importlib.metadata read changes."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv(UNTESTED, raising=False)
+
+    def install(name: str, version: str) -> None:
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+    return install
+
+
+def test_the_installed_ranges_are_pyprojects():
+    """The ranges checked at run time are the ones pyproject.toml declares (an install older than the
+    pyproject would check stale ones: scripts/env.sh reinstalls when pyproject.toml changes)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert {str(r) for r in declared()} == {str(Requirement(r)) for r in project["dependencies"]}
+    assert [str(r.specifier) for r in declared("lora")] == [
+        str(Requirement(r).specifier) for r in project["optional-dependencies"]["lora"]
+    ]
+    assert outside(declared()) == {}, "this environment is outside the declared ranges"
+
+
+@pytest.mark.parametrize(
+    ("version", "met"),
+    [
+        ("2.11.0", True),
+        ("2.11.0+cu130", True),  # a local build label: the release it labels
+        ("2.14.1", True),
+        ("2.15.0.dev20261201+cu130", True),  # a nightly past the floor
+        ("2.9.1", False),  # FSDP2 loses part of a gradient (docs/dependencies.md)
+        ("2.11.0a0+git1234", False),  # a pre-release of 2.11 is older than 2.11, as pip reads it
+        ("not-a-version", False),
+    ],
+)
+def test_torch_releases_against_the_floor(installed, version, met):
+    installed("torch", version)
+    unmet = outside([Requirement("torch>=2.11")])
+    assert unmet == ({} if met else {Requirement("torch>=2.11"): version})
+
+
+def test_a_missing_library_is_named():
+    unmet = outside([Requirement("no-such-library-anywhere>=1")])
+    assert list(unmet.values()) == ["not installed"]
+
+
+def test_the_error_names_each_library_its_version_the_range_and_the_fix(installed):
+    installed("torch", "2.9.1")
+    installed("transformers", "4.57.0")
+    with pytest.raises(DependencyError) as refused:
+        check_installed()
+    message = str(refused.value)
+    assert "  - torch: 2.9.1; needed: torch>=2.11" in message
+    assert "  - transformers: 4.57.0; needed: transformers>=5.23" in message
+    assert "Fix: pip install 'torch>=2.11' 'transformers>=5.23'" in message
+    assert "docs/dependencies.md" in message and UNTESTED in message
+    assert "tokenizers" not in message  # the ones in range are not listed
+
+
+def test_untested_runs_with_a_warning(installed, monkeypatch, capsys):
+    installed("torch", "2.9.1")
+    monkeypatch.setenv(UNTESTED, "1")
+    check_installed()
+    warned = capsys.readouterr().err
+    assert warned.startswith("warning: ") and "torch: 2.9.1; needed: torch>=2.11" in warned
+    assert f"{UNTESTED}=1: running anyway" in warned
+
+
+def test_dpo_train_refuses_an_old_torch_before_it_starts(installed, run_cli, tmp_path):
+    installed("torch", "2.9.1")
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "c.yaml", {"data": {"path": str(tmp_path / "none")}, "output_dir": str(out)})
+    result = train_here(run_cli, config, code=2)
+    assert "error: installed libraries outside the ranges" in result.stderr
+    assert "torch: 2.9.1; needed: torch>=2.11" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_dpo_train_runs_on_under_the_untested_switch(installed, run_cli, tmp_path, monkeypatch):
+    """With the switch the check warns and the run goes on: here to the next refusal, its missing dataset."""
+    installed("torch", "2.9.1")
+    monkeypatch.setenv(UNTESTED, "1")
+    config = write_yaml(tmp_path / "c.yaml", {"data": {"path": str(tmp_path / "none")}})
+    result = train_here(run_cli, config, code=2)
+    assert "warning: installed libraries outside the ranges" in result.stderr
+    assert "error: installed libraries" not in result.stderr
+    assert "none: not a committed dataset" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["build", "merge"])
+def test_dpo_data_refuses_an_old_transformers_before_it_writes(installed, run_cli, tmp_path, command):
+    installed("transformers", "4.57.0")
+    out = tmp_path / "out"
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    args = [source, "--tokenizer", tmp_path] if command == "build" else [tmp_path]
+    result = data_here(run_cli, command, *args, "--out", out, code=2)
+    assert "transformers: 4.57.0; needed: transformers>=5.23" in result.stderr
+    assert not out.exists()
+
+
+def test_lora_refuses_an_old_peft(installed):
+    from dpo_train.model.lora import apply_lora
+
+    installed("peft", "0.17.0")
+    with pytest.raises(DependencyError, match=r"peft: 0\.17\.0; needed: peft>=0\.18"):
+        apply_lora(object(), {"r": 4})
