@@ -45,6 +45,8 @@ def inspect(path, as_json) -> None:
     lines = [
         f"checkpoint  {info['path']} ({'committed' if info['committed'] else 'INCOMPLETE: no commit record'})",
         f"format      {info['format_version']}, written by {info['package']['name']} {info['package']['version']}",
+        "libraries   "
+        + (", ".join(f"{k} {v}" for k, v in env.items()) if (env := info["environment"]) else "not recorded"),
         f"position    step {info['step']}, epoch {info['epoch']}; consumed {info['consumed']['pairs']} pairs, "
         f"{info['consumed']['input_tokens']} input tokens, {info['consumed']['supervised_tokens']} supervised",
         f"files       {info['files']} files, {info['bytes']:,} bytes",
@@ -80,7 +82,8 @@ def inspect(path, as_json) -> None:
 )
 def diff(a, b, as_json, values, atol) -> None:
     """Differences between two checkpoints: config, data, tokenizer, objective, optimizer and scheduler
-    identity, layout and positions; with --values, tensors. Exit 0 equal, 1 different, 2 error."""
+    identity, layout, positions and the library releases (environment); with --values, tensors. Exit 0
+    equal, 1 different, 2 error."""
     from dpo_state import diff_checkpoints
 
     result = _guard(diff_checkpoints, a, b, values=values, atol=atol)

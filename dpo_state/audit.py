@@ -53,6 +53,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "identity": identity,
         "lineage": state["lineage"],
         "package": state["package"],
+        "environment": state.get("environment"),
     }
 
 
@@ -167,6 +168,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, values: bool = False, atol: f
         )
     )
     sections["scheduler_state"] = _lines(differences(sa["scheduler_state"], sb["scheduler_state"]))
+    sections["environment"] = _lines(differences(sa.get("environment", {}), sb.get("environment", {})))
     result: dict[str, Any] = {"a": str(da), "b": str(db), "sections": {k: v for k, v in sections.items() if v}}
     if values:
         result["tensors"] = _tensor_differences(da, db, atol)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from importlib import metadata
 
@@ -14,6 +15,9 @@ from dpo_state.errors import DependencyError
 DISTRIBUTION = "dpo-toolkit"
 UNTESTED = "DPO_ALLOW_UNTESTED_DEPENDENCIES"
 """Set to 1 to run outside the declared ranges anyway: the refusal becomes a warning on stderr."""
+NUMERIC = ("torch", "torchdata", "transformers")
+"""The libraries whose release can change a step's numbers (kernels, model code) or a checkpoint's loader state,
+recorded with the Python in a checkpoint's `environment` (with the PEFT of a LoRA run)."""
 
 
 def declared(extra: str | None = None) -> list[Requirement]:
@@ -65,6 +69,19 @@ def check_installed(extra: str | None = None) -> None:
         return
     fix = " ".join(f"'{_pinned(r)}'" for r in unmet)
     raise DependencyError(f"{what}\nFix: pip install {fix}; or set {UNTESTED}=1 to run anyway, untested")
+
+
+def environment(extra: str | None = None) -> dict[str, str]:
+    """Python's version and each installed library of NUMERIC's (and of `extra`'s requirements): what a
+    checkpoint records, so that a resume under other releases says so (a step's numbers may change)."""
+    names = [*NUMERIC, *(r.name for r in declared(extra))] if extra else list(NUMERIC)
+    found = {"python": platform.python_version()}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def _pinned(requirement: Requirement) -> str:

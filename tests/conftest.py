@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 tokenizer, row-file writers and a CLI runner."""
+"""Shared fixtures: the real SmolLM2 tokenizer, row-file writers, a CLI runner and installed releases."""
 
 from __future__ import annotations
 
@@ -93,3 +93,21 @@ def small_dataset(smollm2_dir, tmp_path_factory):
     result = build([str(write_jsonl(tmp / "pairs.jsonl", rows))], str(smollm2_dir), tmp / "data", BuildOptions())
     assert result.manifest["totals"]["pairs"] == 24
     return tmp / "data"
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """Install a distribution's metadata (a dist-info directory, no code) first on sys.path, as pip's files of
+    another release would be: `installed("torch", "2.9.1")`. Imports are untouched; only what pip and
+    importlib.metadata read changes."""
+    root = tmp_path / "installed-metadata"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv("DPO_ALLOW_UNTESTED_DEPENDENCIES", raising=False)
+
+    def install(name: str, version: str) -> None:
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+    return install

@@ -16,6 +16,7 @@ from dpo_state.dcp_io import (
 from dpo_state.errors import DocumentError, StateError
 from dpo_state.layout import lineage_of, list_checkpoints, move_aside, resolve
 from dpo_state.state import (
+    differences,
     identity_mismatches,
     rank_files,
     read_rank_state,
@@ -25,6 +26,7 @@ from dpo_state.state import (
 from dpo_train.checkpoint.parts import Checkpointable, RunView, dcp_tensors, warn
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ResumeError
+from dpo_train.model.lora import run_environment
 from dpo_train.parallel import collectives
 
 
@@ -114,6 +116,7 @@ def restore(parts: Checkpointable, run: RunView, identity: dict, path: Path) -> 
         )
     for line in elastic:
         warn(run.rank, f"elastic resume ({line}): the same steps; not bitwise identical")
+    _say_releases(state, run)
     try:
         tree = read_state_tree(path)
     except DocumentError as e:
@@ -198,3 +201,16 @@ def _verified_checkpoint(key: str, path: str) -> Path:
     if problems:
         raise ResumeError(f"{key}: checkpoint {directory} does not verify:\n  - " + "\n  - ".join(problems))
     return directory
+
+
+def _say_releases(state: dict, run: RunView) -> None:
+    """Each library whose release differs from the checkpoint's `environment` (absent before it was recorded:
+    nothing to compare), said once: a resume may upgrade, but its steps are then not the first run's."""
+    if "environment" not in state:
+        return
+    for name, was, now in differences(state["environment"], run_environment(run.config.model.lora)):
+        warn(
+            run.rank,
+            f"resuming under another release (environment.{name}: checkpoint {was}, this run {now}): the same "
+            "steps; their numbers may differ from the first run's",
+        )

@@ -36,6 +36,7 @@ from dpo_state.state import (
 from dpo_train.checkpoint.interrupts import held_until_saved
 from dpo_train.checkpoint.parts import Checkpointable, RunView, Stateful, dcp_tensors, warn
 from dpo_train.errors import CheckpointError
+from dpo_train.model.lora import run_environment
 from dpo_train.parallel import collectives
 
 
@@ -226,6 +227,7 @@ def _state_document(
                 for r in range(run.world)
             ],
             "package": {"name": "dpo-toolkit", "version": __version__},
+            "environment": run_environment(run.config.model.lora),
             "lineage": lineage,
         }
     )

@@ -79,7 +79,7 @@ def card_text(config: TrainConfig, facts: RunFacts, library: str, merged: bool) 
         _tokenizer(facts),
         _lineage(facts),
         _evaluation(config, facts),
-        _code(),
+        _code(config),
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
 
@@ -258,7 +258,11 @@ def _adapter_note(config: TrainConfig) -> str:
     )
 
 
-def _code() -> str:
+def _code(config: TrainConfig) -> str:
+    """The toolkit's version and the releases the export ran on (a resume under others says so on stderr and
+    in its checkpoints' `environment`)."""
     from dpo_data import __version__
+    from dpo_train.model.lora import run_environment
 
-    return f"## Code\n\nTrained with dpo-toolkit {__version__}."
+    rows = "\n".join(f"| {name} | {release} |" for name, release in run_environment(config.model.lora).items())
+    return f"## Code\n\nTrained with dpo-toolkit {__version__}, on:\n\n| library | release |\n|---|---|\n{rows}"

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpo_state.installed import check_installed
+from dpo_state.installed import check_installed, environment
 from dpo_train.errors import ConfigError
 
 # PEFT asks transformers 5 for `is_gradient_checkpointing`, which warns of its rename on every call.
@@ -24,6 +24,11 @@ def lora_settings(lora: dict) -> dict:
         "dropout": float(lora.get("dropout", 0.0)),
         "target_modules": lora.get("target_modules", "all-linear"),
     }
+
+
+def run_environment(lora: dict | None) -> dict[str, str]:
+    """The Python and library releases a run's checkpoints and model card record: PEFT's too with model.lora."""
+    return environment("lora" if lora else None)
 
 
 def apply_lora(model: Any, lora: dict) -> Any:

@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dpo_state.commit import write_commit
+from dpo_state.installed import environment
 from tests.harness import TINY_LLAMA, state_here, train_here
 
 MODEL = TINY_LLAMA
@@ -262,6 +265,34 @@ def test_resume_refuses_a_different_run_listing_every_mismatch(small_dataset, sm
         train__weights_from=str(out),
     )[0]
     train_here(run_cli, fresh)  # a new run from the weights alone: allowed, explicitly
+
+
+def test_a_resume_under_another_release_says_which(small_dataset, smollm2_dir, tmp_path, run_cli, installed):
+    """A checkpoint records the releases it was trained with; a resume under others goes on and says which,
+    and inspect and diff show them."""
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "run", train__max_steps=2)
+    train_here(run_cli, path)
+    first = json.loads((_step_dir(out, 1) / "state.json").read_text())["environment"]
+    assert first == environment() and first["torch"] == metadata.version("torch")
+    installed("torch", "2.99.0")
+    resumed = train_here(run_cli, path, "--set", f"train.resume={_step_dir(out, 1)}")
+    said = [line for line in resumed.stderr.splitlines() if "another release" in line]
+    assert said == [
+        f"warning: resuming under another release (environment.torch: checkpoint {first['torch']}, this run "
+        "2.99.0): the same steps; their numbers may differ from the first run's"
+    ]
+    shown = state_here(run_cli, "inspect", _step_dir(out, 2)).stdout
+    assert f"libraries   python {first['python']}, torch 2.99.0, torchdata" in shown
+    changed = state_here(run_cli, "diff", _step_dir(out, 1), _step_dir(out, 2), "--json", code=1).stdout
+    assert json.loads(changed)["sections"]["environment"] == [{"path": "torch", "a": first["torch"], "b": "2.99.0"}]
+    # written before the record: nothing to compare, nothing said
+    state = json.loads((_step_dir(out, 1) / "state.json").read_text())
+    del state["environment"]
+    (_step_dir(out, 1) / "state.json").write_text(json.dumps(state))
+    write_commit(_step_dir(out, 1), 1)
+    older = train_here(run_cli, path, "--set", f"train.resume={_step_dir(out, 1)}")
+    assert f"resumed from {_step_dir(out, 1)} at step 1" in older.stderr and "another release" not in older.stderr
+    assert "libraries   not recorded" in state_here(run_cli, "inspect", _step_dir(out, 1)).stdout
 
 
 @pytest.mark.slow

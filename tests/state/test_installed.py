@@ -10,28 +10,10 @@ import pytest
 from packaging.requirements import Requirement
 
 from dpo_state.errors import DependencyError
-from dpo_state.installed import UNTESTED, check_installed, declared, outside
+from dpo_state.installed import NUMERIC, UNTESTED, check_installed, declared, environment, outside
 from tests.harness import data_here, train_here, write_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def installed(tmp_path, monkeypatch):
-    """Install a distribution's metadata (a dist-info directory, no code) first on sys.path, as pip's files of
-    another release would be: `installed("torch", "2.9.1")`. Imports are untouched; only what pip and
-    importlib.metadata read changes."""
-    root = tmp_path / "site"
-    root.mkdir()
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delenv(UNTESTED, raising=False)
-
-    def install(name: str, version: str) -> None:
-        info = root / f"{name}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-
-    return install
 
 
 def test_the_installed_ranges_are_pyprojects():
@@ -129,3 +111,11 @@ def test_lora_refuses_an_old_peft(installed):
     installed("peft", "0.17.0")
     with pytest.raises(DependencyError, match=r"peft: 0\.17\.0; needed: peft>=0\.18"):
         apply_lora(object(), {"r": 4})
+
+
+def test_the_environment_a_checkpoint_records():
+    import platform
+    from importlib import metadata
+
+    assert environment() == {"python": platform.python_version(), **{n: metadata.version(n) for n in NUMERIC}}
+    assert environment("lora") == {**environment(), "peft": metadata.version("peft")}

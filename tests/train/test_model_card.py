@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,9 @@ def test_the_card_says_what_made_the_run(lora_run, small_dataset, smollm2_dir):
         f"| accuracy | {100 * evals[0]['accuracy']:.1f}% | {100 * evals[1]['accuracy']:.1f}% |",
         f"| loss | {evals[0]['loss']:#.4g} | {evals[1]['loss']:#.4g} |",
         f"| margin | {evals[0]['margin']:#.4g} | {evals[1]['margin']:#.4g} |",
-        f"Trained with dpo-toolkit {__version__}.",
+        f"Trained with dpo-toolkit {__version__}, on:\n\n| library | release |\n|---|---|\n| python |",
+        f"| torch | {metadata.version('torch')} |\n| torchdata |",
+        f"| peft | {metadata.version('peft')} |",  # a LoRA run: PEFT's release too
     ]
     assert [line for line in expected if line not in body] == []
     _, merged = _front_matter(lora_run / "final-merged")
