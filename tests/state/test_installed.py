@@ -34,7 +34,7 @@ def test_the_installed_ranges_are_pyprojects():
         ("2.11.0+cu130", True),  # a local build label: the release it labels
         ("2.14.1", True),
         ("2.15.0.dev20261201+cu130", True),  # a nightly past the floor
-        ("2.9.1", False),  # FSDP2 loses part of a gradient (docs/dependencies.md)
+        ("2.9.1", False),  # its FSDP2 gradient norm leaves the embedding out (docs/dependencies.md)
         ("2.11.0a0+git1234", False),  # a pre-release of 2.11 is older than 2.11, as pip reads it
         ("not-a-version", False),
     ],
