@@ -56,10 +56,9 @@ def outside(requirements: list[Requirement]) -> dict[Requirement, str]:
 def check_installed(extra: str | None = None) -> None:
     """Refuse a process whose libraries are outside dpo-toolkit's declared ranges (the unconditional ones, or
     those of `extra`). Releases older than the floors are not just untested: torch 2.9 leaves the embedding out of
-    an FSDP2 gradient norm (clipping then clips less) and 2.6 cannot save a one-process checkpoint
-    (docs/dependencies.md). pip enforces the
-    ranges at install; this catches what pip did not see (--no-deps, a container's own torch, a later
-    downgrade). With DPO_ALLOW_UNTESTED_DEPENDENCIES=1 the refusal is a warning on stderr."""
+    an FSDP2 gradient norm (each rank clips by another) and 2.6 cannot save a one-process checkpoint
+    (docs/dependencies.md). pip enforces the ranges at install; this catches what pip did not see (--no-deps,
+    a container's own torch, a later downgrade). With DPO_ALLOW_UNTESTED_DEPENDENCIES=1 the refusal is a warning on stderr."""
     unmet = outside(declared(extra))
     if not unmet:
         return

@@ -51,3 +51,9 @@ class ParityError(ToolkitError):
     """Step 1's policy and reference disagree on a pair while the policy is still the reference: the model
     scores pairs differently in training (dropout left on, a train/eval difference, packing it does not
     survive), so the run would train on wrong numbers; refused before the optimizer steps (exit 2)."""
+
+
+class GradNormError(ToolkitError):
+    """The gradient norm torch's `clip_grad_norm_` returns at a run's first step is not the gradients' own norm
+    (a library fault: torch 2.9.1 under FSDP2 left the embedding out), so clipping and the logged norm would be
+    wrong; refused before the optimizer steps (exit 2)."""

@@ -25,7 +25,7 @@ from dpo_train.checkpoint import (
     run_identity,
 )
 from dpo_train.config import TrainConfig
-from dpo_train.errors import NonFiniteError
+from dpo_train.errors import GradNormError, NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import export, run_facts
 from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
@@ -33,14 +33,17 @@ from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
 from dpo_train.run import Progress, Run, RunLog, load_initial_policy, stage, training_run
 from dpo_train.step import (
+    CLIP,
     EarlyStopping,
     SortScores,
     add_pairs,
     agree,
     early_stopping_watch,
+    gradient_norm,
     local_nonfinite,
     microbatch_loss,
     new_sums,
+    norm_mismatch,
     pair_losses,
     router_aux_coef,
     sorted_types,
@@ -88,6 +91,7 @@ class Trainer:
         self.vocab_rows = embedding_rows(policy)
         self.state = TrainState(early_stopping=early_stopping_watch(config.eval))
         self.skipped_steps = 0
+        self._check_norm = config.train.parity_guard  # at this process's first step (a resumed run's too)
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
@@ -216,11 +220,33 @@ class Trainer:
             (total + reached_by_every_rank(self.policy)).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
+    def _check_clip_norm(self, reported: float, independent: float) -> None:
+        """The first step's norm from clip_grad_norm_ against the gradients' own, checked once: a library that
+        computes it wrong clips by it and logs it at every step (torch 2.9.1 under FSDP2 gave each rank another
+        norm, docs/dependencies.md). Every rank votes, so that all stop together when any is wrong."""
+        self._check_norm = False
+        dtypes = {p.grad.dtype for p in self.policy.parameters() if p.grad is not None}
+        mismatch = norm_mismatch(reported, independent, dtypes)
+        if not all_reduce(torch.tensor([float(mismatch is not None)]), "max"):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        raise GradNormError(
+            f"step {self.state.step} (this process's first): "
+            f"{mismatch or f'on another rank, {CLIP} returned another norm than this rank ({reported:.6g})'}, with "
+            f"torch {torch.__version__} and distributed.strategy {self.config.distributed.strategy} on {self.world} "
+            "rank(s). Nothing was stepped: optim.max_grad_norm would clip by the wrong norm and metrics.jsonl would "
+            "log it. Fix: a torch within dpo-toolkit's range (docs/dependencies.md), and report it; "
+            "train.parity_guard: false skips this check"
+        )
+
     def step(self) -> dict:
         """Finish the optimizer step: clip the step gradient, reduce the metrics, and update, unless the
         loss, a log-prob or the gradient norm is not finite on any rank (`train.on_nonfinite`)."""
         max_norm = self.config.optim.max_grad_norm or float("inf")
+        independent = gradient_norm(self.policy.parameters()) if self._check_norm else None
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+        if independent is not None:
+            self._check_clip_norm(grad_norm, independent)
         mine = local_nonfinite(self.sums, grad_norm)
         step_pairs, self._step_pairs = self._step_pairs, set()
         bad_ranks, fewest, most = agree(bool(mine), max(step_pairs, default=0), self.rank, self.world)

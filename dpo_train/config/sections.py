@@ -187,7 +187,9 @@ class TrainSection:
     """During step 1, while the policy is still the reference (a live reference, LoRA adapters at zero), every
     micro-batch's per-pair log-probs from the policy's training forward must equal the reference's, which
     scores the same pairs packed in another order; a difference stops the run (exit 2) before the optimizer
-    steps (docs/train-config.md, "Step 1's parity guard"). It costs nothing: both are computed anyway."""
+    steps (docs/train-config.md, "Step 1's parity guard"). It costs nothing: both are computed anyway. The
+    same switch checks, at a process's first step, that torch's clip_grad_norm_ returns the gradients' own norm
+    (summed apart over every rank's part), and stops the run (exit 2) where it does not."""
     on_nonfinite: str = "stop"
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave

@@ -1,5 +1,5 @@
 """The step room: one step's arithmetic: the loss family, the step objective, metrics, the non-finite vote,
-AOT's sorts and early stopping."""
+the gradient norm's check, AOT's sorts and early stopping."""
 
 from dpo_train.front import front
 
@@ -8,6 +8,7 @@ __all__, __getattr__ = front(
     __name__,
     {
         "early_stopping": ("EarlyStopping", "early_stopping_watch"),
+        "grad_norm": ("CLIP", "gradient_norm", "norm_mismatch"),
         "loss": ("LossConfig", "pair_losses"),
         "metrics": ("add_pairs", "new_sums", "step_record"),
         "nonfinite": ("agree", "local_nonfinite", "step_sources"),
