@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
@@ -58,7 +59,8 @@ def check_installed(extra: str | None = None) -> None:
     those of `extra`). Releases older than the floors are not just untested: torch 2.9 leaves the embedding out of
     an FSDP2 gradient norm (each rank clips by another) and 2.6 cannot save a one-process checkpoint
     (docs/dependencies.md). pip enforces the ranges at install; this catches what pip did not see (--no-deps,
-    a container's own torch, a later downgrade). With DPO_ALLOW_UNTESTED_DEPENDENCIES=1 the refusal is a warning on stderr."""
+    a container's own torch, a later downgrade). With DPO_ALLOW_UNTESTED_DEPENDENCIES=1 the refusal is a
+    warning on stderr."""
     unmet = outside(declared(extra))
     if not unmet:
         return
@@ -75,13 +77,19 @@ def environment(extra: str | None = None) -> dict[str, str]:
     """Python's version and each installed library of NUMERIC's (and of `extra`'s requirements): what a
     checkpoint records, so that a resume under other releases says so (a step's numbers may change)."""
     names = [*NUMERIC, *(r.name for r in declared(extra))] if extra else list(NUMERIC)
-    found = {"python": platform.python_version()}
+    found = {"python": _printable(platform.python_version())}
     for name in names:
         try:
-            found[name] = metadata.version(name)
+            found[name] = _printable(metadata.version(name))
         except metadata.PackageNotFoundError:
             continue
     return found
+
+
+def _printable(release: str) -> str:
+    """`release` as the checkpoint schema holds it: PEP 440's characters, at most 128 (anything else, which no
+    release pip installs has, becomes `_`), so that a save never fails on an odd build's version string."""
+    return re.sub(r"[^A-Za-z0-9.+!_-]", "_", release)[:128] or "_"
 
 
 def _pinned(requirement: Requirement) -> str:

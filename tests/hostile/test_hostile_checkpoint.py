@@ -249,6 +249,22 @@ def test_a_rank_file_outside_the_checkpoint_is_refused_everywhere(run, run_cli):
     assert "'../../outside.json'" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "release"), [("torch", "\x1b[2J2.13.0"), ("torch", "2" * 129), ("a library\x1b[2J", "1.0")]
+)
+def test_a_release_record_a_terminal_would_run_is_refused(run, run_cli, name, release):
+    """`inspect` prints the releases a checkpoint records: one that is not a version (an escape sequence, a
+    screenful) is refused by the schema before anything prints it, as every reader refuses a malformed state."""
+    step = _step(run, 2)
+    _rewrite_state(step, lambda s: s["environment"].update({name: release}))
+    for command in ("verify", "inspect"):
+        proc = state_here(run_cli, command, step, code=None)
+        assert proc.exit_code in (1, 2) and "environment" in proc.stderr and "\x1b" not in proc.stdout
+    proc = train_here(run_cli, run / "c.yaml", "--set", f"train.resume={step}", code=2)
+    assert "checkpoint-state.schema.json" in proc.stderr and "environment" in proc.stderr
+    assert "\x1b" not in proc.stderr  # named by its repr, never sent to the terminal as is
+
+
 def test_diff_of_a_checkpoint_whose_commit_record_does_not_parse_is_an_error(run, run_cli):
     """Before: `dpo-state diff` said "equal" (exit 0)."""
     (_step(run, 2) / "commit.json").write_text("{not json")

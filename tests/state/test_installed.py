@@ -119,3 +119,17 @@ def test_the_environment_a_checkpoint_records():
 
     assert environment() == {"python": platform.python_version(), **{n: metadata.version(n) for n in NUMERIC}}
     assert environment("lora") == {**environment(), "peft": metadata.version("peft")}
+
+
+@pytest.mark.parametrize("release", ["2.13.0+cpu", "3.13.0 (clang)", "\x1b[2J", "", "9" * 300])
+def test_a_recorded_release_always_fits_the_checkpoint_schema(release):
+    """A save must never fail on an odd build's version string: it is recorded in the schema's characters."""
+    import json
+    import re
+
+    from dpo_state.installed import _printable
+
+    schema = json.loads((ROOT / "schemas" / "checkpoint-state.schema.json").read_text())
+    pattern = schema["properties"]["environment"]["additionalProperties"]["pattern"]
+    assert re.fullmatch(pattern, _printable(release))
+    assert _printable("2.13.0+cpu") == "2.13.0+cpu"
