@@ -41,9 +41,6 @@ MODEL = {
 def _trainer(data: str, out: Path):
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.run.setup import local_run
-    from dpo_train.trainer import Trainer
 
     config = load_config(
         {
@@ -56,7 +53,7 @@ def _trainer(data: str, out: Path):
         }
     )
     loader = DPOLoader([data], config.data.loader_config(0, 1), pad_to_multiple_of=8)
-    trainer = Trainer(local_run(config, placement("cpu", "fp32"), loader.stream.store, out=out))
+    trainer = harness.cpu_trainer(config, loader.stream.store, out=out)
     it = iter(loader)
     while True:  # one optimizer step, so the optimizer has its moments
         batch = next(it)

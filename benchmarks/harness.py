@@ -153,6 +153,16 @@ def smollm2_and_sample(work: Path) -> tuple[str, str]:
     return model, str(data)
 
 
+def cpu_trainer(config: Any, store: Any, out: Path | None = None) -> Any:
+    """The real `Trainer` of one process on the CPU in fp32 over `store`, driven by the benchmark's own loop (no
+    process group, no run directory unless `out`)."""
+    from dpo_train.parallel.device import placement
+    from dpo_train.run.setup import local_run
+    from dpo_train.trainer import Trainer
+
+    return Trainer(local_run(config, placement("cpu", "fp32"), store, out=out))
+
+
 def timed_steps(trainer: Any, loader: Any, steps: int) -> tuple[list[float], list[dict]]:
     """Feed `loader`'s micro-batches to `trainer` for 1 + `steps` optimizer steps: each step's wall seconds
     (the first one, with its warm-up, included) and every micro-batch fed."""

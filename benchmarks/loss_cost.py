@@ -30,8 +30,6 @@ def step_seconds(dataset: str, model_dir: str, loss: dict, steps: int) -> dict:
     """Wall seconds of each optimizer step after the first, and the step's micro-batches."""
     from dpo_data import DPOLoader
     from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
 
     config = load_config(
         {
@@ -43,7 +41,7 @@ def step_seconds(dataset: str, model_dir: str, loss: dict, steps: int) -> dict:
         }
     )
     loader = DPOLoader(config.data.paths, config.data.loader_config(0, 1), pad_to_multiple_of=8)
-    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
+    trainer = harness.cpu_trainer(config, loader.stream.store)
     times, batches = harness.timed_steps(trainer, loader, steps)
     microbatches = [b["microbatches_in_step"] for b in batches if b["microbatch"] == 0]
     return {"step_s": times[1:], "microbatches": microbatches[1:]}

@@ -6,6 +6,10 @@
   sample) as a fraction of the demo's first optimizer step.
 - The micro-batch contract check (`dpo_data.contract_problems`, run by `dpo-train` on every micro-batch):
   its time over the demo's micro-batches against the demo's step time.
+- The first step's gradient-norm check (`dpo_train.step.grad_norm.gradient_norm`, once per process): its
+  time over the demo model's gradients against torch's `clip_grad_norm_` and the demo's first step.
+- The installed-release check (`dpo_state.installed.check_installed`, once per `dpo-train` / `dpo-data build`):
+  its time against the demo's first step.
 
 The demo's step: SmolLM2-135M-Instruct, 8 pairs per step, 1024-token micro-batches, live reference, CPU,
 one process; the first step is timed (it includes warm-up), then --steps more.
@@ -51,8 +55,6 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
     """The demo's optimizer steps, in process; micro-batches kept to time the contract check on them."""
     from dpo_data import DPOLoader, contract_problems
     from dpo_train.config.loading import load_config
-    from dpo_train.parallel.device import placement
-    from dpo_train.trainer import Trainer
 
     config = load_config(
         {
@@ -64,7 +66,7 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
         }
     )
     loader = DPOLoader(config.data.paths, config.data.loader_config(0, 1), pad_to_multiple_of=8)
-    trainer = Trainer(config, placement("cpu", "fp32"), 0, 1, loader.stream.store)
+    trainer = harness.cpu_trainer(config, loader.stream.store)
     step_seconds, batches = harness.timed_steps(trainer, loader, steps)
     check = harness.median_seconds(lambda: [contract_problems(b) for b in batches], repeat=20)
     per_step = check / (len(step_seconds))
@@ -74,6 +76,30 @@ def demo_step(dataset: Path, model_dir: str, steps: int) -> dict:
         "microbatches": len(batches),
         "contract_check_s_per_step": round(per_step, 6),
         "contract_check_fraction_of_step": round(per_step / statistics.median(step_seconds[1:]), 6),
+        **_norm_check(trainer, batches[0], step_seconds[0]),
+    }
+
+
+def _norm_check(trainer, batch: dict, first_step_s: float) -> dict:
+    """The gradient-norm check on real gradients (one micro-batch's), against clip_grad_norm_ on the same
+    (max_norm inf: nothing clipped), and the installed-release check; both as fractions of the first step."""
+    import torch
+
+    from dpo_state.installed import check_installed
+    from dpo_train.step.grad_norm import gradient_norm
+
+    trainer.microbatch(batch)
+    parameters = [p for p in trainer.policy.parameters() if p.grad is not None]
+    ours = harness.median_seconds(lambda: gradient_norm(parameters), repeat=10)
+    theirs = harness.median_seconds(lambda: torch.nn.utils.clip_grad_norm_(parameters, float("inf")), repeat=10)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    releases = harness.median_seconds(check_installed, repeat=10)
+    return {
+        "grad_norm_check_s": round(ours, 5),
+        "clip_grad_norm_s": round(theirs, 5),
+        "grad_norm_check_fraction_of_first_step": round(ours / first_step_s, 6),
+        "installed_check_s": round(releases, 5),
+        "installed_check_fraction_of_first_step": round(releases / first_step_s, 6),
     }
 
 
