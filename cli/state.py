@@ -1,4 +1,5 @@
-"""`dpo-state`: inspect, diff and verify checkpoints (no process group, nothing unpickled); verify and push exports."""
+"""`dpo-state`: inspect, diff and verify checkpoints (no process group, nothing unpickled); verify and push exports;
+report a run; describe this environment."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def main() -> None:
     `verify` and `diff --values` read DCP's files: its metadata (a pickle) through a restricted unpickler
     that builds only DCP's metadata classes, after every file's sha256 matched the commit record; tensor
     data with torch's weights-only loader (docs/security.md).
+
+    `env` describes this environment for a bug report (docs/dependencies.md).
     """
 
 
@@ -175,3 +178,56 @@ def report(run_dir, out, as_json, smoothing) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def env(as_json) -> None:
+    """This environment, for a bug report: dpo-toolkit's version, Python, the platform, torch's accelerators,
+    and every library dpo-toolkit declares (each extra's too) with its installed release against the range
+    (docs/dependencies.md). Exit 0 when every installed one is within its range and none it always needs is
+    missing, 1 otherwise: what dpo-train and dpo-data build refuse (an extra's library, when its feature is
+    used)."""
+    import platform
+
+    import torch
+
+    from dpo_data import __version__
+    from dpo_state.installed import releases
+
+    rows = releases()
+    info = {
+        "dpo-toolkit": __version__,
+        "python": f"{platform.python_version()} ({platform.python_implementation()})",
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "accelerators": _accelerators(torch),
+        "libraries": rows,
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        lines = [f"{key:<13}{info[key]}" for key in ("dpo-toolkit", "python", "platform", "torch", "accelerators")]
+        lines.append("libraries    installed, needed, verdict [the extra that declares it]")
+        for row in rows:
+            verdict = {True: "ok", False: "OUTSIDE THE RANGE", None: "not installed (optional)"}[row["within"]]
+            extra = f"  [{row['extra']}]" if row["extra"] else ""
+            lines.append(f"  {row['name']:<14}{row['installed'] or '-':<22}{row['needed']:<12}{verdict}{extra}")
+        click.echo("\n".join(lines))
+    sys.exit(0 if all(row["within"] is not False for row in rows) else 1)
+
+
+def _accelerators(torch) -> str:
+    """CUDA's devices (and its version and NCCL's), or an Ascend NPU's, or none."""
+    import importlib.util
+
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+        return f"CUDA {torch.version.cuda}: {names}; NCCL {nccl}"
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu  # noqa: F401 - registers the npu device
+
+        if torch.npu.is_available():
+            return f"NPU: {torch.npu.device_count()} device(s)"
+    return "none (CPU only)"

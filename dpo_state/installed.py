@@ -86,6 +86,35 @@ def environment(extra: str | None = None) -> dict[str, str]:
     return found
 
 
+def releases() -> list[dict]:
+    """Every requirement dpo-toolkit declares, the unconditional ones first, then each extra's (the test tools
+    aside), with what is installed: {name, extra, needed, installed (None: not), within (None: an extra's
+    library that is not installed, which only that extra's feature needs)}. What `dpo-state env` shows."""
+    try:
+        extras = metadata.metadata(DISTRIBUTION).get_all("Provides-Extra") or []
+    except metadata.PackageNotFoundError:
+        return []
+    rows = []
+    for extra in [None, *(e for e in extras if e != "test")]:
+        for requirement in declared(extra):
+            unmet = outside([requirement])
+            try:
+                installed = metadata.version(requirement.name)
+            except metadata.PackageNotFoundError:
+                installed = None
+            within = None if installed is None and extra else not unmet
+            rows.append(
+                {
+                    "name": requirement.name,
+                    "extra": extra,
+                    "needed": str(requirement.specifier) or "any",
+                    "installed": installed,
+                    "within": within,
+                }
+            )
+    return rows
+
+
 def _printable(release: str) -> str:
     """`release` as the checkpoint schema holds it: PEP 440's characters, at most 128 (anything else, which no
     release pip installs has, becomes `_`), so that a save never fails on an odd build's version string."""

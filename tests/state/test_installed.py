@@ -4,6 +4,7 @@ by the commands that produce something, before they start, with the pip command 
 from __future__ import annotations
 
 import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,6 @@ def test_lora_refuses_an_old_peft(installed):
 
 def test_the_environment_a_checkpoint_records():
     import platform
-    from importlib import metadata
 
     assert environment() == {"python": platform.python_version(), **{n: metadata.version(n) for n in NUMERIC}}
     assert environment("lora") == {**environment(), "peft": metadata.version("peft")}
@@ -133,3 +133,27 @@ def test_a_recorded_release_always_fits_the_checkpoint_schema(release):
     pattern = schema["properties"]["environment"]["additionalProperties"]["pattern"]
     assert re.fullmatch(pattern, _printable(release))
     assert _printable("2.13.0+cpu") == "2.13.0+cpu"
+
+
+def test_env_lists_every_declared_library_against_its_range(run_cli):
+    import json
+
+    from tests.harness import state_here
+
+    shown = state_here(run_cli, "env").stdout
+    assert f"  torch         {metadata.version('torch')}" in shown and "ok" in shown
+    assert "[lora]" in shown and "platform" in shown and "accelerators" in shown
+    document = json.loads(state_here(run_cli, "env", "--json").stdout)
+    names = [row["name"] for row in document["libraries"]]
+    assert names[: len(declared())] == [r.name for r in declared()] and "peft" in names and "pytest" not in names
+    assert all(row["within"] for row in document["libraries"] if row["installed"])
+
+
+@pytest.mark.parametrize(("name", "version", "extra"), [("torch", "2.9.1", ""), ("peft", "0.17.0", "  [lora]")])
+def test_env_names_a_release_outside_its_range_and_exits_1(installed, run_cli, name, version, extra):
+    from tests.harness import state_here
+
+    installed(name, version)
+    shown = state_here(run_cli, "env", code=1).stdout
+    line = next(line for line in shown.splitlines() if line.startswith(f"  {name} "))
+    assert version in line and line.endswith(f"OUTSIDE THE RANGE{extra}")
