@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,13 +112,26 @@ def _blocked(q, k, v, own, keys, layer: LayerAttention, scaling, sinks, dropout:
     output for backward; through the eager math (softcap, sinks) it would keep its [H, rows, keys] scores, so
     there each block, mask included, is recomputed in backward (a non-reentrant checkpoint)."""
     recompute = (layer.softcap is not None or sinks is not None) and torch.is_grad_enabled()
-    outputs = []
-    for start in range(0, len(own), BLOCK_ROWS):
+
+    def block(start: int) -> tuple:
         rows, columns = _span(own, keys, layer, start)
-        args = (q[:, :, rows], k[:, :, columns], v[:, :, columns], own[rows], keys[columns])
-        args += (layer, scaling, sinks, dropout)
-        outputs.append(checkpoint(_block, *args, use_reentrant=False) if recompute else _block(*args))
-    return torch.cat(outputs, 2)
+        visible = (q[:, :, rows], k[:, :, columns], v[:, :, columns], own[rows], keys[columns])
+        return (*visible, layer, scaling, sinks, dropout)
+
+    return in_row_blocks(len(own), block, _block, recompute)
+
+
+def in_row_blocks(
+    rows: int, arguments: Callable[[int], tuple], attend_block: Callable, recompute: bool
+) -> torch.Tensor:
+    """`attend_block(*arguments(start))` for each block of BLOCK_ROWS query rows from 0 to `rows`, concatenated
+    along the query rows; under a non-reentrant checkpoint when `recompute`, so that one block's mask and scores
+    live at a time in backward too. The one block loop of a long segment and of a sequence-parallel shard."""
+    outputs = []
+    for start in range(0, rows, BLOCK_ROWS):
+        args = arguments(start)
+        outputs.append(checkpoint(attend_block, *args, use_reentrant=False) if recompute else attend_block(*args))
+    return torch.cat(outputs, dim=-2)
 
 
 def _block(q, k, v, own, keys, layer: LayerAttention, scaling, sinks, dropout: float) -> torch.Tensor:

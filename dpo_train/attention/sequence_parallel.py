@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from dpo_data.errors import DataError
 from dpo_train.attention import segments
@@ -158,13 +157,12 @@ class SequenceShard:
         rows = query.shape[-2]
         if rows * key.shape[-2] <= segments.MASK_LIMIT:
             return attend(query, key, value, self.mask(layer, query.dtype), layer, scaling, sinks, dropout)
-        blocks = []
-        for first in range(0, rows, segments.BLOCK_ROWS):
-            block = query[..., first : first + segments.BLOCK_ROWS, :]
-            args = (block, key, value, first, layer, scaling, sinks, dropout)
-            grad = torch.is_grad_enabled()  # the query may need none while the keys do (LoRA on v_proj only)
-            blocks.append(checkpoint(self._block, *args, use_reentrant=False) if grad else self._block(*args))
-        return torch.cat(blocks, dim=-2)
+
+        def block(first: int) -> tuple:
+            return query[..., first : first + segments.BLOCK_ROWS, :], key, value, first, layer, scaling, sinks, dropout
+
+        # the query may need no gradient while the keys do (LoRA on v_proj only): grad mode, not requires_grad
+        return segments.in_row_blocks(rows, block, self._block, torch.is_grad_enabled())
 
     def _block(self, query, key, value, first, layer, scaling, sinks, dropout) -> torch.Tensor:
         """The queries from row `first` on, with their own rows of the mask."""
