@@ -36,8 +36,8 @@ def declared(extra: str | None = None) -> list[Requirement]:
 
 def outside(requirements: list[Requirement]) -> dict[Requirement, str]:
     """Each requirement the installed distribution does not meet -> what is installed ("not installed", or its
-    version). A pre-release counts as the version it precedes (torch 2.11.0a0, a nightly or a vendor's build
-    of the 2.11 branch, is older than 2.11), as pip compares them."""
+    version). A pre-release counts as the version it precedes (torch 2.10.0a0, a nightly or a vendor's build
+    of the 2.10 branch, is older than 2.10), as pip compares them."""
     unmet = {}
     for requirement in requirements:
         try:
