@@ -89,6 +89,8 @@ def read_yaml_file(path: Path, error: type[ToolkitError] = DocumentError) -> Any
     """A config file's YAML: a directory, a missing file, binary or oversized content are named errors."""
     if path.is_dir():
         raise error(f"config file {path} is a directory; pass a YAML file")
+    if path.exists() and not path.is_file():
+        raise error(f"config file {path} is not a regular file (a device, a pipe or a socket); pass a YAML file")
     if not path.is_file():
         raise error(f"config file {path} does not exist; pass a YAML file")
     size = path.stat().st_size

@@ -100,6 +100,7 @@ def test_a_config_file_that_cannot_be_read_fails_before_torch_loads_or_ranks_sta
         ([missing, "--nproc-per-node", 2], f"error: config file {missing} does not exist; pass a YAML file"),
         ([tmp_path, "--nproc-per-node", 2], f"error: config file {tmp_path} is a directory; pass a YAML file"),
         ([binary], f"error: config file {binary} is not UTF-8 text"),
+        (["/dev/null"], "error: config file /dev/null is not a regular file (a device, a pipe or a socket)"),
     ):
         result = run_cli(main, *args)
         assert result.exit_code == 2 and result.stderr.splitlines()[0].startswith(line), result.stderr
