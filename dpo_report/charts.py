@@ -294,6 +294,7 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             f"{held_out(s['eval_before'])} before; final {held_out(s['eval_final'])}; best {held_out(s['eval_best'])}",
         ),
         ("checkpoints", _checkpoints(s["checkpoints"])),
+        ("releases", _releases(s.get("releases", []))),
         ("incomplete last line", ", ".join(s["torn_last_lines"]) or "none"),
         (
             "config problems",
@@ -316,6 +317,19 @@ def _wall_time(s: dict) -> str:
     total = None if s["wall_seconds"] is None else s["wall_seconds"] + precompute["seconds"]
     total = total if total is not None and math.isfinite(total) else None  # a hand-edited log's overflow
     return f"{_secs(total)}: reference precompute {_secs(precompute['seconds'])} + {train}"
+
+
+def _releases(changes: list[dict]) -> str:
+    """`python 3.11.7, torch 2.13.0+cpu, ... (checkpoints from step 2); from step 6: torch 2.14.1`: the first
+    record whole, then each change by what changed."""
+    if not changes:
+        return "not recorded (no committed checkpoint, or written before the releases were recorded)"
+    first = changes[0]["environment"]
+    text = ", ".join(f"{k} {v}" for k, v in first.items()) + f" (checkpoints from step {changes[0]['from_step']})"
+    for before, after in zip(changes, changes[1:]):
+        moved = {k: v for k, v in after["environment"].items() if before["environment"].get(k) != v}
+        text += f"; from step {after['from_step']}: " + ", ".join(f"{k} {v}" for k, v in moved.items())
+    return text
 
 
 def _checkpoints(steps: list[int]) -> str:

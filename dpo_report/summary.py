@@ -85,11 +85,30 @@ def _summary(run: Path, steps: list[dict], evals: list[dict], torn: list[str]) -
         "eval_final": trained[-1] if trained else None,
         "eval_best": best,
         "checkpoints": [step for step, _ in checkpoints],
+        "releases": _releases(checkpoints),
         "identity": identity,
         "identity_error": identity_error,
         "torn_last_lines": torn,
         "config_problems": problems,
     }
+
+
+def _releases(checkpoints: list[tuple[int, Path]]) -> list[dict]:
+    """The releases the run trained on, as its committed checkpoints on disk record them (state.json's
+    `environment`): an entry at the first checkpoint of each change (a resume under another torch). Empty
+    without a checkpoint, or where they were written before the record; a checkpoint that does not read is
+    left out (the identity row names the latest's problem)."""
+    from dpo_state.state import read_state
+
+    changes: list[dict] = []
+    for step, path in checkpoints:
+        try:
+            environment = read_state(path).get("environment")
+        except ToolkitError:
+            continue
+        if environment and (not changes or changes[-1]["environment"] != environment):
+            changes.append({"from_step": step, "environment": environment})
+    return changes
 
 
 def _resolved_config(run: Path) -> tuple[dict, list[str]]:

@@ -339,3 +339,28 @@ def test_the_wall_time_of_a_precomputed_run_adds_the_precompute_its_sidecar_reco
     precompute, row, summary = wall(tmp_path / "live")
     w, t = summary["wall_seconds"], summary["train_seconds"]
     assert precompute is None and row == f"training {w:.1f} s ({t:.1f} s in steps)"
+
+
+def test_the_releases_row_names_what_the_run_trained_on_and_each_change(run, tmp_path, run_cli):
+    """A resume under another torch shows in the report: the releases from the first checkpoint, then the
+    change from the checkpoint that first recorded it."""
+    from dpo_state.commit import write_commit
+    from dpo_state.installed import environment
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    *earlier, last = sorted((copy / "checkpoints").iterdir())
+    state = json.loads((last / "state.json").read_text())
+    state["environment"]["torch"] = "2.99.0"
+    (last / "state.json").write_text(json.dumps(state))
+    write_commit(last, state["step"])
+    first = int(earlier[0].name.removeprefix("step-"))
+    releases = _report_json(run_cli, copy)["summary"]["releases"]
+    assert releases == [
+        {"from_step": first, "environment": environment()},
+        {"from_step": state["step"], "environment": {**environment(), "torch": "2.99.0"}},
+    ]
+    state_here(run_cli, "report", copy, "--out", tmp_path / "page")
+    page = (tmp_path / "page" / "report.html").read_text()
+    assert f"torch {environment()['torch']}" in page and f"(checkpoints from step {first})" in page
+    assert f"; from step {state['step']}: torch 2.99.0</td>" in page
