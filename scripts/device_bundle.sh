@@ -16,7 +16,7 @@ venv=.venv/bin/python
 [ -x "$venv" ] || bash scripts/env.sh
 packages=(torchdata zstandard orjson jsonschema jsonschema-specifications referencing rpds-py attrs transformers
   huggingface-hub httpx2 httpcore2 truststore idna anyio typing-extensions regex tomlkit click kernels tokenizers
-  safetensors gguf trl datasets dill multiprocess accelerate xxhash h11 pytest pluggy iniconfig pygments)
+  safetensors gguf trl datasets dill multiprocess accelerate xxhash h11 pytest pluggy iniconfig pygments packaging)
 pinned=()
 for name in "${packages[@]}"; do
   pinned+=("$name==$("$venv" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
