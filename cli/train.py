@@ -179,7 +179,8 @@ def main(
 
     First of all, the installed libraries must be within the ranges dpo-toolkit declares (torch, transformers,
     ...; PEFT with model.lora): a release outside them is exit 2, naming each and the pip command that fixes it
-    (DPO_ALLOW_UNTESTED_DEPENDENCIES=1 warns instead; docs/dependencies.md, "Checked at run time").
+    (DPO_ALLOW_UNTESTED_DEPENDENCIES=1 warns instead); and every rank must run the same dpo-toolkit source and
+    releases (docs/dependencies.md, "Checked at run time").
 
     Host tensors of 2 MiB or more go in huge pages (PyTorch's THP_MEM_ALLOC_ENABLE=1, set unless already
     set; =0 keeps 4 KiB pages): on a CPU a long pair's step then peaks gigabytes lower at the same speed. The

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import platform
 import re
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
@@ -16,6 +19,8 @@ from dpo_state.errors import DependencyError
 DISTRIBUTION = "dpo-toolkit"
 UNTESTED = "DPO_ALLOW_UNTESTED_DEPENDENCIES"
 """Set to 1 to run outside the declared ranges anyway: the refusal becomes a warning on stderr."""
+PACKAGES = ("dpo_state", "dpo_data", "dpo_train", "dpo_report", "dpo_cli")
+"""This toolkit's own packages, whose source `code_fingerprint` hashes."""
 NUMERIC = ("torch", "torchdata", "transformers")
 """The libraries whose release can change a step's numbers (kernels, model code) or a checkpoint's loader state,
 recorded with the Python in a checkpoint's `environment` (with the PEFT of a LoRA run)."""
@@ -113,6 +118,19 @@ def releases() -> list[dict]:
                 }
             )
     return rows
+
+
+def code_fingerprint() -> str:
+    """`sha256:<hex>` of this toolkit's own source as this process imports it: every .py file of PACKAGES, by
+    package and path within it. Ranks on two checkouts of one version number (two nodes' copies) differ here."""
+    digest = hashlib.sha256()
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for path in sorted(Path(root).rglob("*.py")):
+                digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode())
+                digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _printable(release: str) -> str:

@@ -23,6 +23,7 @@ from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
 from dpo_train.model.policy import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
+from dpo_train.run.agreement import check_ranks_agree
 from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
 from dpo_train.run.environment import set_run_environment
 from dpo_train.run.preflight import (
@@ -119,14 +120,15 @@ def local_run(
 
 
 def _placed(config: TrainConfig, progress: bool) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
-    """Check the config and the model paths, place this rank, join the process group torchrun describes, and
-    load the run's tokenizer: where every run starts (its process environment first, before anything large is
-    allocated or any model loads)."""
+    """Check the config and the model paths, place this rank, join the process group torchrun describes, check
+    that every rank runs the same code and releases, and load the run's tokenizer: where every run starts (its
+    process environment first, before anything large is allocated or any model loads)."""
     set_run_environment()
     check_config(config)
     check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
+    check_ranks_agree(config.model.lora, world)
     with stage("tokenizer", progress and rank == 0 and bool(config.model.tokenizer or config.model.path)):
         tokenizer = load_run_tokenizer(config)
     return config, place, rank, world, run_mesh(config, rank, world), tokenizer
