@@ -1,4 +1,5 @@
-"""The installed libraries checked against the ranges dpo-toolkit declares, before a command produces anything."""
+"""What a process runs on: its libraries against the ranges dpo-toolkit declares (checked before a command produces
+anything), the releases a checkpoint records, and a fingerprint of the toolkit's own source."""
 
 from __future__ import annotations
 
