@@ -232,7 +232,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         raise GradNormError(
             f"step {self.state.step} (this process's first): "
-            f"{mismatch or f'on another rank, {CLIP} returned another norm than this rank ({reported:.6g})'}, with "
+            f"{mismatch or f'another rank found {CLIP} wrong (on this rank it returned {reported:.6g}, right)'}, with "
             f"torch {torch.__version__} and distributed.strategy {self.config.distributed.strategy} on {self.world} "
             "rank(s). Nothing was stepped: optim.max_grad_norm would clip by the wrong norm and metrics.jsonl would "
             "log it. Fix: a torch within dpo-toolkit's range (docs/dependencies.md), and report it; "

@@ -19,8 +19,9 @@ CLIP = "torch.nn.utils.clip_grad_norm_"
 def gradient_norm(parameters: Iterable[torch.Tensor]) -> float:
     """The 2-norm of every gradient together. A DTensor gradient (FSDP2) contributes its local part's squares,
     summed over the mesh dimensions it is sharded on, once for a dimension it is replicated on; a plain one
-    (DDP, one process: every rank holds the whole gradient) contributes its own. Each part's square is summed
-    in float64 on the host, so the order of summation matters far below TOLERANCE."""
+    (DDP, one process: every rank holds the whole gradient) contributes its own. Each gradient's squares are
+    reduced on its device in float32 and added on the host in float64 (across ranks in float32): rounding far
+    below TOLERANCE."""
     from torch.distributed.tensor import DTensor, Shard
 
     total, shards = 0.0, {}
