@@ -8,8 +8,9 @@
   its time over the demo's micro-batches against the demo's step time.
 - The first step's gradient-norm check (`dpo_train.step.grad_norm.gradient_norm`, once per process): its
   time over the demo model's gradients against torch's `clip_grad_norm_` and the demo's first step.
-- The installed-release check (`dpo_state.installed.check_installed`, once per `dpo-train` / `dpo-data build`):
-  its time against the demo's first step.
+- The installed-release check (`dpo_state.installed.check_installed`, once per `dpo-train` / `dpo-data build`)
+  and the source fingerprint every rank of a multi-process run computes (`code_fingerprint`): their times
+  against the demo's first step.
 
 The demo's step: SmolLM2-135M-Instruct, 8 pairs per step, 1024-token micro-batches, live reference, CPU,
 one process; the first step is timed (it includes warm-up), then --steps more.
@@ -85,7 +86,7 @@ def _norm_check(trainer, batch: dict, first_step_s: float) -> dict:
     (max_norm inf: nothing clipped), and the installed-release check; both as fractions of the first step."""
     import torch
 
-    from dpo_state.installed import check_installed
+    from dpo_state.installed import check_installed, code_fingerprint
     from dpo_train.step.grad_norm import gradient_norm
 
     trainer.microbatch(batch)
@@ -94,12 +95,14 @@ def _norm_check(trainer, batch: dict, first_step_s: float) -> dict:
     theirs = harness.median_seconds(lambda: torch.nn.utils.clip_grad_norm_(parameters, float("inf")), repeat=10)
     trainer.optimizer.zero_grad(set_to_none=True)
     releases = harness.median_seconds(check_installed, repeat=10)
+    source = harness.median_seconds(code_fingerprint, repeat=10)
     return {
         "grad_norm_check_s": round(ours, 5),
         "clip_grad_norm_s": round(theirs, 5),
         "grad_norm_check_fraction_of_first_step": round(ours / first_step_s, 6),
         "installed_check_s": round(releases, 5),
         "installed_check_fraction_of_first_step": round(releases / first_step_s, 6),
+        "code_fingerprint_s": round(source, 5),
     }
 
 
