@@ -176,10 +176,6 @@ def report(run_dir, out, as_json, smoothing) -> None:
     click.echo(_guard(write_report, run_dir, out, smoothing))
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def env(as_json) -> None:
@@ -231,3 +227,7 @@ def _accelerators(torch) -> str:
         if torch.npu.is_available():
             return f"NPU: {torch.npu.device_count()} device(s)"
     return "none (CPU only)"
+
+
+if __name__ == "__main__":
+    main()

@@ -140,9 +140,9 @@ def test_a_recorded_release_always_fits_the_checkpoint_schema(release):
 def test_env_lists_every_declared_library_against_its_range(run_cli):
     import json
 
-    from tests.harness import state_here
+    from tests.harness import state_cli, state_here
 
-    shown = state_here(run_cli, "env").stdout
+    shown = state_cli("env").stdout  # as a user's shell runs it (python -m dpo_cli.state env)
     assert f"  torch         {metadata.version('torch')}" in shown and "ok" in shown
     assert "[lora]" in shown and "platform" in shown and "accelerators" in shown
     document = json.loads(state_here(run_cli, "env", "--json").stdout)
