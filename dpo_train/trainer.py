@@ -118,6 +118,12 @@ class Trainer:
                 "embedding rows: the shard is damaged; run dpo-data verify on the dataset"
             )
 
+    @property
+    def step_number(self) -> int:
+        """The step in progress as messages name it: counted from 1, as the progress line, the parity guard and
+        the checkpoint directories count (metrics.jsonl's `step` counts the steps done before it)."""
+        return self.state.step + 1
+
     def checkpointable(self, loader) -> Checkpointable:
         """The Stateful parts a checkpoint saves and restores (the checkpointer never sees the trainer)."""
         return Checkpointable(
@@ -142,13 +148,13 @@ class Trainer:
             problems = contract_problems(batch)
             if problems:
                 raise DataError(
-                    f"micro-batch {batch.get('microbatch')} of step {self.state.step} on rank {self.rank} "
+                    f"micro-batch {batch.get('microbatch')} of step {self.step_number} on rank {self.rank} "
                     "breaks the micro-batch contract (docs/loader.md):\n  - " + "\n  - ".join(problems)
                 )
         self._step_pairs.add(batch["step_pairs"])
         self._check_token_ids(batch)
         if self.mesh.active:
-            check_same_row(batch, self.mesh, self.state.step)
+            check_same_row(batch, self.mesh, self.step_number)
         if not self.sorted:
             self._forward_backward(batch)
             return
@@ -231,7 +237,7 @@ class Trainer:
             return
         self.optimizer.zero_grad(set_to_none=True)
         raise GradNormError(
-            f"step {self.state.step} (this process's first): "
+            f"step {self.step_number} (this process's first): "
             f"{mismatch or f'another rank found {CLIP} wrong (on this rank it returned {reported:.6g}, right)'}, with "
             f"torch {torch.__version__} and distributed.strategy {self.config.distributed.strategy} on {self.world} "
             "rank(s). Nothing was stepped: optim.max_grad_norm would clip by the wrong norm and metrics.jsonl would "
@@ -253,7 +259,7 @@ class Trainer:
         if len(step_pairs) > 1 or fewest != most:
             self.optimizer.zero_grad(set_to_none=True)
             raise DataError(
-                f"step {self.state.step}: the micro-batches disagree on step_pairs (this rank saw "
+                f"step {self.step_number}: the micro-batches disagree on step_pairs (this rank saw "
                 f"{sorted(step_pairs)}, the ranks {fewest} to {most}); every micro-batch of a step, on "
                 "every rank, must carry the step's total pair count (docs/loader.md)"
             )
@@ -262,7 +268,7 @@ class Trainer:
         if bad_ranks and self.config.train.on_nonfinite == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
-                f"step {self.state.step}: {', '.join(mine) if mine else 'a metric'} not finite on rank(s) "
+                f"step {self.step_number}: {', '.join(mine) if mine else 'a metric'} not finite on rank(s) "
                 f"{', '.join(map(str, bad_ranks))} (this is rank {self.rank}); the step's pairs come from sources "
                 f"{', '.join(step_sources(self.sums, self.sources)) or '(none)'}. Nothing was stepped, committed or "
                 "exported: the newest checkpoint is the last good state. Fix: lower optim.lr or loss.beta, check "

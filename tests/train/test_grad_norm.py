@@ -76,7 +76,7 @@ def test_a_wrong_clip_norm_is_refused_before_the_first_step(small_dataset, smoll
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "c.yaml", tiny_config(small_dataset, smollm2_dir, out, max_steps=2))
     refused = train_here(run_cli, config, code=2)
-    assert "step 0 (this process's first): torch.nn.utils.clip_grad_norm_ returned a gradient norm of" in refused.stderr
+    assert "step 1 (this process's first): torch.nn.utils.clip_grad_norm_ returned a gradient norm of" in refused.stderr
     assert "Nothing was stepped" in refused.stderr and "train.parity_guard: false" in refused.stderr
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
     unguarded = train_here(run_cli, config, "--set", "train.parity_guard=false", "--set", "train.resume=never")
