@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +17,12 @@ from dpo_data.dataset.shards import SHARD_DIR
 from dpo_state.lock import DirectoryLock
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError, WriteError
+from dpo_train.parallel import collectives
 
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 """A run never goes into these, nor is it the filesystem root or the home directory itself."""
+SHARED_WAIT_S = 10.0
+"""How long a rank looks for rank 0's marker: a network filesystem may show another machine's new file late."""
 RESOLVED_CONFIG = "config.resolved.yaml"
 STAGING = re.compile(".+" + STAGING_SUFFIX)
 """A build's or merge's staging directory (`dpo_data.prepare.output.new_staging`): the next build of its --out
@@ -96,6 +102,43 @@ def start_run_dir(out: Path, config: TrainConfig) -> None:
         raise WriteError(
             f"train.output_dir {out} cannot be written ({e.strerror}: {e.filename}); choose a writable directory"
         ) from None
+
+
+def check_shared(out: Path, rank: int, world: int) -> None:
+    """Every rank sees rank 0's run directory at `out`: each rank writes its checkpoint shards there and a resume
+    reads every shard back, so a directory on each machine's own disk (or a relative output_dir started from
+    different working directories) would leave checkpoints that no run can resume, found only at the resume.
+    Rank 0 writes a marker of a fresh name into it; every rank must read it."""
+    if world == 1:
+        return
+    name = collectives.broadcast_from_rank0(f".every-rank-sees-{uuid.uuid4().hex}" if rank == 0 else None)
+    marker = out / name
+    if rank == 0:
+        marker.write_text(name)
+    collectives.barrier()
+    where = collectives.gather_objects(f"{socket.gethostname()}:{out}")
+    failures = collectives.gather_failures("" if _sees(marker, name) else f"rank {rank} ({where[rank]})")
+    collectives.barrier()  # every rank has looked before the marker goes
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    if failures:
+        raise ConfigError(
+            f"train.output_dir is not one directory for every rank: {', '.join(failures)} cannot see the file rank 0 "
+            f"wrote into {where[0]} within {SHARED_WAIT_S:.0f} s. Every rank writes its checkpoint shards there and a "
+            "resume reads all of them, so the checkpoints could never be resumed. Fix: an absolute output_dir on a "
+            "filesystem every machine mounts at the same path"
+        )
+
+
+def _sees(marker: Path, name: str) -> bool:
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while True:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if marker.read_text() == name:
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def resume_hint(output_dir: str | Path) -> str:

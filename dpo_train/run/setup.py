@@ -24,7 +24,7 @@ from dpo_train.errors import ConfigError
 from dpo_train.model.policy import check_model_paths
 from dpo_train.parallel.device import Placement, init_distributed, placement
 from dpo_train.run.agreement import check_ranks_agree
-from dpo_train.run.directory import check_output_dir, run_lock, start_run_dir
+from dpo_train.run.directory import check_output_dir, check_shared, run_lock, start_run_dir
 from dpo_train.run.environment import set_run_environment
 from dpo_train.run.preflight import (
     apply_dataset_template,
@@ -86,6 +86,7 @@ def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
         if rank == 0:
             start_run_dir(out, config)
             check_sinks(config.train.report_to, out)
+        check_shared(out, rank, world)
         with stage("datasets", shown, datasets=_count(config)):
             loader = DPOLoader(
                 config.data.paths,
@@ -128,7 +129,7 @@ def _placed(config: TrainConfig, progress: bool) -> tuple[TrainConfig, Placement
     check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)
-    check_ranks_agree(config.model.lora, world)
+    check_ranks_agree(config, world)
     with stage("tokenizer", progress and rank == 0 and bool(config.model.tokenizer or config.model.path)):
         tokenizer = load_run_tokenizer(config)
     return config, place, rank, world, run_mesh(config, rank, world), tokenizer

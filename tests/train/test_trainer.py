@@ -163,10 +163,11 @@ SAVE_EVERY_STEP = ("--set", "train.save_every=1")  # no other effect on what is 
 KILL_AFTER_STEP_1 = {"DPO_TRAIN_KILL": "after-save:1"}  # each rank SIGKILLs itself right after committing step 1
 
 
-def two_nodes(config, *extra, env=None, node_env=None):
+def two_nodes(config, *extra, env=None, node_env=None, node_cwd=None):
     """`dpo-train CONFIG --quiet --nnodes 2 --nproc-per-node 1` from two launchers on this machine, meeting at a
     c10d rendezvous on 127.0.0.1 as two machines would at the first one's address: their (exit code, stderr).
-    `env` adds to both launchers' environment, `node_env` (node rank -> variables) to one's."""
+    `env` adds to both launchers' environment, `node_env` (node rank -> variables) to one's; `node_cwd` (node
+    rank -> directory) sets one's working directory."""
     from tests.harness import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
@@ -179,6 +180,7 @@ def two_nodes(config, *extra, env=None, node_env=None):
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {}), **(node_env or {}).get(r, {})},
+            cwd=(node_cwd or {}).get(r),
             start_new_session=True,  # a launcher and its torchrun stop together (the finally below)
         )
         for r in (0, 1)
