@@ -5,7 +5,9 @@ with AdamW gives a checkpoint of about 540 MB (weights and two moments in fp32).
 --repeat runs:
 - save: `dpo_train.checkpoint.save.save` (DCP with 2 writer threads and fsync, rank files, state.json,
   sha256 of every file, commit record) against `torch.save({"model", "optim"})` of the same state
-  dicts to one file, and against the same torch.save followed by fsync (a durable save);
+  dicts to one file, and against the same torch.save followed by fsync (a durable save); and the same save
+  with the first save's read-back (`verify=True`: every tensor loaded again and compared bit for bit, the
+  rank files read back), so that "save+read-back / save" is what `train.verify_first_save` adds, once;
 - load: `restore` (hash verification of every file, identity check, DCP load, loader and RNG state)
   against `torch.load(weights_only=True)` plus `load_state_dict` into the same modules;
 - `dpo-state inspect` and `dpo-state diff` (without --values) as commands, wall time including start-up.
@@ -90,7 +92,17 @@ def main() -> None:
         parts, identity = trainer.checkpointable(loader), trainer.identity()
         model_sd, optim_sd = trainer.policy.state_dict(), trainer.optimizer.state_dict()
         times: dict[str, list[float]] = {
-            k: [] for k in ("save", "torch.save", "torch.save+fsync", "load", "torch.load", "inspect", "diff")
+            k: []
+            for k in (
+                "save",
+                "save+read-back",
+                "torch.save",
+                "torch.save+fsync",
+                "load",
+                "torch.load",
+                "inspect",
+                "diff",
+            )
         }
         for i in range(args.repeat):
             plain = work / f"plain-{i}.pt"
@@ -105,6 +117,11 @@ def main() -> None:
             durable.unlink()
             trainer.state.step = i + 1
             times["save"].append(harness.seconds(lambda: save(parts, trainer.run, identity, new_lineage())))
+            trainer.state.step = 1000 + i  # its own directory, after the plain save (the same page cache state)
+            times["save+read-back"].append(
+                harness.seconds(lambda: save(parts, trainer.run, identity, new_lineage(), verify=True))
+            )
+            trainer.state.step = i + 1
 
             def plain_load():
                 state = torch.load(plain, weights_only=True)
@@ -132,6 +149,7 @@ def main() -> None:
             **{f"{k}_s": round(v, 3) for k, v in med.items()},
             "save / torch.save": round(med["save"] / med["torch.save"], 2),
             "save / (torch.save + fsync)": round(med["save"] / med["torch.save+fsync"], 2),
+            "save+read-back / save": round(med["save+read-back"] / med["save"], 2),
             "load / torch.load": round(med["load"] / med["torch.load"], 2),
         }
         for key, value in summary.items():

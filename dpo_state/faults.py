@@ -9,7 +9,9 @@ Unset (the normal case), each function does nothing.
 - `DPO_TRAIN_INTERRUPT` (`train_kill_point` too): points of the same names, comma-separated, each send this
   process a SIGINT there, as a Ctrl-C does (the interrupt tests).
 - `DPO_TRAIN_SAVE_FAULT` (`save_fault`, `commit_fault`): `RANK:STEP` makes that rank's save of that step
-  raise an OSError (abort-on-all tests); `commit:STEP` makes rank 0's commit of that step raise one.
+  raise an OSError (abort-on-all tests); `commit:STEP` makes rank 0's commit of that step raise one;
+  `flip:RANK:STEP` (`flip_written`) flips one bit in the middle of that rank's largest DCP file of that step
+  once DCP has written it, as a filesystem that does not return what was written would (read-back tests).
 - `DPO_TRAIN_FAULT` (`step_fault`): `RANK:STEP` makes that rank fail reading that training step (an OSError).
 - `DPO_DATA_KILL` (`data_kill_point`): `before-swap`, `after-swap` or `after-delete` SIGKILLs the build
   process there.
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 TRAIN_KILL_ENV = "DPO_TRAIN_KILL"
 TRAIN_INTERRUPT_ENV = "DPO_TRAIN_INTERRUPT"
@@ -43,6 +46,19 @@ def save_fault(rank: int, step: int) -> None:
     """Raise an OSError if `DPO_TRAIN_SAVE_FAULT` is RANK:STEP for this rank's save of this step."""
     if os.environ.get(SAVE_FAULT_ENV) == f"{rank}:{step}":
         raise OSError(f"injected save fault ({SAVE_FAULT_ENV}) on rank {rank}")
+
+
+def flip_written(rank: int, step: int, dcp_dir: str | Path) -> None:
+    """Flip one bit in the middle of this rank's largest DCP data file if `DPO_TRAIN_SAVE_FAULT` is
+    flip:RANK:STEP for this rank's save of this step (DCP names a rank's files __RANK_N.distcp)."""
+    if os.environ.get(SAVE_FAULT_ENV) != f"flip:{rank}:{step}":
+        return
+    largest = max(Path(dcp_dir).glob(f"__{rank}_*.distcp"), key=lambda f: f.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.seek(largest.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
 
 
 def commit_fault(step: int) -> None:

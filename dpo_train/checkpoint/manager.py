@@ -23,6 +23,8 @@ class Checkpoints:
         self.resumed_at: int | None = None
         """The step the run resumed at, or None for a fresh start."""
         self._saved_step = 0
+        self._verify = run.config.train.verify_first_save
+        """This process's first save is read back before it is committed (a resumed run's too)."""
 
     def resume(self) -> None:
         """Load the checkpoint found at construction into the run's parts (nothing on a fresh start)."""
@@ -46,6 +48,7 @@ class Checkpoints:
 
     def _save(self) -> None:
         with Stage(f"checkpoint at step {self.parts.train.step}", enabled=self.run.shown):
-            directory = save(self.parts, self.run, self.identity, self.lineage)
+            directory = save(self.parts, self.run, self.identity, self.lineage, verify=self._verify)
+        self._verify = False
         self.lineage = {**self.lineage, "parent": directory.name}
         self._saved_step = self.parts.train.step

@@ -18,7 +18,7 @@ from dpo_state.dcp_io import (
     quiet_single_process_dcp,
 )
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
-from dpo_state.faults import commit_fault, save_fault, train_kill_point
+from dpo_state.faults import commit_fault, flip_written, save_fault, train_kill_point
 from dpo_state.files import write_json_atomic
 from dpo_state.layout import move_aside, retain, step_dir
 from dpo_state.state import (
@@ -35,17 +35,19 @@ from dpo_state.state import (
 )
 from dpo_train.checkpoint.interrupts import held_until_saved
 from dpo_train.checkpoint.parts import Checkpointable, RunView, Stateful, dcp_tensors, warn
+from dpo_train.checkpoint.read_back import read_back
 from dpo_train.errors import CheckpointError
 from dpo_train.model.lora import run_environment
 from dpo_train.parallel import collectives
 
 
-def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> Path:
+def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict, verify: bool = False) -> Path:
     """Save after optimizer step `parts.train.step` on every rank; commit on rank 0 once all succeeded.
-    `identity`: what a run that resumes the checkpoint must share with this one (`checkpoint.identity`).
+    `identity`: what a run that resumes the checkpoint must share with this one (`checkpoint.identity`);
+    `verify`: every rank first reads its share back and compares it with what the run holds (`read_back`).
 
-    A failure on any rank, in the writes or in the commit, is a `CheckpointError` on every rank after
-    rank 0 has removed the partial directory: the previous commit stays the latest and the disk is not
+    A failure on any rank, in the writes, the read-back or the commit, is a `CheckpointError` on every rank
+    after rank 0 has removed the partial directory: the previous commit stays the latest and the disk is not
     left holding half a checkpoint.
     """
     rank, step = run.rank, parts.train.step
@@ -57,6 +59,8 @@ def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> 
         collectives.barrier()
         written, failure = _guarded(rank, lambda: _write_this_rank(parts, run, directory))
         failures = collectives.gather_failures(failure)
+        if verify and not failures:
+            _read_back(parts, run, directory)
         positions = collectives.gather_objects(written["position"] if not failures else None)
         if not failures and rank == 0:
             commit = (positions, written)
@@ -67,6 +71,24 @@ def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict) -> 
         collectives.barrier()
         train_kill_point(f"after-save:{step}")
     return directory
+
+
+def _read_back(parts: Checkpointable, run: RunView, directory: Path) -> None:
+    """Every rank reads its share back before anything is committed; a difference on any abandons the save."""
+    problem, failure = _guarded(run.rank, lambda: read_back(parts, run, directory))
+    failures = collectives.gather_failures(failure or (f"rank {run.rank}: {problem}" if problem else ""))
+    if failures:
+        _abandon(
+            directory,
+            run.rank,
+            parts.train.step,
+            ["the checkpoint does not read back what was saved", *failures],
+            "The run stopped at this process's first save instead of training on with checkpoints that would "
+            "resume into other numbers. Likely causes: a filesystem that does not return what was written to it "
+            f"(a network mount's cache), or a fault in torch {torch.__version__}'s checkpoint writer. Fix: a "
+            "train.output_dir on another filesystem; if it happens there too, report it with the output of "
+            "`dpo-state env`. train.verify_first_save: false skips this check",
+        )
 
 
 def _clear_for(directory: Path, out: Path, step: int) -> None:
@@ -152,6 +174,7 @@ def _write_this_rank(parts: Checkpointable, run: RunView, directory: Path) -> di
         # two writer threads per rank: about 1.8x faster than DCP's default of one (benchmarks/checkpoint_bench.py)
         writer = dcp.FileSystemWriter(str(directory / DCP_DIR), thread_count=2)
         dcp.save(tensors, storage_writer=writer, no_dist=run.world == 1)
+    flip_written(rank, step, directory / DCP_DIR)
     train_kill_point(f"in-save:{step}:after-dcp")
     save_fault(rank, step)
     loader_state = parts.loader.state_dict()
@@ -178,7 +201,10 @@ def _commit(
     retain(run.out, run.config.train.keep_last, lineage["run_id"], writing=directory)
 
 
-def _abandon(directory: Path, rank: int, step: int, failures: list[str]) -> None:
+_ABANDON_FIX = "Fix the cause (free disk space, permissions) and rerun: the run resumes from that checkpoint"
+
+
+def _abandon(directory: Path, rank: int, step: int, failures: list[str], fix: str = _ABANDON_FIX) -> None:
     """Rank 0 removes the partial directory before any rank raises: a rank that exits first makes
     torchrun stop the others, and rank 0 must not be stopped half-way through the removal."""
     if rank == 0:
@@ -188,7 +214,7 @@ def _abandon(directory: Path, rank: int, step: int, failures: list[str]) -> None
     raise CheckpointError(
         f"saving step {step} failed, nothing was committed (the previous checkpoint stays the latest): "
         + "; ".join(failures)
-        + ". Fix the cause (free disk space, permissions) and rerun: the run resumes from that checkpoint"
+        + f". {fix}"
     )
 
 

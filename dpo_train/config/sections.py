@@ -152,6 +152,10 @@ class TrainSection:
     """auto (the newest committed checkpoint that verifies, else a fresh start) | never | PATH of a checkpoint."""
     resume_strict: bool = False
     """auto: fail on a committed checkpoint that does not verify, instead of reporting and skipping it."""
+    verify_first_save: bool = True
+    """Read this process's first checkpoint back before committing it: every rank loads its share again and
+    compares it bit for bit with the model, optimizer, loader and generator states it saved; a difference stops
+    the run (exit 1) with nothing committed (docs/checkpoints.md, "Read back at the first save")."""
     weights_from: str | None = None
     """Start a new run from a checkpoint's model weights alone (they also become the reference)."""
     precision: str = "auto"
