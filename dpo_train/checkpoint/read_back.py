@@ -80,9 +80,9 @@ def _difference(key: tuple[str, ...], live: torch.Tensor, loaded: torch.Tensor) 
     if mine.dtype != back.dtype or mine.shape != back.shape:
         return f"{name} read back as {back.dtype} {tuple(back.shape)}, saved as {mine.dtype} {tuple(mine.shape)}"
     bits = [t.reshape(-1).contiguous().view(torch.uint8).reshape(t.numel(), -1) for t in (mine, back)]
-    differ = (bits[0] != bits[1]).any(dim=1)
-    if not bool(differ.any()):
+    if torch.equal(*bits):  # bytes, so that a NaN read back as the same NaN is equal
         return ""
+    differ = (bits[0] != bits[1]).any(dim=1)
     first = int(differ.nonzero()[0])
     return (
         f"{name}: {int(differ.sum())} of {mine.numel()} values differ from what was saved (the first, at flat "
