@@ -6,7 +6,7 @@ with AdamW gives a checkpoint of about 540 MB (weights and two moments in fp32).
 - save: `dpo_train.checkpoint.save.save` (DCP with 2 writer threads and fsync, rank files, state.json,
   sha256 of every file, commit record) against `torch.save({"model", "optim"})` of the same state
   dicts to one file, and against the same torch.save followed by fsync (a durable save);
-- read-back: what `train.verify_first_save` adds to a process's first save (`read_back` on the checkpoint just
+- read-back: what `train.read_back` adds to a process's first save (`read_back` on the checkpoint just
   saved: every tensor loaded again and compared bit for bit, the rank files read back), against the save;
 - load: `restore` (hash verification of every file, identity check, DCP load, loader and RNG state)
   against `torch.load(weights_only=True)` plus `load_state_dict` into the same modules;

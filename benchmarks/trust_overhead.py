@@ -8,6 +8,9 @@
   its time over the demo's micro-batches against the demo's step time.
 - The first step's gradient-norm check (`dpo_train.step.grad_norm.gradient_norm`, once per process): its
   time over the demo model's gradients against torch's `clip_grad_norm_` and the demo's first step.
+- The export's read-back (`dpo_train.export.reload.reload_difference`, `train.read_back`, once per export): the demo
+  model written as `dpo-train` writes final/ (bf16, its config's dtype: `export_state` and the files), then
+  loaded back and compared, against the write.
 - The installed-release check (`dpo_state.installed.check_installed`, once per `dpo-train` / `dpo-data build`)
   and the source fingerprint every rank of a multi-process run computes (`code_fingerprint`): their times
   against the demo's first step.
@@ -25,6 +28,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import harness
@@ -106,6 +110,35 @@ def _norm_check(trainer, batch: dict, first_step_s: float) -> dict:
     }
 
 
+def export_reload(model_dir: str, work: Path) -> dict:
+    """The demo model's export written (as final/ is: its config's dtype) and read back, each timed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpo_train.export.final import export_state, write_weights
+    from dpo_train.export.reload import reload_difference
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    times: dict[str, list[float]] = {"write": [], "read-back": []}
+    for i in range(3):
+        staging = work / f"export-{i}"
+        started = time.perf_counter()
+        written = export_state(model, model.state_dict(), torch.bfloat16)
+        write_weights(model, staging, written, torch.bfloat16)
+        times["write"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        found = reload_difference(model, staging, written, torch.bfloat16)
+        times["read-back"].append(time.perf_counter() - started)
+        assert not found, found
+        shutil.rmtree(staging)
+    write, back = statistics.median(times["write"]), statistics.median(times["read-back"])
+    return {
+        "export_write_s": round(write, 3),
+        "export_read_back_s": round(back, 3),
+        "read_back / write": round(back / write, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=20000)
@@ -123,6 +156,7 @@ def main() -> None:
             "synthetic": verification(synth),
             "demo_dataset": verification(demo),
             "demo_step": demo_step(demo, model_dir, args.steps),
+            "export": export_reload(model_dir, work),
         }
         full_demo = result["demo_dataset"]["full_4_threads"]["seconds"]
         result["verify_full_fraction_of_first_step"] = round(full_demo / result["demo_step"]["first_step_s"], 6)

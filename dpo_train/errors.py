@@ -31,6 +31,13 @@ class CheckpointError(ToolkitError):
     exit_code = 1
 
 
+class ExportError(ToolkitError):
+    """An export that does not load back as the weights it was written from (train.read_back): final/ is not
+    written. The run itself failed, after its config was accepted, so the exit code is 1."""
+
+    exit_code = 1
+
+
 class NonFiniteError(ToolkitError):
     """A step whose loss, log-probs or gradient norm went non-finite (train.on_nonfinite: stop). The run
     itself failed, after its config was accepted, so the exit code is 1."""

@@ -23,7 +23,7 @@ class Checkpoints:
         self.resumed_at: int | None = None
         """The step the run resumed at, or None for a fresh start."""
         self._saved_step = 0
-        self._verify = run.config.train.verify_first_save
+        self._verify = run.config.train.read_back
         """This process's first save is read back before it is committed (a resumed run's too)."""
 
     def resume(self) -> None:

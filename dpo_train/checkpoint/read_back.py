@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dpo_state.bitwise import bitwise_difference
 from dpo_state.dcp_io import DCP_DIR, reading_tensors, safe_reader
 from dpo_state.state import rank_files, read_rank_state
 from dpo_train.checkpoint.parts import Checkpointable, RunView, dcp_tensors
@@ -73,23 +74,6 @@ def _at(tree: dict, path: tuple[str, ...]) -> torch.Tensor:
     return tree
 
 
-def _difference(key: tuple[str, ...], live: torch.Tensor, loaded: torch.Tensor) -> str:
-    """How the tensor read back differs from the live one, bit for bit ("" when it does not)."""
-    mine, back = _local(live).detach(), _local(loaded)
-    name = ".".join(key)
-    if mine.dtype != back.dtype or mine.shape != back.shape:
-        return f"{name} read back as {back.dtype} {tuple(back.shape)}, saved as {mine.dtype} {tuple(mine.shape)}"
-    bits = [t.reshape(-1).contiguous().view(torch.uint8).reshape(t.numel(), -1) for t in (mine, back)]
-    if torch.equal(*bits):  # bytes, so that a NaN read back as the same NaN is equal
-        return ""
-    differ = (bits[0] != bits[1]).any(dim=1)
-    first = int(differ.nonzero()[0])
-    return (
-        f"{name}: {int(differ.sum())} of {mine.numel()} values differ from what was saved (the first, at flat "
-        f"index {first}: {mine.reshape(-1)[first].item()!r} saved, {back.reshape(-1)[first].item()!r} read back)"
-    )
-
-
 def _files_difference(parts: Checkpointable, rank: int, directory: Path) -> str:
     """This rank's loader state and generator states, read back from its own files."""
     from safetensors.torch import load_file
@@ -102,6 +86,10 @@ def _files_difference(parts: Checkpointable, rank: int, directory: Path) -> str:
     if saved.keys() != back.keys() or any(not torch.equal(saved[k], back[k]) for k in saved):
         return f"{rng_name} does not read back the generator states that were saved"
     return ""
+
+
+def _difference(key: tuple[str, ...], live: torch.Tensor, loaded: torch.Tensor) -> str:
+    return bitwise_difference(".".join(key), _local(live), _local(loaded))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

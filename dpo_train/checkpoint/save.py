@@ -87,7 +87,7 @@ def _read_back(parts: Checkpointable, run: RunView, directory: Path) -> None:
             "resume into other numbers. Likely causes: a filesystem that does not return what was written to it "
             f"(a network mount's cache), or a fault in torch {torch.__version__}'s checkpoint writer. Fix: a "
             "train.output_dir on another filesystem; if it happens there too, report it with the output of "
-            "`dpo-state env`. train.verify_first_save: false skips this check",
+            "`dpo-state env`. train.read_back: false skips this check",
         )
 
 

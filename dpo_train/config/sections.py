@@ -152,10 +152,12 @@ class TrainSection:
     """auto (the newest committed checkpoint that verifies, else a fresh start) | never | PATH of a checkpoint."""
     resume_strict: bool = False
     """auto: fail on a committed checkpoint that does not verify, instead of reporting and skipping it."""
-    verify_first_save: bool = True
-    """Read this process's first checkpoint back before committing it: every rank loads its share again and
-    compares it bit for bit with the model, optimizer, loader and generator states it saved; a difference stops
-    the run (exit 1) with nothing committed (docs/checkpoints.md, "Read back at the first save")."""
+    read_back: bool = True
+    """Read back what the run writes before it counts: this process's first checkpoint (every rank loads its share
+    again and compares it bit for bit with the model, optimizer, loader and generator states it saved, before the
+    commit) and the export (final/ loaded as a user loads it, bit for bit against the weights it was written
+    from, before it is moved into place). A difference stops the run (exit 1) with nothing committed or exported
+    (docs/checkpoints.md, "Read back")."""
     weights_from: str | None = None
     """Start a new run from a checkpoint's model weights alone (they also become the reference)."""
     precision: str = "auto"
@@ -204,7 +206,8 @@ class TrainSection:
     Without model.lora, final/ is always the whole model."""
     export_dtype: str = "model"
     """The dtype of the exported weights: model (the model's own dtype as loaded: its config's dtype,
-    fp32 without one) | fp32 | bf16. Training keeps fp32 master weights whatever this says."""
+    fp32 without one) | fp32 | bf16; a tensor from_pretrained keeps in fp32 at that dtype (a MoE router) stays
+    fp32. Training keeps fp32 master weights whatever this says."""
     report_to: list = field(default_factory=list)
     """Where the step metrics also go, besides OUTPUT/metrics.jsonl, written by rank 0: tensorboard (event
     files under OUTPUT/tensorboard/; needs the `report` extra) and/or wandb (a W&B run, set up by the WANDB_*

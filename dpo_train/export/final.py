@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -14,6 +16,7 @@ from dpo_state.export_record import CARD_FILE, write_export_record
 from dpo_state.faults import train_kill_point
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
 from dpo_train.config.sections import ModelConfig, TrainConfig
+from dpo_train.errors import ExportError
 from dpo_train.export.model_card import RunFacts, base_model, card_text
 from dpo_train.model.policy import dropout_as_loaded
 from dpo_train.parallel import collectives
@@ -66,8 +69,32 @@ def _merged(config: TrainConfig, state: dict) -> Any:
     return merged_model(load_policy(config.model, "eager"), config.model.lora, state)
 
 
-def _cast(state: dict, dtype: torch.dtype) -> dict:
-    return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
+def export_state(model: Any, state: dict, dtype: torch.dtype) -> dict:
+    """`state` with each floating tensor in the dtype `from_pretrained(..., dtype=dtype)` gives it, as transformers
+    saves a model loaded that way: `dtype`, but float32 where the model's class keeps a tensor in float32 (its
+    `_keep_in_fp32_modules_strict`, e.g. DeepSeek-V3's router bias, or a layer built in float32, e.g. Hunyuan's
+    router), which casting would round."""
+    loaded = _loaded_dtypes(model, dtype)
+    return {k: v.to(loaded.get(k, dtype)) if torch.is_floating_point(v) else v for k, v in state.items()}
+
+
+def _loaded_dtypes(model: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each tensor where `from_pretrained` does not give it `dtype`, by transformers' own rules: the
+    model's dtype plan (its patterns searched in the key), else the dtype the class builds it in at `dtype` (an
+    empty model on the meta device). A PEFT adapter's tensors are not the base class's: none."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    if hasattr(model, "peft_config"):
+        return {}
+    # the model's own class: FSDP2 puts a subclass of it and FSDPModule in its place
+    cls = next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        empty = cls._from_config(copy.deepcopy(model.config), dtype=dtype)  # (it sets the config's dtype)
+    plan = [(re.compile(p.replace("*", ".*")), kept) for p, kept in empty._get_dtype_plan(dtype).items()]
+    built = {k: v.dtype for k, v in empty.state_dict().items()}
+    loaded = {k: next((kept for p, kept in plan if p.search(k)), built[k]) for k in built}
+    return {k: d for k, d in loaded.items() if d != dtype and d.is_floating_point}
 
 
 def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainConfig, facts: RunFacts) -> None:
@@ -78,11 +105,10 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
     dtype = export_dtype(config)
     peft = hasattr(model, "peft_config")
-    with dropout_as_loaded(model):  # the config as loaded, not with training's dropout off
-        model.save_pretrained(staging, state_dict=_cast(state, dtype))
-        if not peft:  # a whole model: config.json names the dtype its weights are in
-            model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
-            model.config.save_pretrained(staging)
+    written = export_state(model, state, dtype)
+    write_weights(model, staging, written, dtype)
+    if config.train.read_back:
+        _check_reloads(model, staging, written, dtype, target)
     if hasattr(tokenizer, "image_processor"):
         _save_processor(tokenizer, staging)
     elif tokenizer is not None:
@@ -90,6 +116,35 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     _describe(staging, config, facts, peft)
     train_kill_point(f"in-export:{target.name}")
     _into_place(staging, target)
+
+
+def write_weights(model: Any, staging: Path, written: dict, dtype: torch.dtype) -> None:
+    """`model`'s files with `written` (its state dict in the export dtype) as its weights, into `staging`."""
+    with dropout_as_loaded(model):  # the config as loaded, not with training's dropout off
+        model.save_pretrained(staging, state_dict=dict(written))  # (it empties the dict it is given)
+        if not hasattr(model, "peft_config"):  # a whole model: config.json names the dtype its weights are in
+            model.config.dtype = dtype  # (save_pretrained wrote the dtype of the fp32 master weights)
+            model.config.save_pretrained(staging)
+
+
+def _check_reloads(model: Any, staging: Path, written: dict, dtype: torch.dtype, target: Path) -> None:
+    """The export loaded back as a user loads it must hold what it was written from; else nothing is moved into
+    place (train.read_back)."""
+    import transformers
+
+    from dpo_train.export.reload import reload_difference
+
+    problems = reload_difference(model, staging, written, dtype)
+    if not problems:
+        return
+    shutil.rmtree(staging, ignore_errors=True)
+    raise ExportError(
+        f"{target.name}/ was not written: the export does not load back as the weights it was written from "
+        f"({type(model).__name__}, transformers {transformers.__version__}):\n  - " + "\n  - ".join(problems) + "\n"
+        "The trained weights are in the run's last checkpoint (train.save_every). Fix: a transformers release "
+        "within dpo-toolkit's range, and report it with the output of `dpo-state env`; train.read_back: false "
+        "writes the export without this check"
+    )
 
 
 def _save_processor(processor: Any, staging: Path) -> None:

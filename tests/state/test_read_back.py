@@ -32,7 +32,7 @@ def _refused(stderr: str, rank: int = 0) -> None:
         in stderr
     )
     assert f"does not read back what was saved; rank {rank}: " in stderr, stderr[-3000:]
-    assert "train.verify_first_save: false skips this check" in stderr and "Traceback" not in stderr
+    assert "train.read_back: false skips this check" in stderr and "Traceback" not in stderr
 
 
 def test_a_first_save_that_does_not_read_back_is_not_committed(
@@ -45,7 +45,7 @@ def test_a_first_save_that_does_not_read_back_is_not_committed(
     refused = train_here(run_cli, path, code=1)
     _refused(refused.stderr)
     assert re.search(
-        r"rank 0: (model|optim)\.\S+: 1 of \d+ values differ from what was saved \(the first, at flat index \d+: ",
+        r"rank 0: (model|optim)\.\S+: 1 of \d+ values differ from what was written \(the first, at flat index \d+: ",
         refused.stderr,
     )
     assert _committed(out) == [] and not (out / "final").exists()
@@ -54,11 +54,11 @@ def test_a_first_save_that_does_not_read_back_is_not_committed(
 def test_without_the_read_back_that_checkpoint_commits_verifies_and_holds_other_numbers(
     small_dataset, smollm2_dir, tmp_path, run_cli, monkeypatch
 ):
-    """The broken variant, `train.verify_first_save: false`: the same flipped bit is committed, `dpo-state verify`
+    """The broken variant, `train.read_back: false`: the same flipped bit is committed, `dpo-state verify`
     passes (its hashes were taken of the flipped file), and the checkpoint differs from a clean run's in one value."""
     clean_path, clean = _config(tmp_path, small_dataset, smollm2_dir, "clean", max_steps=1)
     train_here(run_cli, clean_path)
-    path, out = _config(tmp_path, small_dataset, smollm2_dir, "unchecked", max_steps=1, verify_first_save=False)
+    path, out = _config(tmp_path, small_dataset, smollm2_dir, "unchecked", max_steps=1, read_back=False)
     monkeypatch.setenv(FLIP, "flip:0:1")
     train_here(run_cli, path)
     assert _committed(out) == ["step-000001"]
