@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,9 +47,11 @@ def _leaves(tree: dict, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...
 def _groups(leaves: list, world: int) -> list[list]:
     """Consecutive leaves of about GROUP_BYTES each, sized from global shapes so that every rank forms the same
     groups (each group is one collective load)."""
+    from torch.distributed.tensor import DTensor
+
     groups, size = [[]], 0
     for key, tensor in leaves:
-        share = tensor.numel() * tensor.element_size() // (world if _is_dtensor(tensor) else 1)
+        share = tensor.numel() * tensor.element_size() // (world if isinstance(tensor, DTensor) else 1)
         if groups[-1] and size + share > GROUP_BYTES:
             groups, size = [*groups, []], 0
         groups[-1].append((key, tensor))
@@ -94,8 +95,6 @@ def _difference(key: tuple[str, ...], live: torch.Tensor, loaded: torch.Tensor) 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's own shard, a plain tensor itself."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    from torch.distributed.tensor import DTensor
 
-
-def _is_dtensor(tensor: Any) -> bool:
-    return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -21,7 +21,7 @@ from dpo_train.parallel import collectives
 
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 """A run never goes into these, nor is it the filesystem root or the home directory itself."""
-SHARED_WAIT_S = 10.0
+SHARED_WAIT_S = 5.0
 """How long a rank looks for rank 0's marker: a network filesystem may show another machine's new file late."""
 RESOLVED_CONFIG = "config.resolved.yaml"
 STAGING = re.compile(".+" + STAGING_SUFFIX)

@@ -141,14 +141,9 @@ def test_groups_are_consecutive_and_sized_from_global_shapes():
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_read_back_their_shards_and_one_flipped_shard_stops_both(
-    small_dataset, smollm2_dir, tmp_path, run_cli
-):
-    """Two FSDP2 ranks: a clean save reads back (DTensor shards, collective loads); a bit flipped in rank 1's
-    file stops both ranks, naming rank 1, with nothing committed."""
-    path, out = _config(tmp_path, small_dataset, smollm2_dir, "fsdp", max_steps=1)
-    train_cli(path, nproc=2, code=0)
-    assert _committed(out) == ["step-000001"]
+def test_one_flipped_fsdp2_shard_stops_both_ranks(small_dataset, smollm2_dir, tmp_path):
+    """Two FSDP2 ranks (DTensor shards, collective loads): a bit flipped in rank 1's file stops both, naming rank 1,
+    with nothing committed. (A clean two-rank save reads back in every multi-process test that saves.)"""
     path, out = _config(tmp_path, small_dataset, smollm2_dir, "fsdp-flipped", max_steps=1)
     refused = train_cli(path, nproc=2, env={FLIP: "flip:1:1"}, code=1)
     _refused(refused.stderr, rank=1)
