@@ -12,6 +12,8 @@ Unset (the normal case), each function does nothing.
   raise an OSError (abort-on-all tests); `commit:STEP` makes rank 0's commit of that step raise one;
   `flip:RANK:STEP` (`flip_written`) flips one bit in the middle of that rank's largest DCP file of that step
   once DCP has written it, as a filesystem that does not return what was written would (read-back tests).
+- `DPO_TRAIN_EXPORT_FAULT` (`flip_exported`): `flip` flips one bit in the middle of the export's largest weights
+  file once it is written, before it is read back (export read-back tests).
 - `DPO_TRAIN_FAULT` (`step_fault`): `RANK:STEP` makes that rank fail reading that training step (an OSError).
 - `DPO_DATA_KILL` (`data_kill_point`): `before-swap`, `after-swap` or `after-delete` SIGKILLs the build
   process there.
@@ -28,6 +30,7 @@ from pathlib import Path
 TRAIN_KILL_ENV = "DPO_TRAIN_KILL"
 TRAIN_INTERRUPT_ENV = "DPO_TRAIN_INTERRUPT"
 SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
+EXPORT_FAULT_ENV = "DPO_TRAIN_EXPORT_FAULT"
 STEP_FAULT_ENV = "DPO_TRAIN_FAULT"
 DATA_KILL_ENV = "DPO_DATA_KILL"
 
@@ -51,11 +54,19 @@ def save_fault(rank: int, step: int) -> None:
 def flip_written(rank: int, step: int, dcp_dir: str | Path) -> None:
     """Flip one bit in the middle of this rank's largest DCP data file if `DPO_TRAIN_SAVE_FAULT` is
     flip:RANK:STEP for this rank's save of this step (DCP names a rank's files __RANK_N.distcp)."""
-    if os.environ.get(SAVE_FAULT_ENV) != f"flip:{rank}:{step}":
-        return
-    largest = max(Path(dcp_dir).glob(f"__{rank}_*.distcp"), key=lambda f: f.stat().st_size)
-    with open(largest, "r+b") as f:
-        f.seek(largest.stat().st_size // 2)
+    if os.environ.get(SAVE_FAULT_ENV) == f"flip:{rank}:{step}":
+        _flip_middle(max(Path(dcp_dir).glob(f"__{rank}_*.distcp"), key=lambda f: f.stat().st_size))
+
+
+def flip_exported(staging: str | Path) -> None:
+    """Flip one bit in the middle of an export's largest weights file if `DPO_TRAIN_EXPORT_FAULT` is flip."""
+    if os.environ.get(EXPORT_FAULT_ENV) == "flip":
+        _flip_middle(max(Path(staging).glob("*.safetensors"), key=lambda f: f.stat().st_size))
+
+
+def _flip_middle(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))

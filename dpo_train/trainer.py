@@ -25,7 +25,7 @@ from dpo_train.checkpoint import (
     run_identity,
 )
 from dpo_train.config import TrainConfig
-from dpo_train.errors import GradNormError, NonFiniteError
+from dpo_train.errors import ExportError, GradNormError, NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import export, run_facts
 from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
@@ -347,8 +347,11 @@ def _run(run: Run) -> Path:
         if evaluator and (not config.eval.every or trainer.state.step % config.eval.every):
             log.evaluation(evaluator.run(trainer.model, step=trainer.state.step))
     facts = run_facts(checkpoints.identity, checkpoints.lineage, trainer.state.step, run.data, out)
-    with Stage(f"export {out / 'final'}", enabled=run.shown):
-        export(trainer.policy, config, run.tokenizer, out, rank, facts, _processor(run))
+    try:
+        with Stage(f"export {out / 'final'}", enabled=run.shown):
+            export(trainer.policy, config, run.tokenizer, out, rank, facts, _processor(run))
+    except ExportError as e:  # the trained weights must not be lost with the export: a checkpoint keeps them
+        raise ExportError(f"{e}. {checkpoints.keep_trained()}") from None
     return out
 
 

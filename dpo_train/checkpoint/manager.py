@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dpo_data.progress import Stage
+from dpo_state.layout import step_dir
 from dpo_train.checkpoint.parts import Checkpointable, RunView, new_lineage
 from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
 from dpo_train.checkpoint.save import save
@@ -45,6 +46,17 @@ class Checkpoints:
         """Save the last step when the data ran out before `max_steps`, off the cadence."""
         if self.every and self.parts.train.step != self._saved_step:
             self._save()
+
+    def keep_trained(self) -> str:
+        """Save the last step when no checkpoint holds it (whatever `train.save_every` says): what an export that
+        failed would lose; where it is, as a sentence."""
+        if self.parts.train.step != self._saved_step:
+            self._save()
+        directory = step_dir(self.run.out, self.parts.train.step)
+        return (
+            f"The trained weights of step {self.parts.train.step} are in the committed checkpoint {directory}; "
+            "rerunning the same command after the fix resumes from it and exports again"
+        )
 
     def _save(self) -> None:
         with Stage(f"checkpoint at step {self.parts.train.step}", enabled=self.run.shown):

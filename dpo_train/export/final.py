@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dpo_state.export_record import CARD_FILE, write_export_record
-from dpo_state.faults import train_kill_point
+from dpo_state.faults import flip_exported, train_kill_point
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
 from dpo_train.config.sections import ModelConfig, TrainConfig
 from dpo_train.errors import ExportError
@@ -45,19 +45,30 @@ def export(
 ) -> None:
     """Write OUTPUT/final (and final-merged with `train.export: both`) on rank 0, after gathering FSDP
     shards on every rank; with the run's (attested) tokenizer beside each model, or for a vision-language run
-    its (attested) processor, which holds the tokenizer; its model card and, last, its export.json."""
+    its (attested) processor, which holds the tokenizer; its model card and, last, its export.json. An export that
+    does not load back (`train.read_back`) is an `ExportError` on every rank, so that they can keep the weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    failure = ""
     if rank == 0:
-        lora, kind = config.model.lora, config.train.export
-        if not lora or kind in ("adapter", "both"):  # the whole policy, or its PEFT adapter
-            _save(policy, state, out / "final", processor or tokenizer, config, facts)
-        if lora and kind in ("merged", "both"):
-            merged = _merged(config, state)
-            target = out / ("final" if kind == "merged" else "final-merged")
-            _save(merged, merged.state_dict(), target, processor or tokenizer, config, facts)
-    collectives.barrier()
+        try:
+            _save_all(policy, state, config, out, processor or tokenizer, facts)
+        except ExportError as e:
+            failure = str(e)
+    failures = collectives.gather_failures(failure)
+    if failures:
+        raise ExportError(failures[0])
+
+
+def _save_all(policy: Any, state: dict, config: TrainConfig, out: Path, tokenizer: Any, facts: RunFacts) -> None:
+    lora, kind = config.model.lora, config.train.export
+    if not lora or kind in ("adapter", "both"):  # the whole policy, or its PEFT adapter
+        _save(policy, state, out / "final", tokenizer, config, facts)
+    if lora and kind in ("merged", "both"):
+        merged = _merged(config, state)
+        target = out / ("final" if kind == "merged" else "final-merged")
+        _save(merged, merged.state_dict(), target, tokenizer, config, facts)
 
 
 def _merged(config: TrainConfig, state: dict) -> Any:
@@ -82,19 +93,22 @@ def _loaded_dtypes(model: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype of each tensor where `from_pretrained` does not give it `dtype`, by transformers' own rules: the
     model's dtype plan (its patterns searched in the key), else the dtype the class builds it in at `dtype` (an
     empty model on the meta device). A PEFT adapter's tensors are not the base class's: none."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import PreTrainedModel
-
     if hasattr(model, "peft_config"):
         return {}
-    # the model's own class: FSDP2 puts a subclass of it and FSDPModule in its place
-    cls = next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
     with torch.device("meta"):
-        empty = cls._from_config(copy.deepcopy(model.config), dtype=dtype)  # (it sets the config's dtype)
+        empty = _model_class(model)._from_config(copy.deepcopy(model.config), dtype=dtype)  # (it sets its dtype)
     plan = [(re.compile(p.replace("*", ".*")), kept) for p, kept in empty._get_dtype_plan(dtype).items()]
     built = {k: v.dtype for k, v in empty.state_dict().items()}
     loaded = {k: next((kept for p, kept in plan if p.search(k)), built[k]) for k in built}
     return {k: d for k, d in loaded.items() if d != dtype and d.is_floating_point}
+
+
+def _model_class(model: Any) -> type:
+    """The model's own class: FSDP2 puts a subclass of it and FSDPModule in its place."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    return next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
 
 
 def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainConfig, facts: RunFacts) -> None:
@@ -107,6 +121,7 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     peft = hasattr(model, "peft_config")
     written = export_state(model, state, dtype)
     write_weights(model, staging, written, dtype)
+    flip_exported(staging)
     if config.train.read_back:
         _check_reloads(model, staging, written, dtype, target)
     if hasattr(tokenizer, "image_processor"):
@@ -138,12 +153,13 @@ def _check_reloads(model: Any, staging: Path, written: dict, dtype: torch.dtype,
     if not problems:
         return
     shutil.rmtree(staging, ignore_errors=True)
+    name = type(model).__name__ if hasattr(model, "peft_config") else _model_class(model).__name__
     raise ExportError(
         f"{target.name}/ was not written: the export does not load back as the weights it was written from "
-        f"({type(model).__name__}, transformers {transformers.__version__}):\n  - " + "\n  - ".join(problems) + "\n"
-        "The trained weights are in the run's last checkpoint (train.save_every). Fix: a transformers release "
-        "within dpo-toolkit's range, and report it with the output of `dpo-state env`; train.read_back: false "
-        "writes the export without this check"
+        f"({name}, transformers {transformers.__version__}):\n  - " + "\n  - ".join(problems) + "\nLikely causes: "
+        "transformers' save or load of this architecture, or a filesystem that does not return what was written. "
+        "Fix: a transformers release within dpo-toolkit's range, and report it with the output of `dpo-state env`; "
+        "train.read_back: false writes the export without this check"
     )
 
 

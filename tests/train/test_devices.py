@@ -128,7 +128,7 @@ def test_every_collective_goes_through_the_helper_on_its_device(small_dataset, s
         assert len(calls) == 2  # both ranks ran to their end
     sites = {site for run in (precompute, first, resumed, failing) for calls in run for site in calls}
     expected = {
-        "all_reduce<-collectives.gather_failures",  # check_data, save
+        "all_reduce<-collectives.gather_failures",  # check_data, save, the export's vote
         "all_reduce<-collectives.spread",  # nonfinite.agree (non-finite vote, step_pairs), the step to save
         "all_reduce<-trainer.step",  # the step's metric sums
         "all_reduce<-scoring.score_pairs",  # precompute and eval tables
@@ -138,7 +138,6 @@ def test_every_collective_goes_through_the_helper_on_its_device(small_dataset, s
         "barrier<-save.save",
         "barrier<-restore.abandon_later",
         "barrier<-precompute.precompute_reference",
-        "barrier<-final.export",
     }
     assert expected <= sites, expected - sites
     assert any(site.startswith("torch:") for calls in first for site in calls)  # FSDP2 and DCP are not ours to place

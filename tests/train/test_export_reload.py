@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA, tiny_config, train_here, write_yaml
+from tests.harness import TINY_LLAMA, state_here, tiny_config, train_here, write_yaml
 
 LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}
 
@@ -58,6 +58,29 @@ def test_an_export_that_drops_a_weight_is_not_written(small_dataset, smollm2_dir
     assert "train.read_back: false writes the export without this check" in refused.stderr
     assert not (out / "final").exists() and not list(out.glob("final.incomplete-*"))
     assert "Traceback" not in refused.stderr
+    # train.save_every 0: no checkpoint was due, so one is saved to keep the trained weights, and named
+    kept = out / "checkpoints" / "step-000001"
+    assert f"The trained weights of step 1 are in the committed checkpoint {kept}; rerunning the same command" in (
+        refused.stderr
+    )
+    state_here(run_cli, "verify", kept)
+
+
+def test_the_rerun_after_the_fix_resumes_from_that_checkpoint_and_exports(
+    small_dataset, smollm2_dir, tmp_path, run_cli, monkeypatch
+):
+    """The export's failure cost no training: the same command, once the save writes what it is handed, resumes
+    from the kept checkpoint at its last step and writes final/ (as an uninterrupted run's)."""
+    clean_path, clean = _config(tmp_path, small_dataset, smollm2_dir, "clean")
+    train_here(run_cli, clean_path)
+    path, out = _config(tmp_path, small_dataset, smollm2_dir, "rerun")
+    with monkeypatch.context() as patched:
+        _skewed_saves(patched, _nudged)
+        train_here(run_cli, path, code=1)
+    rerun = train_here(run_cli, path)
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in rerun.stderr
+    ours, theirs = load_file(out / "final" / "model.safetensors"), load_file(clean / "final" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 @pytest.mark.parametrize("kind", ["whole", "adapter", "merged"])
@@ -87,3 +110,19 @@ def test_without_the_check_the_changed_export_is_written(small_dataset, smollm2_
     train_here(run_cli, path)
     shipped = load_file(out / "final" / "model.safetensors")
     assert [k for k in clean if not torch.equal(clean[k], shipped[k])] == [sorted(clean)[0]]
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_keep_the_trained_weights_when_the_export_does_not_load_back(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """Rank 0 finds the export's file changed (a bit flipped once written: DPO_TRAIN_EXPORT_FAULT): both ranks stop
+    (exit 1), after saving together the checkpoint that keeps the trained weights; no final/."""
+    from tests.harness import train_cli
+
+    path, out = _config(tmp_path, small_dataset, smollm2_dir, "fsdp")
+    refused = train_cli(path, nproc=2, env={"DPO_TRAIN_EXPORT_FAULT": "flip"}, code=1)
+    assert "final/ was not written: the export does not load back" in refused.stderr
+    assert "1 of " in refused.stderr and "values differ from what was written" in refused.stderr
+    assert not (out / "final").exists()
+    state_here(run_cli, "verify", out / "checkpoints" / "step-000001")
