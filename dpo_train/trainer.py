@@ -31,6 +31,7 @@ from dpo_train.export import export, run_facts
 from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
 from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
+from dpo_train.reference.alone import check_alone
 from dpo_train.run import Progress, Run, RunLog, load_initial_policy, stage, training_run
 from dpo_train.step import (
     CLIP,
@@ -52,6 +53,7 @@ from dpo_train.step import (
     step_sources,
     unmoved_rng,
 )
+from dpo_train.vision.families import tower_of
 
 
 class Trainer:
@@ -92,6 +94,8 @@ class Trainer:
         self.state = TrainState(early_stopping=early_stopping_watch(config.eval))
         self.skipped_steps = 0
         self._check_norm = config.train.parity_guard  # at this process's first step (a resumed run's too)
+        # likewise: each sequence alone, as loaded (a vision-language row's sequences need its images: not run)
+        self._check_alone = config.train.alone_check and tower_of(policy) is None
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
@@ -196,6 +200,7 @@ class Trainer:
         with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
                 (self._join(batch).logits.sum().mul(0) + reached_by_every_rank(self.policy)).backward()
+                self._alone(batch, None)
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
@@ -204,6 +209,7 @@ class Trainer:
                 self.model, batch, self.mesh, bool(self.router_aux_coef), loss.ld_alpha, loss.use_weighting
             )
             self.reference.check_initial(policy, (ref_chosen, ref_rejected), batch, self.state.step, self.facts)
+            self._alone(batch, policy)
             terms = pair_losses(
                 loss,
                 *policy.scored,
@@ -225,6 +231,17 @@ class Trainer:
             )
             (total + reached_by_every_rank(self.policy)).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
+
+    def _alone(self, batch: dict, policy: Any) -> None:
+        """At this process's first step, the policy's packed log-probs of each micro-batch against its sequences
+        run alone through the model as loaded (`dpo_train.reference.alone`, train.alone_check)."""
+        if not self._check_alone:
+            return
+        where = f"step {self.step_number}" + (" (this process's first)" if self.state.step else "")
+        facts = {**self.facts, "precision": self.place.precision, "where": where}
+        sharded = self.config.distributed.strategy == "fsdp" and self.world > 1
+        got = (policy.chosen, policy.rejected) if policy is not None else ()
+        check_alone(self.policy, got, batch, facts, sharded)
 
     def _check_clip_norm(self, reported: float, independent: float) -> None:
         """The first step's norm from clip_grad_norm_ against the gradients' own, checked once: a library that
@@ -249,6 +266,7 @@ class Trainer:
         """Finish the optimizer step: clip the step gradient, reduce the metrics, and update, unless the
         loss, a log-prob or the gradient norm is not finite on any rank (`train.on_nonfinite`)."""
         max_norm = self.config.optim.max_grad_norm or float("inf")
+        self._check_alone = False  # once a process: its first step
         independent = gradient_norm(self.policy.parameters()) if self._check_norm else None
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
         if independent is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dpo_train.attention import segments, sequence_parallel, unpacked
+from dpo_train.attention import rope, segments, sequence_parallel, unpacked
 from dpo_train.attention.features import model_attention, text_config
 from dpo_train.errors import ConfigError
 
@@ -67,7 +67,7 @@ def _flash_usable(place: Any, layout: str) -> bool:
 
 def packing_refused(arch: str, why: str, requested: str, layout: str) -> ConfigError:
     return ConfigError(
-        f"{arch}: {why}, so packed pairs would leak into each other (data.layout {layout} packs several "
+        f"{arch}: {why}, so packed pairs would not score as each does alone (data.layout {layout} packs several "
         f"segments per row) and model.attention {requested} packs; use model.attention auto or unpacked "
         "(each sequence alone in a padded batch; docs/train-config.md, supported architectures)"
     )
@@ -84,7 +84,7 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
         return attention
     needs = model_attention(model)
     arch = type(model).__name__
-    why = unpacked.reason(text_config(model))
+    why = unpacked.reason(text_config(model)) or rope.shared_prompt_reason(text_config(model), layout)
     if why:
         raise packing_refused(arch, why, requested, layout)
     missing = {name: layer for name, layer in needs.needs().items() if name not in EXPRESSES.get(attention, _ALL)}

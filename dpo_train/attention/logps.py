@@ -10,7 +10,7 @@ import torch
 from transformers import modeling_utils
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segment_sums, segments_to_pairs
-from dpo_train.attention import head, unpacked
+from dpo_train.attention import head, rope, unpacked
 from dpo_train.attention.inputs import passed_inputs, row_inputs
 from dpo_train.parallel import collectives
 
@@ -136,7 +136,7 @@ def pair_logps(
         inputs, shard = dict(view.inputs), None
         mine = torch.ones_like(every.position, dtype=torch.bool)
         label, segment = every.label, every.segment
-        position, keep = view.keep(every.position)
+        position, keep = view.keep(every.position, every.segment)
         keep_shape = view.shape
     else:
         inputs, shard = row_inputs(batch, mesh, model)
@@ -150,7 +150,11 @@ def pair_logps(
         inputs["output_router_logits"] = True
     keep, kept = logits_mask(keep, keep_shape)
     chunk = head.chunk_rows(model, int(kept.sum()))  # None: the model's own head, all logits at once
-    with head.HeadInput(model) if chunk else contextlib.nullcontext() as captured:
+    lengths = lambda: view.lengths if view is not None else rope.shard_lengths(batch, shard)  # noqa: E731
+    with (
+        head.HeadInput(model) if chunk else contextlib.nullcontext() as captured,
+        rope.sequence_lengths(model, lengths),
+    ):
         output = model(**inputs, logits_to_keep=keep)
     scores = captured.hidden if chunk else output.logits  # the final hidden states, or the logits
     # [N, L, -] if the model ignored the mask (flattened: the row-major order of `kept`), else [kept, -]

@@ -11,7 +11,7 @@ import torch
 
 from dpo_data.dataset.store import PairIds
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import segments, temperature
+from dpo_train.attention import rope, segments, temperature
 from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
 from dpo_train.errors import ConfigError
 
@@ -106,6 +106,7 @@ def probe(model: Any, layout: str) -> float:
     tried = checkable(saved)
     label = f"unpacked ({saved})" if runs_unpacked(model) else saved
     pairs = probe_pairs(model)
+    rope.check_rotary(model)  # a rope's length thresholds, however long: the rotary module alone
     model.eval()
     try:
         truth = _named(model, "run unpacked through eager", lambda: eager_unpacked(model, pairs))

@@ -86,11 +86,24 @@ class UnpackedRow:
     inputs: dict
     where: torch.Tensor
     shape: tuple[int, int]
+    row_start: torch.Tensor
+    """[segments] for each chosen or rejected segment, the flat index of its sequence's first column; -1 for
+    other segments."""
 
-    def keep(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat index of each packed position, the [N, L] boolean `logits_to_keep` that keeps them):
-        only the positions that predict a target reach the vocabulary head."""
-        flat = self.where[positions]
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[N, 1] each row's sequence length (a length-dependent rope's, `dpo_train.attention.rope`)."""
+        return self.inputs["attention_mask"].sum(-1, keepdim=True)
+
+    def keep(self, positions: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat index of each target's position, the [N, L] boolean `logits_to_keep` that keeps them): only the
+        positions that predict a target reach the vocabulary head. Each target (`segments`: the segment it
+        counts for) is read in its own segment's sequence: a completion's first token, predicted from its
+        shared prompt's last position, there too, where the prompt ran as it runs alone with that completion
+        (a length-dependent rope rotates the prompt by the whole sequence's length)."""
+        first = self.where[positions]  # a shared prompt's column is the same in each sequence that holds it
+        row = self.row_start[segments]
+        flat = torch.where(row >= 0, row + first % self.shape[1], first)
         keep = torch.zeros(self.shape[0] * self.shape[1], dtype=torch.bool, device=flat.device)
         keep[flat] = True
         return flat, keep
@@ -115,17 +128,22 @@ def unpack(batch: dict[str, Any]) -> UnpackedRow:
     if not groups:  # a micro-batch without pairs: its padding row as one sequence, so the forward still runs
         ones = torch.ones_like(ids)[None]
         where = torch.full((length,), -1, dtype=torch.long, device=device)
-        return UnpackedRow({"input_ids": ids[None], "attention_mask": ones, "use_cache": False}, where, (1, length))
+        none = torch.full((len(lengths),), -1, dtype=torch.long, device=device)
+        inputs = {"input_ids": ids[None], "attention_mask": ones, "use_cache": False}
+        return UnpackedRow(inputs, where, (1, length), none)
     spans = [torch.cat([torch.arange(starts[s], starts[s] + lengths[s], device=device) for s in g]) for g in groups]
     width = max(len(span) for span in spans)
     # id 0 fills the padding: any id in the vocabulary does, the attention mask hides it
     input_ids = ids.new_zeros(len(spans), width)
     attention_mask = torch.zeros(len(spans), width, dtype=torch.long, device=device)
     where = torch.full((length,), -1, dtype=torch.long, device=device)
+    row_start = torch.full((len(lengths),), -1, dtype=torch.long, device=device)
+    for row, group in enumerate(groups):  # a chosen or rejected segment is its group's last
+        row_start[group[-1]] = row * width
     for n, span in enumerate(reversed(spans)):  # reversed: a shared prompt keeps its first sequence's index
         row = len(spans) - 1 - n
         input_ids[row, : len(span)] = ids[span]
         attention_mask[row, : len(span)] = 1
         where[span] = row * width + torch.arange(len(span), device=device)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-    return UnpackedRow(inputs, where, (len(spans), width))
+    return UnpackedRow(inputs, where, (len(spans), width), row_start)

@@ -196,6 +196,14 @@ class TrainSection:
     steps (docs/train-config.md, "Step 1's parity guard"). It costs nothing: both are computed anyway. The
     same switch checks, at a process's first step, that torch's clip_grad_norm_ returns the gradients' own norm
     (summed apart over every rank's part), and stops the run (exit 2) where it does not."""
+    alone_check: bool = True
+    """At each process's first step, every micro-batch's pairs are scored again one sequence at a time, unpacked
+    and unpadded, through the model as loaded (evaluation mode, its config values as loaded, transformers' eager
+    attention); each pair's packed log-probs must equal those, or the run stops (exit 2) before the optimizer
+    steps, naming the pair, both values and a fix checked on that micro-batch (docs/train-config.md, "Step 1's
+    alone check"). It sees what policy and reference share (a length-dependent rope, a config value the run
+    changed), which the parity guard cannot. Costs about one more reference forward of the first step's pairs.
+    Also checks the first micro-batches of --precompute-reference."""
     on_nonfinite: str = "stop"
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave

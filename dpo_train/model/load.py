@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import segments, unpacked
+from dpo_train.attention import rope, segments, unpacked
 from dpo_train.attention.choice import attention_for, first_line, fit_model, packing_refused
 from dpo_train.errors import ConfigError
 from dpo_train.model.policy import init_config, is_vision_model, load_policy
@@ -19,9 +19,9 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
     if spec.path and is_vision_model(spec.path):
         _check_vision_paths(spec.path, requested, mesh)
-    arch, why = _unpacked_reason(spec)
+    arch, why = _unpacked_reason(spec, layout)
     if requested == unpacked.ATTENTION or why and requested == "auto":
-        return _load_unpacked(spec, mesh, arch, why)
+        return _with_rope(_load_unpacked(spec, mesh, arch, why))
     if why:  # before transformers' own refusal of sdpa (Bloom), which would name packed paths as the fix
         raise packing_refused(arch, why, requested, layout)
     attention = attention_for(requested, place, mesh, layout)
@@ -46,6 +46,13 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
                 "model.attention auto or segments (which apply softcapping and sinks), or eager"
             ) from None
     fit_model(model, requested, layout)
+    return _with_rope(model)
+
+
+def _with_rope(model: Any) -> Any:
+    """A length-dependent rope (longrope, dynamic NTK) made per sequence before any forward
+    (`dpo_train.attention.rope`)."""
+    rope.install(model)
     return model
 
 
@@ -65,9 +72,9 @@ def _check_vision_paths(path: str, requested: str, mesh: Any) -> None:
         )
 
 
-def _unpacked_reason(spec: Any) -> tuple[str, str | None]:
-    """The class transformers builds for `spec`, and why it needs the unpacked path (None: it packs), read
-    from its config before any weights load."""
+def _unpacked_reason(spec: Any, layout: str) -> tuple[str, str | None]:
+    """The class transformers builds for `spec`, and why it needs the unpacked path in `layout` (None: it
+    packs), read from its config before any weights load."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -81,7 +88,8 @@ def _unpacked_reason(spec: Any) -> tuple[str, str | None]:
     except (OSError, ValueError, ConfigError):  # unreadable: load_policy names the problem, fit_model checks
         return "the model", None
     arch = (getattr(config, "architectures", None) or [None])[0]
-    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type), unpacked.reason(config)
+    why = unpacked.reason(config) or rope.shared_prompt_reason(config, layout)
+    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type), why
 
 
 def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:

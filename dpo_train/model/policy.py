@@ -193,7 +193,7 @@ DROPOUT_NAME = re.compile(r"drop|jitter", re.IGNORECASE)
 `layerdrop`, `drop_path_rate`, `router_jitter_noise`. Its number, where one in (0, 1], is a probability
 or a noise scale that only a training forward applies."""
 
-_AS_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(config, key, value)]
+_AS_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(owner, key, value)]
 
 
 def disable_dropout(model: Any) -> list[str]:
@@ -203,19 +203,21 @@ def disable_dropout(model: Any) -> list[str]:
 
     Found generically, not by a list of names: `nn.Dropout` modules (every `_DropoutNd`), every module
     attribute and every config key (sub-configs too) whose name matches `DROPOUT_NAME` and holds a number
-    in (0, 1] (models copy such keys into attributes at init, a few read the config in forward). What a
-    model hard-codes in a call is beyond reach: step 1's parity guard (dpo_train/reference/guard.py) stops
-    such a run. The config keys come back for export (`dropout_as_loaded`). Returns what was zeroed."""
-    zeroed = []
+    in (0, 1] (models copy such keys into attributes at init, a few read the config in forward). A name can
+    lie (PhiMoE's `router_jitter_noise` is a routing threshold its evaluation forward reads): `keep_settings`
+    puts back what is no dropout. What a model hard-codes in a call is beyond reach: step 1's checks
+    (dpo_train/reference/guard.py, dpo_train/reference/alone.py) stop such a run. Everything changed but the
+    modules' p comes back for export and for step 1's check (`dropout_as_loaded`). Returns what was zeroed."""
+    zeroed, saved = [], []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
             module.p = 0.0
             zeroed.append(f"{name or type(model).__name__} (p)")
         for key, value in list(vars(module).items()):
             if _probability(key, value):
+                saved.append((module, key, value))
                 setattr(module, key, 0.0)
                 zeroed.append(f"{name}.{key}" if name else key)
-    saved = []
     for config in _configs(getattr(model, "config", None)):
         for key, value in list(vars(config).items()):
             if _probability(key, value):
@@ -226,18 +228,37 @@ def disable_dropout(model: Any) -> list[str]:
     return zeroed
 
 
+def changed_settings(model: Any) -> list[tuple[Any, str, Any]]:
+    """(owner, key, value as loaded) of every config key and module attribute `disable_dropout` zeroed on
+    `model` (looked up through DDP's `.module` and PEFT's `.model`)."""
+    from dpo_train.attention.features import wrapped
+
+    return next((_AS_LOADED[c] for c in wrapped(model) if c is not None and c in _AS_LOADED), [])
+
+
 @contextmanager
-def dropout_as_loaded(model: Any) -> Iterator[None]:
-    """The config's dropout keys as the model was loaded with them, while it is saved (an exported model
-    keeps its own dropout for whoever trains it next)."""
-    saved = _AS_LOADED.get(model, [])
-    for config, key, value in saved:
-        setattr(config, key, value)
+def dropout_as_loaded(model: Any, keys: set[str] | None = None) -> Iterator[None]:
+    """The config keys and module attributes `disable_dropout` zeroed (only those named `keys`, when given) as the
+    model was loaded with them: while it is saved (an exported model keeps its own dropout for whoever trains
+    it next), and while step 1's check scores the model as loaded."""
+    saved = [(owner, key, value) for owner, key, value in changed_settings(model) if keys is None or key in keys]
+    now = [getattr(owner, key) for owner, key, _ in saved]
+    for owner, key, value in saved:
+        setattr(owner, key, value)
     try:
         yield
     finally:
-        for config, key, _ in saved:
-            setattr(config, key, 0.0)
+        for (owner, key, _), value in zip(saved, now, strict=True):
+            setattr(owner, key, value)
+
+
+def keep_settings(model: Any, keys: set[str]) -> None:
+    """Give back, for good, the values `disable_dropout` took from `keys` (settings found not to be dropout)."""
+    entries = _AS_LOADED.get(model, [])
+    for owner, key, value in entries:
+        if key in keys:
+            setattr(owner, key, value)
+    _AS_LOADED[model] = [entry for entry in entries if entry[1] not in keys]
 
 
 def _probability(key: str, value: Any) -> bool:

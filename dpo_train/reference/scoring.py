@@ -47,12 +47,15 @@ def score_pairs(
     weighting: bool = False,
     progress: str | None = None,
     pairs: np.ndarray | None = None,
+    check: Any = None,
 ) -> Scores:
     """Forward every pair of `store` once, packed in the run's `data.layout` into micro-batches of at most
     `max_tokens`, under the run's autocast and sequence mesh; also LD-DPO's sums where the run's loss sets
     `ld_alpha`, and with `weighting` WPO's weights (as `pair_logps` takes them). `progress`: the stage's name
     to show it under (`Stage`, on the caller's rank 0), None: silent. `pairs`: only these global indices
-    are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0.
+    are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0. `check(batch, out)`:
+    called on every rank's first micro-batch (`out` None for an empty one), as --precompute-reference checks
+    them against each sequence run alone (`dpo_train.reference.alone`).
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
@@ -82,14 +85,18 @@ def score_pairs(
     model.eval()
     rounds = -(-len(bins) // world)  # equal forwards on every rank: FSDP all-gathers in each one
 
-    def score(members: list) -> None:
+    def score(members: list, first: bool) -> None:
         batch = pack_pairs(store, sorted(members), layout, 8, images)  # a vision store's with their images
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with run.place.autocast():
             if not members:
                 model(**row_inputs(batch, mesh, model)[0])
+                if first and check is not None:
+                    check(batch, None)
                 return
             out = pair_logps(model, batch, mesh, ld_alpha=ld_alpha, weighting=weighting)
+            if first and check is not None:
+                check(batch, out)
         if not writes:
             return
         index = batch["pair_index"].cpu().long()
@@ -102,7 +109,7 @@ def score_pairs(
     with torch.no_grad(), Stage(progress or "", rounds, enabled=progress is not None, unit="micro-batch") as stage:
         for k in range(rounds):
             j = k * world + rank
-            score(bins[j] if j < len(bins) else [])
+            score(bins[j] if j < len(bins) else [], k == 0)
             stage.advance()
     model.train(was_training)
     values = collectives.all_reduce(table).numpy()

@@ -16,6 +16,7 @@ from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
 from dpo_train.model.load import load_model
 from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
+from dpo_train.model.settings import check_settings
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 from dpo_train.run.progress import stage
@@ -40,6 +41,12 @@ def load_initial_policy(
         if config.train.weights_from:
             load_weights(model, config.train.weights_from)
         prepare_for_training(model, activation_checkpointing)
+        kept = check_settings(model)  # what disable_dropout zeroed must be dropout, or comes back
+        if shown and kept:
+            say(
+                f"note: {type(model).__name__}: {', '.join(kept)} kept as loaded: named like dropout, but its "
+                "evaluation forward reads it (docs/train-config.md, Failures)"
+            )
         said = apply_setting(model, config.train.mlp_tile_tokens, activation_checkpointing)
         if shown and said:
             say(said)

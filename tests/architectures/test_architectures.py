@@ -17,6 +17,7 @@ from tests.architectures.zoo import (
     COLUMNS,
     PATH_REFUSED,
     REFUSED,
+    SHARED_PROMPT_UNPACKED,
     UNPACKED,
     ZOO,
     features_of,
@@ -71,6 +72,8 @@ def _expect(results: dict, model_type: str, refused_paths=()) -> None:
         reason = REFUSED.get(model_type) or (PATH_REFUSED.get((model_type, path)) if path in refused_paths else None)
         if model_type in UNPACKED and path not in ("auto", "unpacked"):  # every packing path, sequence parallel too
             reason = UNPACKED[model_type]
+        if key.endswith("shared_prompt") and model_type in SHARED_PROMPT_UNPACKED and path not in ("auto", "unpacked"):
+            reason = SHARED_PROMPT_UNPACKED[model_type]
         if path == "unpacked":  # the model's own attention, sdpa or eager: exact for every model
             reason = None
         if reason:
@@ -342,8 +345,15 @@ def _long_segments(monkeypatch) -> list:
     return blocks
 
 
-@pytest.mark.parametrize("model_type", sorted(set(ZOO) - set(UNPACKED)))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, model_type",
+    [
+        (layout, model_type)
+        for layout in sorted(LAYOUTS)
+        for model_type in sorted(set(ZOO) - set(UNPACKED))
+        if not (layout == "shared_prompt" and model_type in SHARED_PROMPT_UNPACKED)  # unpacked there
+    ],
+)
 def test_long_segments_run_without_their_square_mask_and_equal_eager_unpacked(model_type, layout, monkeypatch):
     """Past MASK_LIMIT (0 here: every segment) a shared-prompt completion of a plain layer runs as one causal
     sequence with its prompt, and a windowed or chunked segment's mask is made a block of query rows at a

@@ -24,6 +24,14 @@ BASE = dict(
 )
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.3 * i for i in range(8)],
+    "original_max_position_embeddings": 20,
+}
+DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
 ZOO = {
     "llama": {},
     "mistral": dict(sliding_window=WINDOW),
@@ -135,6 +143,19 @@ ZOO = {
     "mistral_w20": dict(model_type="mistral", sliding_window=20),
     "llama_softcap": dict(model_type="llama", attn_logit_softcapping=5.0),
     "llama_hd32": dict(model_type="llama", head_dim=32),
+    # length-dependent rope: the frequencies follow the sequence's length; the zoo's sequences are 4 to 24
+    # tokens, so a threshold of 20 puts one sequence past it beside shorter ones in the row (Phi-3-mini-128k,
+    # Phi-3.5-mini and Phi-4-mini switch at 4096), a threshold of 200 none
+    "phi3_longrope": dict(model_type="phi3", original_max_position_embeddings=20, rope_parameters=LONGROPE),
+    "phi3_longrope_under": dict(
+        model_type="phi3",
+        original_max_position_embeddings=200,
+        rope_parameters={**LONGROPE, "original_max_position_embeddings": 200},
+    ),
+    "llama_dynamic": dict(model_type="llama", max_position_embeddings=20, rope_parameters=DYNAMIC),
+    "llama_dynamic_under": dict(model_type="llama", rope_parameters=DYNAMIC),
+    # Phi-3.5-MoE: sparsemixer routing, whose router_jitter_noise (0.01) is a threshold in evaluation too
+    "phimoe": dict(**MOE, input_jitter_noise=0.01),
     "minimax": dict(  # lightning (linear) attention layers beside full ones, experts with router noise
         num_local_experts=4, num_experts_per_tok=2, block_size=8, layer_types=["full_attention", "linear_attention"]
     ),
@@ -200,6 +221,14 @@ UNPACKED = {
 }
 """model_type -> why packing cannot serve it: auto runs it unpacked, the packed paths refuse it naming this,
 and so does sequence parallelism."""
+SHARED_PROMPT_UNPACKED = {
+    "phi3_longrope": "depends on each sequence's length",
+    "phi3_longrope_under": "depends on each sequence's length",
+    "llama_dynamic": "depends on each sequence's length",
+    "llama_dynamic_under": "depends on each sequence's length",
+}
+"""model_type -> why the shared-prompt layout cannot pack it: auto runs it unpacked there, the packed paths
+refuse it."""
 REFUSED: dict[str, str] = {}
 """model_type -> the reason every path refuses it (none left: the unpacked path serves every model)."""
 UNSET = {"falcon": ("head_dim", "num_key_value_heads")}
@@ -282,6 +311,8 @@ def cell(value, unpacked: bool = False) -> str:
             return "refused: state crosses segments"
         if "ALiBi" in value:
             return "refused: ALiBi bias spans the row"
+        if "depends on each sequence's length" in value:
+            return "refused: a shared prompt's rope by length"
         return "refused: " + value.split(";")[0]
     return "exact (unpacked)" if unpacked else "exact"
 
