@@ -106,6 +106,11 @@ def fit_model(model: Any, requested: str, layout: str) -> str:
     )
 
 
+def expresses(model: Any, implementation: str) -> bool:
+    """Whether the path `implementation` applies every attention feature the model's layers need."""
+    return all(name in EXPRESSES.get(implementation, _ALL) for name in model_attention(model).needs())
+
+
 _IMPLEMENTATION = {
     "segments": segments.ATTENTION,
     "unpacked": unpacked.ATTENTION,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,10 +11,11 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
+from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import rope, segments, temperature
+from dpo_train.attention import rope, segments, sequence_parallel, temperature
 from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
-from dpo_train.errors import ConfigError
+from dpo_train.errors import ConfigError, ModelError
 
 TOLERANCE = 1e-5
 """Largest relative error of a pair's summed completion log-prob (fp32; the paths agree to about 1e-7)."""
@@ -89,16 +91,20 @@ def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     return sums
 
 
-def probe(model: Any, layout: str) -> float:
+def probe(model: Any, layout: str, requested: str | None = None) -> float:
     """Refuse (ConfigError, exit 2) a model whose packed per-pair log-probs differ from unpacked eager,
     before step 1; returns the worst relative error. Runs without autograd in eval mode (a router's
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
     the attention path itself is the zoo test's (tests/architectures/test_architectures.py). A model on the unpacked
-    path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch. A
-    refusal names only the paths this probe found exact for the model; a model whose own code fails on
-    the row is a ConfigError too, never a traceback."""
+    path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch.
+
+    Where the run's path fails or differs, the other paths are tried on the same row (segments, sdpa, eager,
+    then unpacked). Under `requested` auto the model then takes the first exact one, saying so once (StableLM's
+    layers pass no segments to their attention; sdpa and eager are exact for it); otherwise the refusal names
+    only the paths found exact here, or says that none is. A model whose own code fails on the row is a
+    ConfigError too, never a traceback."""
     from dpo_train.attention.unpacked import runs_unpacked
 
     config = text_config(model)  # a vision-language model: its decoder's (the probe's rows are text)
@@ -110,15 +116,31 @@ def probe(model: Any, layout: str) -> float:
     model.eval()
     try:
         truth = _named(model, "run unpacked through eager", lambda: eager_unpacked(model, pairs))
-        run = lambda: _packed_error(model, tried, layout, pairs, truth)
-        got, error = _named(model, f"run a packed row under attention {label}", run, layout, truth)
-        worst = float(error.detach().max())  # the probe needs no graph; float() of one warns
+        got = error = failure = None
+        try:
+            got, error = _packed_error(model, tried, layout, pairs, truth)
+        except ModelError as e:  # the model's layers cannot take the path (StableLM passes no segments)
+            failure = str(e).split(";")[0]
+        except ToolkitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any model transformers builds: a named error, never a traceback
+            failure = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        worst = float(error.detach().max()) if error is not None else float("inf")
         if worst <= TOLERANCE:
             return worst
-        advice = _advice(model, tried, layout, pairs, truth)
+        exact = [] if runs_unpacked(model) else _exact_paths(model, tried, layout, pairs, truth)
+        if requested == "auto" and exact and saved != sequence_parallel.ATTENTION:
+            saved = _switch(model, exact[0], f"{failure or f'off by {worst:.1e} relative'} under {label}")
+            return 0.0
     finally:
         config._attn_implementation = saved
         model.train(training)
+    advice = _advice(model, exact)
+    if failure is not None:
+        raise ConfigError(
+            f"{type(model).__name__} cannot run a packed row under attention {label} with data.layout {layout} "
+            f"({failure}); {advice}. Supported architectures: docs/train-config.md"
+        )
     pair, side = divmod(int(error.argmax()), 2)
     raise ConfigError(
         f"{type(model).__name__} under attention {label} with data.layout {layout}: the start-up probe's "
@@ -129,6 +151,33 @@ def probe(model: Any, layout: str) -> float:
     )
 
 
+def _switch(model: Any, name: str, why: str) -> str:
+    """Make `model` run the path `name` (auto's fallback), say so once; returns its implementation name."""
+    from dpo_train.attention import unpacked
+
+    implementation = _PATHS.get(name, "sdpa")
+    if name == "unpacked":
+        unpacked.mark(model)
+        implementation = _unpacked_attention(model)
+    if os.environ.get("RANK", "0") == "0":
+        say(
+            f"note: {type(model).__name__}: model.attention auto takes {name}: the run's path could not score the "
+            f"start-up probe's packed row ({why}), {name} scored it as each sequence alone (docs/train-config.md)"
+        )
+    return implementation
+
+
+def _advice(model: Any, exact: list[str]) -> str:
+    """What to run instead: the paths exact on this probe (each tried on its row), or plainly none."""
+    from dpo_train.attention.unpacked import runs_unpacked
+
+    if runs_unpacked(model):
+        return "the unpacked path itself differs from the model run alone: report the model"
+    if exact:
+        return f"use model.attention {' or '.join(exact)} (exact on this probe)"
+    return "no path of this toolkit (segments, sdpa, eager, unpacked) is exact for it on this probe: report the model"
+
+
 def checkable(attention: str | None) -> str:
     """The attention a start-up check runs in this one process: the run's own where it can (eager, sdpa, the
     segment attention), else the segment attention (sequence parallelism needs its group, flash-attention
@@ -137,9 +186,9 @@ def checkable(attention: str | None) -> str:
     return attention if attention in ("eager", "sdpa", segments.ATTENTION) else segments.ATTENTION
 
 
-def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: torch.Tensor | None = None):
+def _named(model: Any, what: str, call: Any):
     """`call()`, with a failure of the model's own code (transformers raising inside a model that cannot
-    run this way) turned into a ConfigError naming the model, what failed and what runs instead."""
+    run this way) turned into a ConfigError naming the model and what failed."""
     saved = text_config(model)._attn_implementation
     try:
         return call()
@@ -147,30 +196,50 @@ def _named(model: Any, what: str, call: Any, layout: str | None = None, truth: t
         raise
     except Exception as e:  # noqa: BLE001 - any model transformers builds: a named error, never a traceback
         said = " ".join(str(e).split())[:200]
-        tried = text_config(model)._attn_implementation
-        advice = _advice(model, tried, layout, probe_pairs(model), truth) if truth is not None else ""
         raise ConfigError(
-            f"{type(model).__name__} cannot {what} ({type(e).__name__}: {said}); "
-            f"{advice or 'it does not run as transformers models do'}. Supported architectures: docs/train-config.md"
+            f"{type(model).__name__} cannot {what} ({type(e).__name__}: {said}); it does not run as transformers "
+            "models do. Supported architectures: docs/train-config.md"
         ) from None
     finally:
         text_config(model)._attn_implementation = saved
 
 
-def _advice(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> str:
-    """What to run instead: the packed paths exact on this probe, else the unpacked path (the model's own
-    attention over each sequence alone); a model already unpacked has nothing else to try."""
-    from dpo_train.attention.unpacked import runs_unpacked
-
-    if runs_unpacked(model):
-        return "the unpacked path itself differs from the model run alone: report the model"
-    exact = [name for name, path in _PATHS.items() if path != tried and _exact(model, path, layout, pairs, truth)]
-    if exact:
-        return f"use model.attention {' or '.join(exact)} (exact on this probe)"
-    return "no packed path is exact for it: use model.attention unpacked (each sequence alone, padded)"
+_PATHS = {"segments": segments.ATTENTION, "sdpa": "sdpa", "eager": "eager"}  # model.attention -> implementation
 
 
-_PATHS = {"segments": segments.ATTENTION, "eager": "eager", "sdpa": "sdpa"}  # model.attention -> implementation
+def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> list[str]:
+    """The paths other than `tried` that score the probe's row exactly and express every feature of the model's
+    attention (`dpo_train.attention.choice.EXPRESSES`), in auto's order of preference; unpacked last, tried
+    with the model marked unpacked for the while."""
+    from dpo_train.attention import unpacked
+    from dpo_train.attention.choice import expresses
+    from dpo_train.step.objective import computes_router_loss
+
+    found = [
+        name
+        for name, path in _PATHS.items()
+        if path != tried and expresses(model, path) and _exact(model, path, layout, pairs, truth)
+    ]
+    from dpo_train.vision.families import tower_of
+
+    if tower_of(model) is not None:  # a vision-language row cannot run unpacked (its images are the row's)
+        return found
+    model.dpo_unpacked = True
+    try:
+        if _exact(model, _unpacked_attention(model), layout, pairs, truth):
+            found.append(unpacked.ATTENTION)
+    finally:
+        model.dpo_unpacked = False
+    config = text_config(model)
+    if getattr(config, "router_aux_loss_coef", 0) and hasattr(config, "output_router_logits"):
+        if computes_router_loss(model) and unpacked.ATTENTION in found:  # sdpa and eager refuse the router loss
+            found = [unpacked.ATTENTION] + [name for name in found if name != unpacked.ATTENTION]
+    return found
+
+
+def _unpacked_attention(model: Any) -> str:
+    """The attention the unpacked path runs: transformers' sdpa, or eager where the model class has none."""
+    return "sdpa" if getattr(type(model), "_supports_sdpa", True) else "eager"
 
 
 def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):

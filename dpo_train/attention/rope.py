@@ -35,7 +35,7 @@ def install(model: Any) -> list[Any]:
     """Make every length-dependent rotary module of `model` compute each sequence's frequencies from that
     sequence's own length (idempotent; returns those modules). Called at load, before any forward, so the
     state it keeps as fresh is the state transformers builds."""
-    found = [m for m in model.modules() if length_dependent(m)]
+    found = [m for m in _modules(model) if length_dependent(m)]
     for module in found:
         if "dpo_fresh" not in vars(module):
             module.dpo_fresh = _snapshot(module)
@@ -43,6 +43,12 @@ def install(model: Any) -> list[Any]:
             # a method bound to the module (not a closure): a deepcopy (the frozen reference) binds its copy
             module.forward = MethodType(_per_sequence_forward, module)
     return found
+
+
+def _modules(model: Any) -> Iterator[Any]:
+    """The modules of `model`, or of the module it wraps (the LoRA reference, `AdaptersDisabled`, is no module)."""
+    inner = model if hasattr(model, "modules") else getattr(model, "model", None)
+    return inner.modules() if inner is not None else iter(())
 
 
 def _snapshot(module: Any) -> dict[str, Any]:
@@ -106,7 +112,7 @@ def _rope_parameters(config: Any) -> dict:
 
 def modules_of(model: Any) -> list[Any]:
     """The installed length-dependent rotary modules of `model` (through DDP, FSDP2 and PEFT wrappers)."""
-    return [m for m in model.modules() if "dpo_fresh" in vars(m)]
+    return [m for m in _modules(model) if "dpo_fresh" in vars(m)]
 
 
 @contextmanager
@@ -210,7 +216,8 @@ def _check_at(model: Any, module: Any, threshold: int) -> None:
             if not torch.equal(got[:, start : start + n], want):
                 raise ConfigError(
                     f"{type(model).__name__}: its rotary embedding gives a sequence of {n} positions packed beside "
-                    f"another other values than alone (threshold {threshold}); report the model; "
-                    "train.probe_packing: false skips this check at your own risk"
+                    f"one of {sum(sizes) - n} other values than alone (its rope changes at {threshold} tokens), so "
+                    "packed pairs would train on wrong numbers; report the model; train.probe_packing: false skips "
+                    "this check at your own risk"
                 )
         start += n

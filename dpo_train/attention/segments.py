@@ -192,8 +192,9 @@ def segment_attention(
     row's square exists, nor of a long segment's (MASK_LIMIT). [B, H, S, D] in, [B, S, H, D] out."""
     if row_segments is None:
         raise ModelError(
-            "this model runs the segment attention and was called without the row's segments; call it "
-            "through dpo_train.attention.logps.pair_logps, or load it with model.attention sdpa"
+            f"{type(module).__name__} was called without the row's segments: its layers do not pass the model's "
+            "keyword arguments on to their attention, so model.attention segments cannot run this model; use "
+            "model.attention auto (whose start-up probe takes a path it checked) or sdpa or eager"
         )
     layer, sinks = call_attention(module, "segments", kwargs)
     if tuned(module):

@@ -30,12 +30,16 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     except ToolkitError:
         raise
     except Exception as e:  # noqa: BLE001 - a model class that cannot take this path: named, not a traceback
+        if isinstance(e, KeyError) and requested == "auto":  # GPT-Neo: its own attention, no registry
+            why = "its class does not go through transformers' attention registry, so no packing path reaches it"
+            return _with_rope(_load_unpacked(spec, mesh, arch, why))
         if "attention implementation" not in str(e):
             raise ConfigError(
                 f"model.attention {requested}: transformers cannot build this model with attention {attention} "
                 f"({type(e).__name__}: {first_line(e)}): its class does not go through transformers' attention "
-                "registry, so no packing path can keep its segments apart; use model.attention unpacked (each "
-                "sequence alone in a padded batch; docs/train-config.md, supported architectures)"
+                "registry, so no packing path can keep its segments apart; use model.attention auto, which runs it "
+                "unpacked (each sequence alone in a padded batch), or unpacked (docs/train-config.md, supported "
+                "architectures)"
             ) from None
         if requested == "auto" and attention == "flash_attention_2":
             segments.register()
@@ -43,7 +47,7 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
         else:
             raise ConfigError(
                 f"model.attention {requested}: transformers refuses it for this model ({first_line(e)}); use "
-                "model.attention auto or segments (which apply softcapping and sinks), or eager"
+                "model.attention auto, whose start-up probe takes a path it checked exact for the model"
             ) from None
     fit_model(model, requested, layout)
     return _with_rope(model)

@@ -54,7 +54,7 @@ def load_initial_policy(
             freeze_vision_tower(model)
     if config.train.probe_packing:
         with stage("probe", shown):
-            probe(model, config.data.layout)
+            probe(model, config.data.layout, config.model.attention)
         if shown and tower_of(model) is not None:
             say(
                 f"note: {type(model).__name__}: the start-up probe checked its decoder on packed text rows; rows "

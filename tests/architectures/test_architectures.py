@@ -11,7 +11,7 @@ from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.kernel import positions_visible
 from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config.sections import ModelConfig
-from dpo_train.errors import ConfigError
+from dpo_train.errors import ConfigError, ModelError
 from tests import docs_blocks
 from tests.architectures.zoo import (
     COLUMNS,
@@ -46,8 +46,10 @@ def _load(model_type: str, path: str, layout: str, mesh=None):
 
 def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]:
     """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message
-    (on `device`: scripts/device_check.py runs it on CUDA)."""
+    (on `device`: scripts/device_check.py runs it on CUDA). A path that fails on the row, or auto off the truth,
+    meets the start-up probe as a run would: auto then takes the path the probe checked, another is refused."""
     from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.probe import probe
 
     out, truth, batch_pairs = {}, None, pairs()
     for path in PATHS:
@@ -60,9 +62,20 @@ def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]
             model.to(device).eval()  # as the probe and the reference score (Seed-OSS has residual dropout)
             truth = eager_unpacked(model, batch_pairs) if truth is None else truth
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(batch_pairs, 16).items()}
-            with torch.no_grad():
-                got = pair_logps(model, batch)
-            out[f"{path} {layout}"] = relative_error(got, truth)
+            try:
+                with torch.no_grad():
+                    error = relative_error(pair_logps(model, batch), truth)
+            except ModelError:
+                error = float("inf")
+            if error >= TOLERANCE:  # as at start-up: auto falls back to a checked path, another path is refused
+                try:
+                    probe(model, layout, path)
+                except ConfigError as e:
+                    out[f"{path} {layout}"] = str(e)
+                    continue
+                with torch.no_grad():
+                    error = relative_error(pair_logps(model, batch), truth)
+            out[f"{path} {layout}"] = error
     return out
 
 

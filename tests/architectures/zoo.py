@@ -156,6 +156,39 @@ ZOO = {
     "llama_dynamic_under": dict(model_type="llama", rope_parameters=DYNAMIC),
     # Phi-3.5-MoE: sparsemixer routing, whose router_jitter_noise (0.01) is a threshold in evaluation too
     "phimoe": dict(**MOE, input_jitter_noise=0.01),
+    # layers that pass no keyword arguments to their attention (no segments): auto falls back to sdpa
+    "stablelm": {},
+    "nemotron": {},
+    # outside transformers' attention registry (its own local / global attention): auto falls back
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, num_heads=4, window_size=WINDOW),
+    # more of transformers' decoders, as a user brings them: partial rotary, parallel blocks, learned
+    # positions, multi-query heads, QK norms, shared experts
+    "gpt_neox": dict(rotary_pct=0.5),
+    "gptj": dict(rotary_dim=8, n_embd=64, n_layer=2, n_head=4),
+    "codegen": dict(rotary_dim=8, n_embd=64, n_layer=2, n_head=4),
+    "persimmon": {},
+    "phi": {},
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, multi_query=True),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+    "cohere": {},
+    "arcee": {},
+    "smollm3": {},
+    "helium": {},
+    "olmo": {},
+    "glm": {},
+    "ernie4_5": {},
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=WINDOW,
+        use_sliding_window=True,
+        max_window_layers=1,
+    ),
     "minimax": dict(  # lightning (linear) attention layers beside full ones, experts with router noise
         num_local_experts=4, num_experts_per_tok=2, block_size=8, layer_types=["full_attention", "linear_attention"]
     ),
