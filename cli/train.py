@@ -174,7 +174,10 @@ def main(
     mixture-of-experts model that returns a router loss adds it (loss.router_aux_coef). Dropout is off,
     all of it (modules, attributes, config keys). During step 1 the policy's training forward must
     score every pair of the run's own micro-batches as the reference does on the same row reordered
-    (train.parity_guard): a difference is exit 2 before the optimizer steps. Supported architectures:
+    (train.parity_guard), and as each sequence scores alone, unpadded, through the model as loaded
+    (train.alone_check): a difference is exit 2 before the optimizer steps. A value named like dropout
+    that the evaluation forward reads is kept (PhiMoE's routing threshold). Under auto a model the
+    run's path cannot score takes a path the probe checked, said once. Supported architectures:
     docs/train-config.md.
 
     First of all, the installed libraries must be within the ranges dpo-toolkit declares (torch, transformers,

@@ -199,8 +199,9 @@ class Trainer:
         last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
         with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
-                (self._join(batch).logits.sum().mul(0) + reached_by_every_rank(self.policy)).backward()
-                self._alone(batch, None)
+                joined = self._join(batch)
+                self._alone(batch, None)  # before the backward, as a rank with pairs runs it: collectives in order
+                (joined.logits.sum().mul(0) + reached_by_every_rank(self.policy)).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)

@@ -88,7 +88,8 @@ def call_attention(module: Any, path: str, kwargs: dict) -> tuple[LayerAttention
         elif kind == SLIDING and window is None:
             raise ModelError(
                 f"layer {index} of {type(module).__name__} is a sliding-window layer but passed no "
-                f"sliding_window to attention path {path}; run model.attention eager"
+                f"sliding_window to attention path {path}; use model.attention auto (its start-up probe takes a path "
+                "it checked exact for the model)"
             )
     return LayerAttention(window=window, chunk=chunk, softcap=kwargs.get("softcap")), kwargs.get("s_aux")
 

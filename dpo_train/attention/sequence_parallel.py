@@ -241,8 +241,9 @@ def sequence_parallel_attention(
     [B, s, H, D] out."""
     if sequence_shard is None:
         raise ModelError(
-            "this model runs with sequence-parallel attention and was called without a sequence shard; "
-            "call it through dpo_train.attention.logps.pair_logps with the run's SequenceMesh"
+            f"{type(module).__name__} was called without its sequence shard: its layers do not pass the model's "
+            "keyword arguments on to their attention, so distributed.sequence_parallel cannot run this model; "
+            "remove distributed.sequence_parallel (model.attention auto then takes a path its probe checked)"
         )
     layer, sinks = call_attention(module, "sequence parallel", kwargs)
     if tuned(module):  # before the exchange: the query is this rank's positions, scaled by their local index

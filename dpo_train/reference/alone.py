@@ -12,7 +12,7 @@ from dpo_data.loading.microbatch import segment_sums, segments_to_pairs
 from dpo_train.attention import segments, unpacked
 from dpo_train.attention.features import text_config
 from dpo_train.attention.logps import pair_logps, targets
-from dpo_train.attention.probe import eager_attention
+from dpo_train.attention.unpacked import eager_wrong
 from dpo_train.errors import ParityError
 from dpo_train.model.policy import changed_settings, dropout_as_loaded
 from dpo_train.parallel import collectives
@@ -26,15 +26,26 @@ CAUSES = (
 
 @contextmanager
 def as_loaded(model: Any, settings: bool = True) -> Iterator[None]:
-    """Meanwhile, the model as a user loads it: evaluation mode, transformers' own eager attention (sdpa where
-    eager is known wrong), and (with `settings`) every value `disable_dropout` zeroed as loaded."""
-    training = model.training
+    """Meanwhile, the model as a user loads it: evaluation mode, the attention transformers gives its class by
+    default (`own_attention`), and (with `settings`) every value `disable_dropout` zeroed as loaded."""
+    training, config = model.training, text_config(model)
+    saved, config._attn_implementation = config._attn_implementation, own_attention(model)
     model.eval()
     try:
-        with eager_attention(model), dropout_as_loaded(model) if settings else _nothing():
+        with dropout_as_loaded(model) if settings else _nothing():
             yield
     finally:
+        config._attn_implementation = saved
         model.train(training)
+
+
+def own_attention(model: Any) -> str:
+    """transformers' default attention for the model's class: sdpa where the class has it (and where its eager
+    attention is known wrong: Falcon with ALiBi), else eager (Gemma2, GPT-OSS, Bloom)."""
+    from transformers import PreTrainedModel
+
+    loaded = next(m for m in model.modules() if isinstance(m, PreTrainedModel))  # under DDP's or PEFT's wrapper
+    return "sdpa" if eager_wrong(text_config(model)) or type(loaded)._supports_sdpa else "eager"
 
 
 @contextmanager
@@ -93,14 +104,14 @@ def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, shar
         return
     slot, side = divmod(int(torch.nan_to_num(off, nan=float("inf")).argmax()), 2)
     found = "run on one process for a diagnosis" if sharded else _diagnosis(model, batch, truth, facts)
-    attention = text_config(model)._attn_implementation
+    attention = own_attention(model)
     raise ParityError(
         f"{facts['where']}, micro-batch {batch.get('microbatch')} on rank {facts['rank']}: {facts['arch']} "
         f"(attention {facts['attention']}, data.layout {facts['layout']}, {facts['precision']}) scores pair "
         f"{int(batch['pair_index'][slot])}'s {('chosen', 'rejected')[side]} completion "
         f"{float(have[slot, side]):.6f} packed, but {float(truth[slot, side]):.6f} with its sequence run alone "
-        f"through the model as loaded (evaluation mode, its config values as loaded, transformers' "
-        f"{'sdpa' if attention == 'sdpa' else 'eager'} attention, one sequence a forward, no padding), beyond "
+        f"through the model as loaded (evaluation mode, its config values as loaded, transformers' {attention} "
+        "attention, one sequence a forward, no padding), beyond "
         f"{relative:.0e} relative + {absolute:.0e}. Nothing was stepped: the run would train on wrong numbers. "
         f'Likely causes: {CAUSES}. {found}. Report the model (docs/train-config.md, "Step 1\'s alone check"); '
         "train.alone_check: false trains anyway, at your own risk"

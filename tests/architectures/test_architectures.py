@@ -14,6 +14,7 @@ from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError, ModelError
 from tests import docs_blocks
 from tests.architectures.zoo import (
+    AUTO_FALLBACK,
     COLUMNS,
     PATH_REFUSED,
     REFUSED,
@@ -81,12 +82,15 @@ def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]
 
 def _expect(results: dict, model_type: str, refused_paths=()) -> None:
     for key, value in results.items():
-        path = key.split()[0]
-        reason = REFUSED.get(model_type) or (PATH_REFUSED.get((model_type, path)) if path in refused_paths else None)
+        path, layout = key.split()[0], key.split()[-1]
+        refused = PATH_REFUSED.get((model_type, path, layout)) or PATH_REFUSED.get((model_type, path))
+        reason = REFUSED.get(model_type) or (refused if path in refused_paths else None)
         if model_type in UNPACKED and path not in ("auto", "unpacked"):  # every packing path, sequence parallel too
             reason = UNPACKED[model_type]
         if key.endswith("shared_prompt") and model_type in SHARED_PROMPT_UNPACKED and path not in ("auto", "unpacked"):
             reason = SHARED_PROMPT_UNPACKED[model_type]
+        if model_type in AUTO_FALLBACK and path in ("ulysses", "context"):  # auto's fallback needs no group
+            reason = AUTO_FALLBACK[model_type][2]
         if path == "unpacked":  # the model's own attention, sdpa or eager: exact for every model
             reason = None
         if reason:
@@ -107,7 +111,7 @@ def results_of(model_type: str) -> dict:
 
 @pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_every_path_and_layout_equals_eager_unpacked_or_is_refused(model_type):
-    _expect(results_of(model_type), model_type, refused_paths=("sdpa", "eager"))
+    _expect(results_of(model_type), model_type, refused_paths=("segments", "sdpa", "eager"))
 
 
 def test_the_zoo_has_the_windows_and_features_it_claims():
@@ -196,6 +200,7 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed as dist
 
     from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.probe import probe
 
     join_gloo(rank, world, port)
     out = {}
@@ -203,8 +208,14 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
         if isinstance(model, str):
             out[" ".join(key)] = model
             continue
-        with torch.no_grad():
-            out[" ".join(key)] = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
+        try:
+            with torch.no_grad():
+                error = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
+            if error >= TOLERANCE:  # as at start-up: the probe refuses what packing gets wrong (RWKV)
+                probe(model, key[2], "auto")
+            out[" ".join(key)] = error
+        except (ModelError, ConfigError) as e:  # layers that pass no shard or window, or a leak: refused by name
+            out[" ".join(key)] = str(e)
     if rank == 0:
         torch.save(out, result)
     dist.barrier()
@@ -284,9 +295,10 @@ def table_rows(sequence_parallel: dict) -> dict:
         model = _load(model_type, "unpacked" if model_type in UNPACKED else "auto", "separate")
         results = results_of(model_type)
         row = {"class": type(model).__name__, "features": features_of(model)}
-        row["flash"] = flash_cell(model, model_type in REFUSED, model_type in UNPACKED)
+        row["flash"] = flash_cell(model, model_type in REFUSED, model_type in UNPACKED, AUTO_FALLBACK.get(model_type))
         row["router"] = model_type not in UNPACKED and router_loss_default(model)
-        row["ran_unpacked"] = {"unpacked", "auto"} if model_type in UNPACKED else {"unpacked"}
+        unpacked_auto = model_type in UNPACKED or AUTO_FALLBACK.get(model_type, ("",))[0] == "unpacked"
+        row["ran_unpacked"] = {"unpacked", "auto"} if unpacked_auto else {"unpacked"}
         for column in COLUMNS:
             source = sequence_parallel if column in ("ulysses 2", "context 2") else results
             prefix = f"{model_type} {column} " if source is sequence_parallel else f"{column} "

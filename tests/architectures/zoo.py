@@ -189,6 +189,8 @@ ZOO = {
         use_sliding_window=True,
         max_window_layers=1,
     ),
+    # RWKV: recurrent, and no layer_types says so; only the probe sees that packing leaks
+    "rwkv": dict(attention_hidden_size=64, context_length=256),
     "minimax": dict(  # lightning (linear) attention layers beside full ones, experts with router noise
         num_local_experts=4, num_experts_per_tok=2, block_size=8, layer_types=["full_attention", "linear_attention"]
     ),
@@ -262,16 +264,34 @@ SHARED_PROMPT_UNPACKED = {
 }
 """model_type -> why the shared-prompt layout cannot pack it: auto runs it unpacked there, the packed paths
 refuse it."""
+AUTO_FALLBACK = {
+    "stablelm": ("sdpa", "its layers pass no keywords to their attention", "without its sequence shard"),
+    "nemotron": ("sdpa", "its layers pass no keywords to their attention", "without its sequence shard"),
+    "gpt_neo": ("unpacked", "outside transformers' attention registry", "trains unpacked"),
+    "qwen2_moe": ("unpacked", "its sliding layers pass no window", "passed no sliding_window"),
+    "rwkv": ("unpacked", "its recurrent state crosses segments", "packing would train on wrong numbers"),
+}
+"""model_type -> (the path auto takes after the start-up probe, why the segment path cannot run it, what the
+sequence-parallel columns' refusal says: auto's fallback runs in one process's row)."""
 REFUSED: dict[str, str] = {}
 """model_type -> the reason every path refuses it (none left: the unpacked path serves every model)."""
 UNSET = {"falcon": ("head_dim", "num_key_value_heads")}
 """BASE keys a config class refuses (FalconConfig's head_dim is derived; its kv heads are num_kv_heads)."""
-# (model_type, path) -> the reason that path alone refuses it
+# (model_type, path) or (model_type, path, layout) -> the reason that path alone refuses it (in that layout)
 PATH_REFUSED = {
     ("gemma2", "sdpa"): "transformers refuses it",
     ("gpt_oss", "sdpa"): "transformers refuses it",
     ("llama4_text", "sdpa"): "cannot express temperature tuning",  # transformers scales by row index
     ("llama4_text", "eager"): "cannot express temperature tuning",
+    ("stablelm", "segments"): "without the row's segments",
+    ("nemotron", "segments"): "without the row's segments",
+    ("qwen2_moe", "segments"): "passed no sliding_window",
+    ("gpt_neo", "segments"): "attention registry",
+    ("gpt_neo", "sdpa"): "transformers refuses it",
+    ("gpt_neo", "eager", "shared_prompt"): "packing would train on wrong numbers",  # its local attention's mask
+    ("rwkv", "segments"): "packing would train on wrong numbers",
+    ("rwkv", "sdpa"): "transformers refuses it",
+    ("rwkv", "eager"): "packing would train on wrong numbers",
 }
 
 
@@ -301,6 +321,7 @@ COLUMNS = ("auto", "segments", "sdpa", "eager", "unpacked", "ulysses 2", "contex
 
 def features_of(model) -> str:
     """The attention features a model's layers need, in words, for the table."""
+    from dpo_train.attention import rope
     from dpo_train.attention.features import model_attention, text_config
     from dpo_train.attention.unpacked import alibi
 
@@ -315,6 +336,9 @@ def features_of(model) -> str:
     if hasattr(config, "output_router_logits"):
         found.append("experts, router loss" if router_loss_default(model) else "experts (no router loss)")
     found += [f"'{kind}' layers" for kind in dict.fromkeys(k for _, k in model_attention(model).mixers)]
+    if rope.thresholds(config):
+        parameters = config.rope_parameters
+        found.append(f"{parameters.get('rope_type', parameters.get('type'))} rope from {rope.thresholds(config)[0]}")
     return ", ".join(found) or "full causal"
 
 
@@ -344,6 +368,10 @@ def cell(value, unpacked: bool = False) -> str:
             return "refused: state crosses segments"
         if "ALiBi" in value:
             return "refused: ALiBi bias spans the row"
+        if "without its sequence shard" in value or "without the row's segments" in value:
+            return "refused: its layers pass no keywords to attention"
+        if "passed no sliding_window" in value:
+            return "refused: its layers pass no window"
         if "depends on each sequence's length" in value:
             return "refused: a shared prompt's rope by length"
         return "refused: " + value.split(";")[0]
@@ -366,11 +394,13 @@ def render_table(rows: dict) -> str:
     return markdown_table(head, lines)
 
 
-def flash_cell(model, refused: bool, unpacked: bool = False) -> str:
+def flash_cell(model, refused: bool, unpacked: bool = False, fallback: tuple | None = None) -> str:
     """flash-attention-2 by capability (it needs CUDA: not run here)."""
     from dpo_train.attention.choice import EXPRESSES
     from dpo_train.attention.features import model_attention
 
+    if fallback:
+        return f"refused (auto: {fallback[0]}): {fallback[1]}"
     if refused:
         return "refused: state crosses segments"
     if unpacked:
