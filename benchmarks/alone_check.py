@@ -5,8 +5,8 @@ runs), same rows, same process. Also the rope check and the settings check of th
 SmolLM2-135M-Instruct on CPU, fp32, the demo's micro-batches (1024-token budget) of the bundled sample (as
 benchmarks/parity_guard.py packs them): for each micro-batch the packed forward (`pair_logps` without autograd)
 against `check_alone` with those numbers (which runs `alone_logps`: one forward per sequence, its completion's
-logits only); interleaved, `--repeats` passes, the median of each. The check runs once a process, at its
-first step: its cost is this ratio times one reference forward of that step.
+logits only); interleaved, `--repeats` passes, the median of each. The check runs at step 1
+only: its cost is this ratio times one reference forward of that step.
 
     .venv/bin/python benchmarks/alone_check.py [--repeats 5]
 """

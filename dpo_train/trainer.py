@@ -94,7 +94,9 @@ class Trainer:
         self.state = TrainState(early_stopping=early_stopping_watch(config.eval))
         self.skipped_steps = 0
         self._check_norm = config.train.parity_guard  # at this process's first step (a resumed run's too)
-        # likewise: each sequence alone, as loaded (a vision-language row's sequences need its images: not run)
+        # step 1: each sequence alone, as loaded (a vision-language row's sequences need its images: not run). Never
+        # a resumed process's first step: its LoRA adapters are no longer zero, and LoRA's dropout (model.lora
+        # dropout, kept on) then makes its training forward differ from the model in evaluation, as it should
         self._check_alone = config.train.alone_check and tower_of(policy) is None
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
@@ -234,12 +236,11 @@ class Trainer:
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
     def _alone(self, batch: dict, policy: Any) -> None:
-        """At this process's first step, the policy's packed log-probs of each micro-batch against its sequences
-        run alone through the model as loaded (`dpo_train.reference.alone`, train.alone_check)."""
-        if not self._check_alone:
+        """At step 1, the policy's packed log-probs of each micro-batch against its sequences run alone through the
+        model as loaded (`dpo_train.reference.alone`, train.alone_check)."""
+        if not self._check_alone or self.state.step:
             return
-        where = f"step {self.step_number}" + (" (this process's first)" if self.state.step else "")
-        facts = {**self.facts, "precision": self.place.precision, "where": where}
+        facts = {**self.facts, "precision": self.place.precision, "where": "step 1"}
         sharded = self.config.distributed.strategy == "fsdp" and self.world > 1
         got = (policy.chosen, policy.rejected) if policy is not None else ()
         check_alone(self.policy, got, batch, facts, sharded)
@@ -267,7 +268,7 @@ class Trainer:
         """Finish the optimizer step: clip the step gradient, reduce the metrics, and update, unless the
         loss, a log-prob or the gradient norm is not finite on any rank (`train.on_nonfinite`)."""
         max_norm = self.config.optim.max_grad_norm or float("inf")
-        self._check_alone = False  # once a process: its first step
+        self._check_alone = False  # step 1 only
         independent = gradient_norm(self.policy.parameters()) if self._check_norm else None
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
         if independent is not None:

@@ -62,7 +62,11 @@ def _restore(module: Any, device: torch.device) -> None:
     """Put the module back in its fresh state: as transformers built it, before any forward changed it."""
     fresh = module.dpo_fresh
     for name, buffer in fresh["buffers"].items():
-        module._buffers[name] = buffer.to(device).clone()
+        now = module._buffers.get(name)
+        if now is not None and now.shape == buffer.shape and now.device == device:
+            now.copy_(buffer)  # in place where it can: the buffer keeps its address (DDP and CUDA graphs hold it)
+        else:
+            module._buffers[name] = buffer.to(device).clone()
     for key, value in fresh["attributes"].items():
         setattr(module, key, value)
 

@@ -111,7 +111,8 @@ def check_heads(model_config: Any, ulysses: int) -> None:
     if hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
     heads = int(model_config.num_attention_heads)
-    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_kv_heads", None)
+    kv_heads = int(1 if getattr(model_config, "multi_query", False) else kv_heads or heads)  # GPTBigCode: MQA
     if heads % ulysses or kv_heads % ulysses:
         raise ConfigError(
             f"distributed.sequence_parallel.ulysses {ulysses} must divide the model's attention heads "

@@ -197,7 +197,7 @@ class TrainSection:
     same switch checks, at a process's first step, that torch's clip_grad_norm_ returns the gradients' own norm
     (summed apart over every rank's part), and stops the run (exit 2) where it does not."""
     alone_check: bool = True
-    """At each process's first step, every micro-batch's pairs are scored again one sequence at a time, unpacked
+    """At step 1, every micro-batch's pairs are scored again one sequence at a time, unpacked
     and unpadded, through the model as loaded (evaluation mode, its config values as loaded, transformers' eager
     attention); each pair's packed log-probs must equal those, or the run stops (exit 2) before the optimizer
     steps, naming the pair, both values and a fix checked on that micro-batch (docs/train-config.md, "Step 1's

@@ -141,8 +141,12 @@ def test_the_guard_stops_a_run_whose_dropout_stays_on(tmp_path, small_dataset, s
     assert "step 1, micro-batch 0 on rank 0: SeedOssForCausalLM" in result.output
     assert "Nothing was stepped" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run" / "final").exists() and not list((tmp_path / "run").glob("checkpoints/step-*"))
-    # at the user's own risk, train.parity_guard: false lets it train
-    train_here(run_cli, path, "--set", "train.parity_guard=false", "--set", "train.save_every=0")
+    # the alone check sees it too (the training forward is not the model as loaded); at the user's own risk,
+    # both off let it train
+    result = train_here(run_cli, path, "--set", "train.parity_guard=false", "--set", "train.save_every=0", code=2)
+    assert "Found: evaluation mode scores these pairs packed as alone, the training forward does not" in result.output
+    off = ("--set", "train.parity_guard=false", "--set", "train.alone_check=false", "--set", "train.save_every=0")
+    train_here(run_cli, path, *off)
 
 
 def test_the_guard_runs_under_lora_and_the_shared_prompt_layout(
@@ -179,5 +183,11 @@ def test_llama4_temperature_tuning_packs_exactly_and_the_guard_catches_it_undone
     )
     assert "step 1, micro-batch 0 on rank 0: Llama4ForCausalLM (attention dpo_segments" in result.output
     assert not (tmp_path / "b" / "final").exists()
-    result = train_here(run_cli, path, "--set", "train.output_dir=" + str(tmp_path / "c"), code=2)
+    segments_only = ("--set", "model.attention=segments", "--set", "train.output_dir=" + str(tmp_path / "c"))
+    result = train_here(run_cli, path, *segments_only, code=2)
     assert "start-up probe" in result.output  # the probe, on, catches it first (segments past floor_scale)
+    result = train_here(run_cli, path, "--set", "train.output_dir=" + str(tmp_path / "d"))  # auto: a checked path
+    assert "model.attention auto takes unpacked" in result.output
+    assert json.loads((tmp_path / "d" / "metrics.jsonl").read_text().splitlines()[0])["loss"] == pytest.approx(
+        0.693147, abs=1e-6
+    )

@@ -73,7 +73,7 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
     calls = []
     import dpo_train.run.initial_policy as initial  # the trainer's and the precompute's initial policy
 
-    monkeypatch.setattr(initial, "probe", lambda model, layout: calls.append(layout) or 0.0)
+    monkeypatch.setattr(initial, "probe", lambda model, layout, requested: calls.append(layout) or 0.0)
     path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
     train_here(run_cli, path)
     assert calls == ["separate"]

@@ -292,6 +292,7 @@ PATH_REFUSED = {
     ("rwkv", "segments"): "packing would train on wrong numbers",
     ("rwkv", "sdpa"): "transformers refuses it",
     ("rwkv", "eager"): "packing would train on wrong numbers",
+    ("gpt_bigcode", "ulysses"): "must divide the model's attention heads",  # one key/value head (multi-query)
 }
 
 
@@ -370,6 +371,12 @@ def cell(value, unpacked: bool = False) -> str:
             return "refused: ALiBi bias spans the row"
         if "without its sequence shard" in value or "without the row's segments" in value:
             return "refused: its layers pass no keywords to attention"
+        if "attention registry" in value:
+            return "refused: outside the attention registry"
+        if "packing would train on wrong numbers" in value:
+            return "refused: off on the probe's row"
+        if "must divide the model's attention heads" in value:
+            return "refused: one key/value head"
         if "passed no sliding_window" in value:
             return "refused: its layers pass no window"
         if "depends on each sequence's length" in value:
