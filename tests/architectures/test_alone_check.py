@@ -13,21 +13,11 @@ from dpo_data.loading.microbatch import pack_microbatch
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError, ParityError
 from tests.architectures.zoo import LONGROPE, ZOO, model_spec, pairs
-from tests.harness import join_gloo, spawn, train_here, write_yaml
+from tests.architectures.zoo import train_config as _config
+from tests.harness import join_gloo, spawn, train_here
 
 THRESHOLD = 49
 """The small dataset's sequences are 45 to 56 tokens: step 1's four pairs lie on both sides of 49."""
-
-
-def _config(tmp_path, dataset, tokenizer_dir, model_type, model=None, **train):
-    spec = {**model_spec(model_type), "vocab_size": 49152, **(model or {})}
-    config = {
-        "model": {"init": {"config": spec, "seed": 0}, "tokenizer": str(tokenizer_dir)},
-        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4},
-        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "resume": "never", **train},
-        "distributed": {"strategy": "ddp"},
-    }
-    return write_yaml(tmp_path / "config.yaml", config)
 
 
 LONG = {
@@ -59,7 +49,8 @@ def test_longrope_trains_exactly_and_the_alone_check_catches_it_undone(
     assert _loss(tmp_path) == pytest.approx(0.693147, abs=1e-6)
     _undo_the_rope_fix(monkeypatch)
     out = lambda name: ("--set", "train.probe_packing=false", "--set", f"train.output_dir={tmp_path / name}")  # noqa: E731
-    result = train_here(run_cli, path, *out("b"), code=2)
+    tr_dpo = ("--set", "reference.sync_ref_model=true", "--set", "reference.ref_model_sync_steps=1")
+    result = train_here(run_cli, path, *out("b"), *tr_dpo, code=2)  # TR-DPO: its live copy first moves after step 1
     assert "step 1, micro-batch 0 on rank 0: Phi3ForCausalLM (attention dpo_segments" in result.output
     assert "with its sequence run alone through the model as loaded" in result.output
     assert "None of segments, eager, sdpa and unpacked" in result.output and "Traceback" not in result.output

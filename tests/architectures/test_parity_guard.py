@@ -13,7 +13,8 @@ from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ParityError
 from dpo_train.reference.guard import check_parity, reordered
 from tests.architectures.zoo import model_spec, pairs, relative_error
-from tests.harness import train_here, write_yaml
+from tests.architectures.zoo import train_config as _config
+from tests.harness import train_here
 
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 
@@ -104,17 +105,6 @@ def test_the_weights_fingerprint_takes_zero_dim_tensors():
     before = weights_fingerprint(model)
     model.get_buffer(zero_dim[0]).add_(1.0)
     assert weights_fingerprint(model) != before
-
-
-def _config(tmp_path, dataset, tokenizer_dir, model_type, model=None, **train):
-    spec = {**model_spec(model_type), "vocab_size": 49152, **(model or {})}
-    config = {
-        "model": {"init": {"config": spec, "seed": 0}, "tokenizer": str(tokenizer_dir)},
-        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4},
-        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "resume": "never", **train},
-        "distributed": {"strategy": "ddp"},
-    }
-    return write_yaml(tmp_path / "config.yaml", config)
 
 
 SEED_OSS = {"residual_dropout": 0.1, "attention_dropout": 0.1}

@@ -302,6 +302,21 @@ def model_spec(name: str) -> dict:
     return {k: v for k, v in spec.items() if k not in UNSET.get(name, ())}
 
 
+def train_config(tmp_path, dataset, tokenizer_dir, model_type, model=None, **train):
+    """A one-step DDP run's config file of zoo entry `model_type` (with `model` over its spec) on `dataset`, with
+    SmolLM2's vocabulary so the real tokenizer's ids embed; `train` adds to the train section."""
+    from tests.harness import write_yaml
+
+    spec = {**model_spec(model_type), "vocab_size": 49152, **(model or {})}
+    config = {
+        "model": {"init": {"config": spec, "seed": 0}, "tokenizer": str(tokenizer_dir)},
+        "data": {"path": str(dataset), "batching": "pairs", "pairs_per_step": 4},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "resume": "never", **train},
+        "distributed": {"strategy": "ddp"},
+    }
+    return write_yaml(tmp_path / "config.yaml", config)
+
+
 def pairs() -> list[PairIds]:
     """Three pairs whose prompts and completions are longer than WINDOW (and one short one), so
     windows and chunks cut inside a segment, and across the prompt of a shared-prompt completion."""
