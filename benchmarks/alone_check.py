@@ -32,7 +32,7 @@ def measure(data: str, repeats: int) -> dict:
     from dpo_train.config.sections import ModelConfig
     from dpo_train.model.bundled import materialize_smollm2
     from dpo_train.model.policy import load_policy
-    from dpo_train.reference.alone import check_alone
+    from dpo_train.run.alone import check_alone
 
     torch.manual_seed(0)
     segments.register()

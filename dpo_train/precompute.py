@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from dpo_data.loading.steps import StepPlanner
-from dpo_train.attention.features import text_config
 from dpo_train.config import TrainConfig
 from dpo_train.errors import ConfigError
 from dpo_train.parallel import barrier
 from dpo_train.reference import SIDECAR_DOCUMENT, score_pairs, write_sidecar
-from dpo_train.reference.alone import check_alone
-from dpo_train.run import load_initial_policy, precompute_run
-from dpo_train.vision.families import tower_of
+from dpo_train.run import alone_applies, load_initial_policy, precompute_check, precompute_run
 
 
 def precompute_reference(
@@ -49,7 +45,7 @@ def precompute_reference(
     what = "every training pair" if steps is None else f"the {len(pairs)} pairs of the run's {steps} steps"
     shown = f"precompute: the reference scores {what}" if run.shown else None
     budget = config.data.max_tokens_per_microbatch
-    check = alone_check(model, run) if config.train.alone_check and tower_of(model) is None else None
+    check = precompute_check(model, run) if alone_applies(config, model) else None
     scores = score_pairs(model, store, run, budget, progress=shown, pairs=pairs, check=check)
     path = Path(config.reference.path)
     if run.rank == 0:
@@ -58,25 +54,6 @@ def precompute_reference(
         write_sidecar(path, scores, store, weights, place.precision, layout, source, seconds, steps)
     barrier()
     return path
-
-
-def alone_check(model: Any, run: Any) -> Any:
-    """`score_pairs`' check of each rank's first micro-batch: its pairs' packed log-probs against each sequence run
-    alone through the model as loaded (`dpo_train.reference.alone`, train.alone_check)."""
-    config = run.config
-    facts = {
-        "arch": type(model).__name__,
-        "attention": text_config(model)._attn_implementation,
-        "layout": config.data.layout,
-        "rank": run.rank,
-        "precision": run.place.precision,
-        "where": "the reference precompute",
-    }
-
-    def check(batch: dict, out: Any) -> None:  # the precompute's model is whole on every rank: never sharded
-        check_alone(model, (out.chosen, out.rejected) if out is not None else (), batch, facts, False)
-
-    return check
 
 
 def _planned(run) -> tuple[int, np.ndarray]:

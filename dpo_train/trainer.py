@@ -31,8 +31,16 @@ from dpo_train.export import export, run_facts
 from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
 from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
-from dpo_train.reference.alone import check_alone
-from dpo_train.run import Progress, Run, RunLog, load_initial_policy, stage, training_run
+from dpo_train.run import (
+    Progress,
+    Run,
+    RunLog,
+    alone_applies,
+    check_alone,
+    load_initial_policy,
+    stage,
+    training_run,
+)
 from dpo_train.step import (
     CLIP,
     EarlyStopping,
@@ -53,7 +61,6 @@ from dpo_train.step import (
     step_sources,
     unmoved_rng,
 )
-from dpo_train.vision.families import tower_of
 
 
 class Trainer:
@@ -97,7 +104,7 @@ class Trainer:
         # step 1: each sequence alone, as loaded (a vision-language row's sequences need its images: not run). Never
         # a resumed process's first step: its LoRA adapters are no longer zero, and LoRA's dropout (model.lora
         # dropout, kept on) then makes its training forward differ from the model in evaluation, as it should
-        self._check_alone = config.train.alone_check and tower_of(policy) is None
+        self._check_alone = alone_applies(config, policy)
         self._step_pairs: set[int] = set()
         self.sorted, self._held = bool(sorted_types(config.loss)), []
         self.sums, self._started = new_sums(len(self.sources)), time.perf_counter()
@@ -237,7 +244,7 @@ class Trainer:
 
     def _alone(self, batch: dict, policy: Any) -> None:
         """At step 1, the policy's packed log-probs of each micro-batch against its sequences run alone through the
-        model as loaded (`dpo_train.reference.alone`, train.alone_check)."""
+        model as loaded (`dpo_train.run.alone`, train.alone_check)."""
         if not self._check_alone or self.state.step:
             return
         facts = {**self.facts, "precision": self.place.precision, "where": "step 1"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dpo_train.attention import temperature
 from dpo_train.errors import ModelError
 
@@ -153,3 +155,19 @@ def _layer_of(name: str) -> int:
     """`model.layers.3.self_attn.sinks` -> 3."""
     parts = name.split(".")
     return int(next(p for p in parts if p.isdigit()))
+
+
+def computes_router_loss(model: Any) -> bool:
+    """Whether the model returns a router load-balancing loss (`aux_loss`) when asked for router logits: a
+    two-token forward without gradients, in eval mode. Some mixture-of-experts models have the config key
+    but no such loss (Llama 4, GLM-4-MoE, dots1, Hunyuan-MoE, EXAONE-MoE): TRL adds nothing for them either."""
+    config, device = model_config(model), next(model.parameters()).device
+    saved, training = config._attn_implementation, model.training
+    config._attn_implementation = "eager"  # runs alone, without the row a packed path needs
+    try:
+        with torch.no_grad():
+            out = model.eval()(input_ids=torch.ones(1, 2, dtype=torch.long, device=device), output_router_logits=True)
+    finally:
+        config._attn_implementation = saved
+        model.train(training)
+    return getattr(out, "aux_loss", None) is not None

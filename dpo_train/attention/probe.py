@@ -213,16 +213,14 @@ def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], trut
     with the model marked unpacked for the while."""
     from dpo_train.attention import unpacked
     from dpo_train.attention.choice import expresses
-    from dpo_train.step.objective import computes_router_loss
+    from dpo_train.attention.features import computes_router_loss
 
     found = [
         name
         for name, path in _PATHS.items()
         if path != tried and expresses(model, path) and _exact(model, path, layout, pairs, truth)
     ]
-    from dpo_train.vision.families import tower_of
-
-    if tower_of(model) is not None:  # a vision-language row cannot run unpacked (its images are the row's)
+    if hasattr(model_config(model), "vision_config"):  # a vision-language row cannot run unpacked (its images)
         return found
     model.dpo_unpacked = True
     try:

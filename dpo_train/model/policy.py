@@ -206,7 +206,7 @@ def disable_dropout(model: Any) -> list[str]:
     in (0, 1] (models copy such keys into attributes at init, a few read the config in forward). A name can
     lie (PhiMoE's `router_jitter_noise` is a routing threshold its evaluation forward reads): `keep_settings`
     puts back what is no dropout. What a model hard-codes in a call is beyond reach: step 1's checks
-    (dpo_train/reference/guard.py, dpo_train/reference/alone.py) stop such a run. Everything changed but the
+    (dpo_train/reference/guard.py, dpo_train/run/alone.py) stop such a run. Everything changed but the
     modules' p comes back for export and for step 1's check (`dropout_as_loaded`). Returns what was zeroed."""
     zeroed, saved = [], []
     for name, module in model.named_modules():

@@ -55,7 +55,7 @@ def score_pairs(
     to show it under (`Stage`, on the caller's rank 0), None: silent. `pairs`: only these global indices
     are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0. `check(batch, out)`:
     called on every rank's first micro-batch (`out` None for an empty one), as --precompute-reference checks
-    them against each sequence run alone (`dpo_train.reference.alone`).
+    them against each sequence run alone (`dpo_train.run.alone`).
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank

@@ -7,6 +7,7 @@ from dpo_train.front import front
 __all__, __getattr__ = front(
     __name__,
     {
+        "alone": ("alone_applies", "check_alone", "precompute_check"),
         "initial_policy": ("load_initial_policy",),
         "log": ("RunLog",),
         "progress": ("Progress", "stage"),

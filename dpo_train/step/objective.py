@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpo_train.attention.features import model_config, text_config
+from dpo_train.attention.features import computes_router_loss, text_config
 from dpo_train.attention.unpacked import runs_unpacked
 from dpo_train.errors import ConfigError
 
@@ -45,22 +45,6 @@ def router_aux_coef(requested: float | None, model: Any, attention: str, sequenc
             "per layer kind; use model.attention auto or segments, or set loss.router_aux_coef: 0"
         )
     return coef
-
-
-def computes_router_loss(model: Any) -> bool:
-    """Whether the model returns a router load-balancing loss (`aux_loss`) when asked for router logits: a
-    two-token forward without gradients, in eval mode. Some mixture-of-experts models have the config key
-    but no such loss (Llama 4, GLM-4-MoE, dots1, Hunyuan-MoE, EXAONE-MoE): TRL adds nothing for them either."""
-    config, device = model_config(model), next(model.parameters()).device
-    saved, training = config._attn_implementation, model.training
-    config._attn_implementation = "eager"  # runs alone, without the row a packed path needs
-    try:
-        with torch.no_grad():
-            out = model.eval()(input_ids=torch.ones(1, 2, dtype=torch.long, device=device), output_router_logits=True)
-    finally:
-        config._attn_implementation = saved
-        model.train(training)
-    return getattr(out, "aux_loss", None) is not None
 
 
 def microbatch_loss(

@@ -111,7 +111,7 @@ def test_the_diagnosis_names_a_fix_it_checked(monkeypatch):
     """A packing error only the packed paths make: the check names unpacked, which it ran on the micro-batch."""
     import dpo_train.attention.rope as rope
     from dpo_train.attention.logps import pair_logps
-    from dpo_train.reference.alone import check_alone
+    from dpo_train.run.alone import check_alone
 
     model, batch = _load({**model_spec("phi3_longrope")}).eval(), pack_microbatch(pairs(), 16)
     packed_only = lambda batch, shard: batch["position_ids"].amax(-1, keepdim=True) + 1  # noqa: E731 - the row's
@@ -190,7 +190,7 @@ def _alone_worker(rank: int, world: int, port: int) -> None:
     from dpo_train.attention.inputs import row_inputs
     from dpo_train.attention.logps import pair_logps
     from dpo_train.parallel.sharding import shard
-    from dpo_train.reference.alone import alone_logps
+    from dpo_train.run.alone import alone_logps
 
     join_gloo(rank, world, port)
     model = _load(model_spec("phi3_longrope")).eval()

@@ -147,8 +147,8 @@ def test_a_dropped_window_is_caught(monkeypatch):
         "dpo_train.attention.segments.call_attention",
         lambda module, path, kwargs: (features.LayerAttention(), real(module, path, kwargs)[1]),
     )
-    results = path_results("mistral")
-    assert results["segments separate"] > 1e-3 and results["segments shared_prompt"] > 1e-3
+    results = path_results("mistral")  # the path's numbers are off, so the start-up probe refuses it, by name
+    assert all("packing would train on wrong numbers" in results[f"segments {layout}"] for layout in LAYOUTS)
 
 
 def test_a_path_that_cannot_express_a_feature_is_refused_by_name():
@@ -251,8 +251,8 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
 
     out = {}
     for (model_type, name, layout), model, mesh, pack, truth in _sp_models(rank, world):
-        if isinstance(model, str):
-            continue  # refused as in _sp_worker: nothing to block
+        if isinstance(model, str) or model_type in AUTO_FALLBACK:
+            continue  # refused as in _sp_worker (auto's fallbacks too: their layers take no shard): nothing to block
         limit, block_rows = segments.MASK_LIMIT, segments.BLOCK_ROWS
         segments.MASK_LIMIT, segments.BLOCK_ROWS = 0, 3
         try:
@@ -378,7 +378,7 @@ def _long_segments(monkeypatch) -> list:
     [
         (layout, model_type)
         for layout in sorted(LAYOUTS)
-        for model_type in sorted(set(ZOO) - set(UNPACKED))
+        for model_type in sorted(set(ZOO) - set(UNPACKED) - set(AUTO_FALLBACK))  # those cannot take segments
         if not (layout == "shared_prompt" and model_type in SHARED_PROMPT_UNPACKED)  # unpacked there
     ],
 )

@@ -17,12 +17,14 @@ from tests.architectures.zoo import ZOO, model_spec, pairs
 
 def _load(model_type: str):
     """The zoo model as a run trains it: training mode, dropout off (Seed-OSS's MLP applies its own)."""
+    from dpo_train.attention.probe import probe
     from dpo_train.model.load import load_model
     from dpo_train.model.policy import prepare_for_training
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
     model = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")
+    probe(model, "separate", "auto")  # auto's path, as the run takes it (StableLM's is sdpa)
     prepare_for_training(model)
     return model
 

@@ -361,8 +361,7 @@ def features_of(model) -> str:
 def router_loss_default(model) -> bool:
     """Whether the model returns a router load-balancing loss with a nonzero default coefficient: then
     `loss.router_aux_coef` is on unless set, and the paths that cannot compute it exactly refuse it."""
-    from dpo_train.attention.features import text_config
-    from dpo_train.step.objective import computes_router_loss
+    from dpo_train.attention.features import computes_router_loss, text_config
 
     coefficient = float(getattr(text_config(model), "router_aux_loss_coef", 0.0) or 0.0)
     return bool(coefficient) and computes_router_loss(model)

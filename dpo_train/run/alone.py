@@ -17,6 +17,7 @@ from dpo_train.errors import ParityError
 from dpo_train.model.policy import changed_settings, dropout_as_loaded
 from dpo_train.parallel import collectives
 from dpo_train.reference.guard import TOLERANCE
+from dpo_train.vision.families import tower_of
 
 CAUSES = (
     "a rope or scale that depends on the sequence's length, a window or chunk, a layer that sees across "
@@ -85,6 +86,31 @@ def alone_logps(model: Any, batch: dict[str, Any], settings: bool = True) -> tor
             picked[mine.cpu()] = (logits[at, label] - torch.logsumexp(logits[at], -1)).double().cpu()
     per_segment = segment_sums(picked, every.segment.cpu(), len(batch["segment_length"]))
     return segments_to_pairs(per_segment, {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
+
+
+def alone_applies(config: Any, model: Any) -> bool:
+    """Whether the run checks its first micro-batches alone: `train.alone_check`, for a text model (a
+    vision-language row's sequences need its images)."""
+    return bool(config.train.alone_check) and tower_of(model) is None
+
+
+def precompute_check(model: Any, run: Any) -> Any:
+    """`score_pairs`' check of each rank's first micro-batch under --precompute-reference: its pairs' packed
+    log-probs against each sequence run alone (`check_alone`; the precompute's model is whole on every rank)."""
+    config = run.config
+    facts = {
+        "arch": type(model).__name__,
+        "attention": text_config(model)._attn_implementation,
+        "layout": config.data.layout,
+        "rank": run.rank,
+        "precision": run.place.precision,
+        "where": "the reference precompute",
+    }
+
+    def check(batch: dict, out: Any) -> None:
+        check_alone(model, (out.chosen, out.rejected) if out is not None else (), batch, facts, False)
+
+    return check
 
 
 def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, sharded: bool) -> None:
