@@ -11,6 +11,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 1 << 25
 """The default --max-image-pixels (33,554,432: 8192 x 4096): an image declaring more is rejected as image_too_large."""
 MAX_IMAGE_BYTES = 64 << 20
 """The largest image file read (64 MiB); a larger one is rejected as image_too_large before it is read."""
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+"""The only formats image bytes are decoded as (Pillow's format names), each by Pillow in-process: nothing else is
+tried, so no plugin that runs an external program (EPS runs Ghostscript) is ever reached. Another format is an
+image_unreadable reject naming these."""
 
 
 class ImageError(Exception):
@@ -47,7 +51,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise ImageError(
                 "image_bomb",
@@ -55,7 +59,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any
                 "replace it with the real image",
             ) from None
         except UnidentifiedImageError:
-            raise ImageError("image_unreadable", f"{len(data)} bytes that PIL does not recognise as an image") from None
+            raise ImageError(
+                "image_unreadable",
+                f"{len(data)} bytes that PIL does not recognise as an image of the formats decoded "
+                f"({', '.join(IMAGE_FORMATS)}); convert it to one of them",
+            ) from None
         except (OSError, ValueError, SyntaxError) as e:  # PIL's plugins raise these on malformed headers
             raise ImageError("image_unreadable", f"PIL cannot read it ({type(e).__name__}: {e})") from None
         width, height = image.size

@@ -71,7 +71,7 @@ class PairEncoder:
         # plain text under the tokenizer's split_special_tokens), `_content` never matches them (user content).
         # Serializing the backend is a large part of start-up, so it is done once.
         self._spec = backend.to_str()
-        self._template = type(backend).from_str(self._spec)
+        self._template = _as_text_gives(type(backend).from_str(self._spec))
         splits = bool(getattr(tokenizer, "split_special_tokens", False))
         self._template.encode_special_tokens = splits
         self._split = SpecialSplit(tokenizer, self._template, self._spec)
@@ -95,7 +95,7 @@ class PairEncoder:
     def _content(self) -> Any:
         """The copy that encodes special-token text as plain text; only plain-text pairs and content holding
         special-token text need it, so it is made on first use."""
-        content = type(self._template).from_str(self._spec)
+        content = _as_text_gives(type(self._template).from_str(self._spec))
         content.encode_special_tokens = True
         return content
 
@@ -373,3 +373,13 @@ def _special_text(pattern: re.Pattern, value: Any) -> str | None:
         return match.group() if match else None
     items = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
     return next((found for item in items if (found := _special_text(pattern, item))), None)
+
+
+def _as_text_gives(backend: Any) -> Any:
+    """`backend` with any truncation or padding its tokenizer.json saved switched off: the ids are what the
+    tokenizer gives for the text, as transformers' own calls give them (it switches both off unless asked), never
+    a prompt cut to a saved length or a sequence padded with pad ids. The attestation leaves those settings out
+    because they change no id here."""
+    backend.no_truncation()
+    backend.no_padding()
+    return backend

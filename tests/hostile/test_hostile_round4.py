@@ -1,0 +1,116 @@
+"""Hostile round 4 (issue 55), the parts landed so far: a tokenizer's saved truncation or padding never changes
+the ids, and an image file decodes only as a raster format Pillow reads in-process (an EPS never runs
+Ghostscript)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from dpo_data.dataset.store import PairStore
+from dpo_data.prepare.build import BuildOptions, build
+from tests.conftest import chat, write_jsonl
+
+ROWS = [
+    chat(
+        "Please summarise the following paragraph in one sentence. " * (i + 1),
+        f"A summary number {i}, short and to the point.",
+        f"Summary {i}: it talks about many things at length.",
+        system="You are a careful assistant.",
+    )
+    for i in range(4)
+]
+
+
+def _tokenizer_saving(tmp_path: Path, smollm2_dir: Path, name: str, change) -> Path:
+    """SmolLM2's tokenizer directory with `change(Tokenizer)` saved into its tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    out = tmp_path / name
+    out.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / file, out / file)
+    backend = Tokenizer.from_file(str(out / "tokenizer.json"))
+    change(backend)
+    backend.save(str(out / "tokenizer.json"))
+    return out
+
+
+def _ids(dataset: Path) -> list[tuple]:
+    store = PairStore([str(dataset)])
+    pairs = [store.pair(i) for i in range(store.num_pairs)]
+    return [(p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()) for p in pairs]
+
+
+TEXT_ROWS = [
+    {
+        "prompt": f"Question {i}: " + "what is the sum of these numbers? " * (i + 2),
+        "chosen": f"It is {i}.",
+        "rejected": "No.",
+    }
+    for i in range(4)
+]
+
+
+@pytest.mark.parametrize("rows", [ROWS, TEXT_ROWS], ids=["chat", "text"])
+@pytest.mark.parametrize(
+    "name, change",
+    [
+        ("truncation", lambda t: t.enable_truncation(8)),
+        ("left-truncation", lambda t: t.enable_truncation(8, direction="left")),
+        ("padding", lambda t: t.enable_padding(length=256, pad_id=2, pad_token="<|im_end|>")),
+    ],
+)
+def test_a_saved_truncation_or_padding_never_changes_the_ids(tmp_path, smollm2_dir, name, change, rows):
+    """The build encoded with the backend itself, which applied a truncation or padding saved in tokenizer.json:
+    a plain-text prompt cut to 8 tokens (or padded with pad ids) and built, a chat build refused as not
+    prefix-stable, while the attestation (which leaves those settings out) called the tokenizer the clean one.
+    Now the ids are the clean tokenizer's, whatever the file saved."""
+    source = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    clean = build([str(source)], str(smollm2_dir), tmp_path / "clean", BuildOptions())
+    saved = _tokenizer_saving(tmp_path, smollm2_dir, name, change)
+    built = build([str(source)], str(saved), tmp_path / "saved", BuildOptions())
+    assert built.error is None and clean.error is None, built.error
+    assert _ids(tmp_path / "saved") == _ids(tmp_path / "clean")
+    assert len(_ids(tmp_path / "clean")) == len(rows)
+    assert min(len(prompt) for prompt, _, _ in _ids(tmp_path / "clean")) > 8  # the truncation would have cut
+
+
+def _fake_ghostscript(tmp_path: Path, monkeypatch) -> Path:
+    """A `gs` first on PATH that only leaves a mark: Pillow's EPS plugin runs `gs` to decode PostScript."""
+    bin_dir, mark = tmp_path / "bin", tmp_path / "gs-ran"
+    bin_dir.mkdir()
+    gs = bin_dir / "gs"
+    gs.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    gs.chmod(gs.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    from PIL import EpsImagePlugin
+
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", None)  # looked up again, on this PATH
+    return mark
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nnewpath 0 0 moveto 8 8 lineto stroke\nshowpage\n%%EOF\n"
+
+
+def test_an_eps_image_is_never_handed_to_ghostscript(tmp_path, monkeypatch):
+    """Image bytes decode only as PNG, JPEG, WebP, GIF, BMP or TIFF, in-process: a PostScript file is a named
+    reject, and no external program runs (before, Pillow's EPS plugin ran `gs` on the dataset's own code)."""
+    from PIL import Image
+
+    from dpo_data.images import ImageError, decode_image
+
+    mark = _fake_ghostscript(tmp_path, monkeypatch)
+    with pytest.raises(ImageError) as caught:
+        decode_image(EPS)
+    assert not mark.exists(), "Ghostscript ran on the image's PostScript"
+    assert caught.value.reason == "image_unreadable" and "PNG, JPEG" in caught.value.message
+    for kind in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"):  # every listed format still decodes
+        data = io.BytesIO()
+        Image.new("RGB", (4, 3), (200, 10, 10)).save(data, format=kind)
+        assert decode_image(data.getvalue()).size == (4, 3)
