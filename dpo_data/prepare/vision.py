@@ -77,7 +77,14 @@ def _read_file(where: str, name: str, base: Path) -> bytes:
     """A file named relative to `base` that stays inside it (a shared dataset must not pull other files into its
     shards: '../../home/me/.ssh/id_rsa' is refused, as is a link out of `base`)."""
     path = Path(name)
-    inside = not path.is_absolute() and base.resolve() in (base / path).resolve().parents
+    try:
+        inside = not path.is_absolute() and base.resolve() in (base / path).resolve().parents
+    except (RuntimeError, OSError, ValueError) as e:  # a symlink loop (RuntimeError on 3.11), a NUL byte (ValueError)
+        raise RowReject(
+            "image_unreadable",
+            f"{where} is {name!r:.200}, a path that cannot be resolved ({type(e).__name__}: {e}); name a file inside "
+            "the input's directory",
+        ) from None
     if not inside:
         raise RowReject(
             "image_path_outside",

@@ -114,3 +114,20 @@ def test_an_eps_image_is_never_handed_to_ghostscript(tmp_path, monkeypatch):
         data = io.BytesIO()
         Image.new("RGB", (4, 3), (200, 10, 10)).save(data, format=kind)
         assert decode_image(data.getvalue()).size == (4, 3)
+
+
+@pytest.mark.parametrize("name", ["img/loop.png", "img/nul\x00.png"])
+def test_a_symlink_loop_or_a_nul_byte_in_an_image_path_is_a_row_reject(tmp_path, name):
+    """Both killed the whole build with a traceback (RuntimeError, ValueError); now that row is rejected by name
+    and the others build."""
+    from dpo_data.prepare.inputs import InputFile
+    from dpo_data.prepare.rows import Pair, RowReject
+    from dpo_data.prepare.vision import read_images
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "loop.png").symlink_to(tmp_path / "img" / "loop.png")
+    source = InputFile(str(tmp_path / "pairs.jsonl"), "jsonl", "pairs")
+    pair = Pair("chat", [], [], [], None, None, images=[name])
+    with pytest.raises(RowReject) as caught:
+        read_images(pair, source, 1 << 20)
+    assert caught.value.reason == "image_unreadable" and "cannot be resolved" in str(caught.value)
