@@ -209,25 +209,13 @@ _PATHS = {"segments": segments.ATTENTION, "sdpa": "sdpa", "eager": "eager"}  # m
 
 def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> list[str]:
     """The paths other than `tried` that score the probe's row exactly and express every feature of the model's
-    attention (`dpo_train.attention.choice.EXPRESSES`), in auto's order of preference; unpacked last, tried
-    with the model marked unpacked for the while."""
+    attention (`dpo_train.attention.choice.EXPRESSES`), in auto's order of preference: segments, sdpa, eager,
+    unpacked (unpacked first where the model's default router loss rules out sdpa and eager)."""
     from dpo_train.attention import unpacked
-    from dpo_train.attention.choice import expresses
     from dpo_train.attention.features import computes_router_loss
 
-    found = [
-        name
-        for name, path in _PATHS.items()
-        if path != tried and expresses(model, path) and _exact(model, path, layout, pairs, truth)
-    ]
-    if hasattr(model_config(model), "vision_config"):  # a vision-language row cannot run unpacked (its images)
-        return found
-    model.dpo_unpacked = True
-    try:
-        if _exact(model, _unpacked_attention(model), layout, pairs, truth):
-            found.append(unpacked.ATTENTION)
-    finally:
-        model.dpo_unpacked = False
+    batch = _row(model, layout, pairs)
+    found = [name for name in paths_for(model) if _PATHS.get(name) != tried and _exact(model, name, batch, truth)]
     config = text_config(model)
     if getattr(config, "router_aux_loss_coef", 0) and hasattr(config, "output_router_logits"):
         if computes_router_loss(model) and unpacked.ATTENTION in found:  # sdpa and eager refuse the router loss
@@ -235,29 +223,59 @@ def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], trut
     return found
 
 
+def paths_for(model: Any) -> list[str]:
+    """The model.attention values one process can try on a row of `model`: those of `_PATHS` whose implementation
+    expresses every feature of its attention, and unpacked (not for a vision-language model: its images)."""
+    from dpo_train.attention.choice import expresses
+
+    found = [name for name, path in _PATHS.items() if expresses(model, path)]
+    return found if hasattr(model_config(model), "vision_config") else [*found, "unpacked"]
+
+
+def scored_as(model: Any, batch: dict[str, Any], name: str | None) -> torch.Tensor:
+    """[pairs, 2] log-probs (float64, CPU) of a packed `batch` under model.attention `name` (segments, sdpa, eager,
+    unpacked; None: the model's own path), without autograd; the model's path is as before afterwards."""
+    from dpo_train.attention import unpacked
+    from dpo_train.attention.logps import pair_logps
+
+    config = text_config(model)
+    saved, marked = config._attn_implementation, unpacked.runs_unpacked(model)
+    try:
+        if name is not None:
+            config._attn_implementation = _unpacked_attention(model) if name == "unpacked" else _PATHS[name]
+            model.dpo_unpacked = name == "unpacked"
+        with torch.no_grad():
+            out = pair_logps(model, batch)
+        return torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
+    finally:
+        config._attn_implementation = saved
+        model.dpo_unpacked = marked
+
+
 def _unpacked_attention(model: Any) -> str:
     """The attention the unpacked path runs: transformers' sdpa, or eager where the model class has none."""
     return "sdpa" if getattr(type(model), "_supports_sdpa", True) else "eager"
 
 
-def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):
-    """The packed row's [pairs, 2] log-probs under `path` and their relative errors against `truth`."""
+def _row(model: Any, layout: str, pairs: list[PairIds]) -> dict[str, Any]:
+    """The probe's pairs packed in `layout`, on the model's device."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.attention.logps import pair_logps
 
-    text_config(model)._attn_implementation = path
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     device = next(model.parameters()).device
-    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(pairs, pad_to_multiple_of=8).items()}
-    with torch.no_grad():
-        out = pair_logps(model, batch)
-    got = torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(pairs, pad_to_multiple_of=8).items()}
+
+
+def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):
+    """The packed row's [pairs, 2] log-probs under the implementation `path` and their relative errors."""
+    text_config(model)._attn_implementation = path
+    got = scored_as(model, _row(model, layout, pairs), None)
     return got, (got - truth).abs() / truth.abs().clamp(min=1e-6)
 
 
-def _exact(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor) -> bool:
-    """Whether the packed row is exact under `path` (a path that fails to run is not)."""
+def _exact(model: Any, name: str, batch: dict[str, Any], truth: torch.Tensor) -> bool:
+    """Whether `batch` scores exactly under model.attention `name` (a path that fails to run is not)."""
     try:
-        return float(_packed_error(model, path, layout, pairs, truth)[1].max()) <= TOLERANCE
+        return float(((scored_as(model, batch, name) - truth).abs() / truth.abs().clamp(min=1e-6)).max()) <= TOLERANCE
     except Exception:  # noqa: BLE001 - any failure of another path only means it is not suggested
         return False

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from dpo_data.loading.microbatch import segment_sums, segments_to_pairs
-from dpo_train.attention import segments, unpacked
+from dpo_train.attention import unpacked
 from dpo_train.attention.features import text_config
-from dpo_train.attention.logps import pair_logps, targets
+from dpo_train.attention.logps import targets
+from dpo_train.attention.probe import paths_for, scored_as
 from dpo_train.attention.unpacked import eager_wrong
 from dpo_train.errors import ParityError
 from dpo_train.model.policy import changed_settings, dropout_as_loaded
@@ -155,43 +156,22 @@ def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: di
     training = model.training
     try:
         model.eval()
-        if close(_packed(model, batch, None)):
+        if close(scored_as(model, batch, None)):
             return (
                 "Found: evaluation mode scores these pairs packed as alone, the training forward does not (it "
                 "samples or behaves otherwise in training); no attention path fixes that"
             )
-        exact = [name for name in ("segments", "eager", "sdpa", "unpacked") if _tried(model, batch, name, close)]
+        exact = [name for name in paths_for(model) if _runs_close(model, batch, name, close)]
     finally:
         model.train(training)
     if exact:
         return f"Fix, checked on this micro-batch: model.attention {' or '.join(exact)}"
-    return "None of segments, eager, sdpa and unpacked scores these pairs as alone: no path here trains it exactly"
+    tried = ", ".join(paths_for(model))
+    return f"None of {tried} scores these pairs as alone: no path here trains it exactly"
 
 
-def _packed(model: Any, batch: dict[str, Any], path: str | None) -> torch.Tensor:
-    """The micro-batch's [pairs, 2] log-probs packed under `path` (None: the run's own), without autograd."""
-    config = text_config(model)
-    saved, marked = config._attn_implementation, unpacked.runs_unpacked(model)
-    target = next(c for c in (model, getattr(model, "module", None)) if c is not None)
+def _runs_close(model: Any, batch: dict[str, Any], name: str, close: Any) -> bool:
     try:
-        if path is not None:
-            from dpo_train.attention.probe import checkable
-
-            config._attn_implementation = "sdpa" if path == "unpacked" else checkable(_IMPLEMENTATION.get(path, path))
-            target.dpo_unpacked = path == "unpacked"
-        with torch.no_grad():
-            out = pair_logps(model, batch)
-        return torch.stack([out.chosen, out.rejected], 1).double().cpu()
-    finally:
-        config._attn_implementation = saved
-        target.dpo_unpacked = marked
-
-
-def _tried(model: Any, batch: dict[str, Any], path: str, close: Any) -> bool:
-    try:
-        return close(_packed(model, batch, path))
+        return close(scored_as(model, batch, name))
     except Exception:  # noqa: BLE001 - a path that cannot run the model is only not suggested
         return False
-
-
-_IMPLEMENTATION = {"segments": segments.ATTENTION}

@@ -53,7 +53,7 @@ def test_longrope_trains_exactly_and_the_alone_check_catches_it_undone(
     result = train_here(run_cli, path, *out("b"), *tr_dpo, code=2)  # TR-DPO: its live copy first moves after step 1
     assert "step 1, micro-batch 0 on rank 0: Phi3ForCausalLM (attention dpo_segments" in result.output
     assert "with its sequence run alone through the model as loaded" in result.output
-    assert "None of segments, eager, sdpa and unpacked" in result.output and "Traceback" not in result.output
+    assert "None of segments, sdpa, eager, unpacked scores" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "b" / "final").exists()
     train_here(run_cli, path, *out("c"), "--set", "train.alone_check=false")  # what ran before: exit 0, wrong
     assert _loss(tmp_path, "c") == pytest.approx(0.693147, abs=1e-6)  # the parity guard saw nothing
