@@ -162,7 +162,7 @@ def build_command(build: dict, sections: dict, out: str) -> str:
 def _data_out(sections: dict) -> str:
     """Where the printed build writes: data.path when the user gives one, else beside the run's output."""
     path = sections.get("data", {}).get("path")
-    return shlex.quote(path) if isinstance(path, str) and path else f"{sections['train']['output_dir']}-dataset"
+    return shlex.quote(path if isinstance(path, str) and path else f"{sections['train']['output_dir']}-dataset")
 
 
 def _unbuilt(sections: dict, build: dict, keys: dict, read: dict) -> list[str]:
@@ -206,7 +206,8 @@ def _notes(sections: dict, printed: dict, unused: list[str], built: bool) -> lis
         final = shlex.quote(f"{sections['train']['output_dir']}/final")
         private = " --private" if push["--private"] else ""
         namespace = " (NAMESPACE: your Hub user or organization)" if push["repo"].startswith("NAMESPACE/") else ""
-        notes.append(f"push_to_hub: after training, `dpo-state push {final} {push['repo']}{private}`{namespace}")
+        repo = shlex.quote(push["repo"])  # every printed value is quoted: a recipe's value is never shell code
+        notes.append(f"push_to_hub: after training, `dpo-state push {final} {repo}{private}`{namespace}")
     if unused:
         notes.append(f"accepted, changing nothing here: {', '.join(unused)}")
     return notes

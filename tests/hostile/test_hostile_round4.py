@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -131,3 +132,22 @@ def test_a_symlink_loop_or_a_nul_byte_in_an_image_path_is_a_row_reject(tmp_path,
     with pytest.raises(RowReject) as caught:
         read_images(pair, source, 1 << 20)
     assert caught.value.reason == "image_unreadable" and "cannot be resolved" in str(caught.value)
+
+
+def test_the_commands_from_trl_prints_are_safe_to_paste():
+    """A recipe's output_dir went into the printed `dpo-data build --out` and the `dpo-state push` repo unquoted:
+    pasted, `x; touch pwned` ran. Every printed command now splits into the words it means."""
+    import shlex
+
+    from dpo_train.config.trl import translate
+
+    hostile = "runs/x; touch pwned"
+    _, notes = translate({"output_dir": hostile, "push_to_hub": True, "max_length": None})
+    commands = [c for note in notes for c in re.findall(r"`([^`]*)`", note) if c.startswith(("dpo-data", "dpo-state"))]
+    assert any(c.startswith("dpo-data build") for c in commands) and any(
+        c.startswith("dpo-state push") for c in commands
+    )
+    for command in commands:
+        words = shlex.split(command)
+        assert "touch" not in words and ";" not in words, command
+        assert any(hostile in word for word in words), command
