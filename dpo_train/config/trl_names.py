@@ -491,6 +491,19 @@ def _mixture(value: dict, ctx: Context) -> dict:
             f"dataset_mixture is {shown(value)}; the handbook's form is {{datasets: [{{id: OWNER/NAME, split: "
             "train, weight: 1.0}, ...]}}: give each dataset an id"
         )
+    if ctx.trl.get("dataset_name") is not None:  # TRL trains the mixture then; one source here, named
+        refuse(
+            f"dataset_name is {shown(ctx.trl['dataset_name'])} beside dataset_mixture: TRL trains the mixture and "
+            "ignores dataset_name; give one of them (drop dataset_name to build the mixture)"
+        )
+    named = [d for d in datasets if d.get("config") not in (None, "default")]  # the default is what is read
+    configs = [f"{d['id']} config {shown(d['config'])}" for d in named]
+    if configs:
+        refuse(
+            f"dataset_mixture names {', '.join(configs)}: the build reads files, not Hub configurations, and would "
+            "read the default one; build that configuration's files (hf://datasets/NAME/CONFIG_DIR/GLOB) as an "
+            "input instead, and drop config"
+        )
     shares = [f"{d['id']} weight {d['weight']}" for d in datasets if d.get("weight", 1.0) != 1.0]
     if shares:
         refuse(
@@ -977,7 +990,8 @@ TABLE: dict[str, Row] = {
     ),
     "dataset_mixture": Row(
         "dpo-data build",
-        "the alignment-handbook's: each dataset's split an input of the printed build command (weight 1.0 only)",
+        "the alignment-handbook's: each dataset's split an input of the printed build command (weight 1.0 only, config "
+        "default or none; refused beside dataset_name, which TRL then ignores)",
         _mixture,
         read=_optional(_mapping),
     ),

@@ -151,3 +151,20 @@ def test_the_commands_from_trl_prints_are_safe_to_paste():
         words = shlex.split(command)
         assert "touch" not in words and ";" not in words, command
         assert any(hostile in word for word in words), command
+
+
+def test_a_mixture_is_never_read_other_than_trl_reads_it():
+    """A mixture entry's config was dropped (the printed build read the default configuration), and dataset_name
+    beside dataset_mixture trained dataset_name, exit 0, where TRL trains the mixture: both are refused by name."""
+    from dpo_train.config.trl import translate
+    from dpo_train.errors import ConfigError
+
+    mixture = {"datasets": [{"id": "me/prefs", "split": "train", "config": "hard"}]}
+    with pytest.raises(ConfigError, match=r"dataset_mixture names me/prefs config 'hard'"):
+        translate({"dataset_mixture": mixture})
+    with pytest.raises(
+        ConfigError, match=r"dataset_name is 'other/set' beside dataset_mixture: TRL trains the mixture"
+    ):
+        translate({"dataset_name": "other/set", "dataset_mixture": {"datasets": [{"id": "me/prefs"}]}})
+    with pytest.raises(ConfigError, match=r"dpo-data build 'hf://datasets/me/prefs/data/train-\*'"):  # as before
+        translate({"dataset_mixture": {"datasets": [{"id": "me/prefs", "config": None}]}})
