@@ -158,7 +158,7 @@ def _switch(model: Any, name: str, why: str) -> str:
     implementation = _PATHS.get(name, "sdpa")
     if name == "unpacked":
         unpacked.mark(model)
-        implementation = _unpacked_attention(model)
+        implementation = unpacked.default_attention(model)
     if os.environ.get("RANK", "0") == "0":
         say(
             f"note: {type(model).__name__}: model.attention auto takes {name}: the run's path could not score the "
@@ -242,7 +242,7 @@ def scored_as(model: Any, batch: dict[str, Any], name: str | None) -> torch.Tens
     saved, marked = config._attn_implementation, unpacked.runs_unpacked(model)
     try:
         if name is not None:
-            config._attn_implementation = _unpacked_attention(model) if name == "unpacked" else _PATHS[name]
+            config._attn_implementation = unpacked.default_attention(model) if name == "unpacked" else _PATHS[name]
             model.dpo_unpacked = name == "unpacked"
         with torch.no_grad():
             out = pair_logps(model, batch)
@@ -250,11 +250,6 @@ def scored_as(model: Any, batch: dict[str, Any], name: str | None) -> torch.Tens
     finally:
         config._attn_implementation = saved
         model.dpo_unpacked = marked
-
-
-def _unpacked_attention(model: Any) -> str:
-    """The attention the unpacked path runs: transformers' sdpa, or eager where the model class has none."""
-    return "sdpa" if getattr(type(model), "_supports_sdpa", True) else "eager"
 
 
 def _row(model: Any, layout: str, pairs: list[PairIds]) -> dict[str, Any]:

@@ -114,11 +114,6 @@ def _rope_parameters(config: Any) -> dict:
     return rope if isinstance(rope, dict) else {}
 
 
-def modules_of(model: Any) -> list[Any]:
-    """The installed length-dependent rotary modules of `model` (through DDP, FSDP2 and PEFT wrappers)."""
-    return [m for m in _modules(model) if "dpo_fresh" in vars(m)]
-
-
 @contextmanager
 def sequence_lengths(model: Any, lengths: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Meanwhile, the model's length-dependent rotary modules give each token the frequencies of its own

@@ -37,6 +37,16 @@ def eager_wrong(config: Any) -> bool:
     return getattr(config, "model_type", None) == "falcon" and bool(getattr(config, "alibi", False))
 
 
+def default_attention(model: Any) -> str:
+    """transformers' default attention for the model's class, the one the unpacked path and step 1's alone check
+    run: sdpa where the class has it (and where its eager attention is known wrong: Falcon with ALiBi), else eager
+    (Gemma2, GPT-OSS, Bloom). Found under DDP's and PEFT's wrappers."""
+    from transformers import PreTrainedModel
+
+    loaded = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    return "sdpa" if eager_wrong(model_config(loaded)) or type(loaded)._supports_sdpa else "eager"
+
+
 def reason(config: Any) -> str | None:
     """Why packing cannot keep this model's segments apart, in words, or None when it can."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -13,7 +13,6 @@ from dpo_train.attention import unpacked
 from dpo_train.attention.features import text_config
 from dpo_train.attention.logps import targets
 from dpo_train.attention.probe import paths_for, scored_as
-from dpo_train.attention.unpacked import eager_wrong
 from dpo_train.errors import ParityError
 from dpo_train.model.policy import changed_settings, dropout_as_loaded
 from dpo_train.parallel import collectives
@@ -29,30 +28,16 @@ CAUSES = (
 @contextmanager
 def as_loaded(model: Any, settings: bool = True) -> Iterator[None]:
     """Meanwhile, the model as a user loads it: evaluation mode, the attention transformers gives its class by
-    default (`own_attention`), and (with `settings`) every value `disable_dropout` zeroed as loaded."""
+    default (`unpacked.default_attention`), and (with `settings`) every value `disable_dropout` zeroed as loaded."""
     training, config = model.training, text_config(model)
-    saved, config._attn_implementation = config._attn_implementation, own_attention(model)
+    saved, config._attn_implementation = config._attn_implementation, unpacked.default_attention(model)
     model.eval()
     try:
-        with dropout_as_loaded(model) if settings else _nothing():
+        with dropout_as_loaded(model) if settings else nullcontext():
             yield
     finally:
         config._attn_implementation = saved
         model.train(training)
-
-
-def own_attention(model: Any) -> str:
-    """transformers' default attention for the model's class: sdpa where the class has it (and where its eager
-    attention is known wrong: Falcon with ALiBi), else eager (Gemma2, GPT-OSS, Bloom)."""
-    from transformers import PreTrainedModel
-
-    loaded = next(m for m in model.modules() if isinstance(m, PreTrainedModel))  # under DDP's or PEFT's wrapper
-    return "sdpa" if eager_wrong(text_config(model)) or type(loaded)._supports_sdpa else "eager"
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def alone_logps(model: Any, batch: dict[str, Any], settings: bool = True) -> torch.Tensor:
@@ -131,7 +116,7 @@ def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, shar
         return
     slot, side = divmod(int(torch.nan_to_num(off, nan=float("inf")).argmax()), 2)
     found = "run on one process for a diagnosis" if sharded else _diagnosis(model, batch, truth, facts)
-    attention = own_attention(model)
+    attention = unpacked.default_attention(model)
     raise ParityError(
         f"{facts['where']}, micro-batch {batch.get('microbatch')} on rank {facts['rank']}: {facts['arch']} "
         f"(attention {facts['attention']}, data.layout {facts['layout']}, {facts['precision']}) scores pair "
