@@ -21,6 +21,8 @@ fits) shows how much the result depends on that choice.
    input tokens / (micro-batches holding a pair x budget).
      tokens mode  world 2, 2 micro-batches per rank per step (target >= 97 %)
      pairs mode   world 2, 32 pairs per step (target >= 93 %)
+   and each mode's balance: the busiest rank's input tokens over the mean rank's, worst over the steps holding
+   at least 4 pairs per rank (target <= 1.05).
      padded       TRL-style padded batching of the same pairs in the same epoch order: fixed batches of
                   B pairs, B = round(mean pairs per micro-batch of pairs mode); each batch is padded to
                   its longest segment: real tokens / (2 x B x longest segment).
@@ -66,7 +68,14 @@ from pathlib import Path
 import harness
 import numpy as np
 
-TARGETS = {"tokens_eff": 0.97, "pairs_eff": 0.93, "trainer_ratio": 20.0, "restore_ratio": 1.5, "memory_ratio": 1.10}
+TARGETS = {
+    "tokens_eff": 0.97,
+    "pairs_eff": 0.93,
+    "balance": 1.05,
+    "trainer_ratio": 20.0,
+    "restore_ratio": 1.5,
+    "memory_ratio": 1.10,
+}
 WORLD, TOKENS_MB_PER_STEP, PAIRS_PER_STEP, SEED = 2, 2, 32, 0
 MEMORY_MICROBATCHES = 200
 # Synthetic lengths: total words of a pair (prompt + both completions) ~ lognormal(MU, SIGMA), capped.
@@ -252,6 +261,16 @@ def packing(ds: Path, budget: int) -> dict:
             "empty_microbatches": t["empty_microbatches"],
             "pairs": t["pairs"],
             "pairs_per_microbatch": round(t["pairs"] / t["microbatches"], 3),
+            # The busiest rank's tokens over the mean rank's, over steps holding at least 4 pairs per rank.
+            "balance_worst": max(
+                (
+                    s["balance"]
+                    for s in doc["steps"]
+                    if sum(len(mb["pairs"]) for r in s["ranks"] for mb in r["microbatches"]) >= 4 * WORLD
+                ),
+                default=1.0,
+            ),
+            "balance_mean": doc["balance"]["mean"],
         }
         if mode == "pairs":
             # Lower bound on micro-batches once each rank-step's pairs are fixed: ceil(tokens / budget).
@@ -574,6 +593,16 @@ def report(res: dict) -> str:
                 yes(p["pairs"]["efficiency"] >= TARGETS["pairs_eff"]),
             )
         )
+        for mode in ("tokens", "pairs"):
+            b = p[mode]
+            rows.append(
+                (
+                    f"{tag}: {mode} mode, balance (busiest rank / mean), worst step; mean",
+                    f"{b['balance_worst']:.3f}; {b['balance_mean']:.3f}",
+                    "<= 1.05",
+                    yes(b["balance_worst"] <= TARGETS["balance"]),
+                )
+            )
         rows.append((f"{tag}: pairs-mode ceiling, this rank split", pct(p["pairs"]["bound_efficiency"]), "", ""))
         rows.append((f"{tag}: pairs-mode ceiling, any rank split", pct(p["pairs"]["step_bound_efficiency"]), "", ""))
         rows.append(
@@ -722,6 +751,11 @@ def main() -> None:
             "tokens_eff_synth": p["synth"]["tokens"]["efficiency"] >= TARGETS["tokens_eff"],
             "pairs_eff_sample": p["sample"]["pairs"]["efficiency"] >= TARGETS["pairs_eff"],
             "pairs_eff_synth": p["synth"]["pairs"]["efficiency"] >= TARGETS["pairs_eff"],
+            **{
+                f"balance_{mode}_{name}": p[name][mode]["balance_worst"] <= TARGETS["balance"]
+                for name in ("sample", "synth")
+                for mode in ("tokens", "pairs")
+            },
             "trainer_ratio_workers_0": t["ratio_workers_0"] >= TARGETS["trainer_ratio"],
             "trainer_ratio_workers_2": t["ratio_workers_2"] >= TARGETS["trainer_ratio"],
             "restore_ratio": r["ratio"] <= TARGETS["restore_ratio"],

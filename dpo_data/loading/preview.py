@@ -13,7 +13,7 @@ from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.steps import PlannerState, StepPlanner
 from dpo_state.schema import validate
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 def plan_document(
@@ -23,7 +23,8 @@ def plan_document(
 
     `pairs` are global pair indices: row positions in the dataset, or in the mixture's order (the
     datasets' rows one after the other, in the order given). `tokens` are a micro-batch's input tokens.
-    Packing efficiency = input tokens / (micro-batches holding a pair x max_tokens_per_microbatch).
+    Packing efficiency = input tokens / (micro-batches holding a pair x max_tokens_per_microbatch). A step's
+    balance is its busiest rank's input tokens over the mean rank's (1.0: every rank the same work).
     """
     store = PairStore(dirs)
     tokens = store.segment_tokens(np.arange(store.num_pairs), config.layout)
@@ -33,10 +34,12 @@ def plan_document(
         plan, state = schedule.next_step(state)
         if plan is None:
             break
+        loads = [int(sum(tokens[mb].sum() for mb in mbs if mb)) for mbs in plan.ranks]
         out.append(
             {
                 "step": plan.step,
                 "epoch": plan.epoch,
+                "balance": _balance(loads),
                 "ranks": [
                     {
                         "rank": r,
@@ -65,9 +68,19 @@ def plan_document(
             "capacity_tokens": capacity,
         },
         "packing_efficiency": round(sum(used) / capacity, 6) if capacity else 0.0,
+        "balance": {
+            "worst": max((s["balance"] for s in out), default=1.0),
+            "mean": round(float(np.mean([s["balance"] for s in out])), 6) if out else 1.0,
+        },
     }
     validate("plan", document, "the plan document")  # the format --json promises
     return document
+
+
+def _balance(loads: list[int]) -> float:
+    """The busiest rank's tokens over the mean rank's: every rank waits for the busiest one at the step's end."""
+    mean = sum(loads) / len(loads)
+    return round(max(loads) / mean, 6) if mean else 1.0
 
 
 def format_plan(doc: dict[str, Any], show_steps: int = 3) -> str:
@@ -79,9 +92,11 @@ def format_plan(doc: dict[str, Any], show_steps: int = 3) -> str:
         f"{t['steps']} steps, {t['pairs']} pairs, {t['microbatches']} micro-batches "
         f"(+{t['empty_microbatches']} empty), {t['input_tokens']} input tokens",
         f"packing efficiency {doc['packing_efficiency']:.1%} (input tokens / capacity of used micro-batches)",
+        f"balance: busiest rank's tokens / mean rank's, worst step {doc['balance']['worst']:.3f}, "
+        f"mean {doc['balance']['mean']:.3f}",
     ]
     for s in doc["steps"][:show_steps]:
-        lines.append(f"step {s['step']} (epoch {s['epoch']})")
+        lines.append(f"step {s['step']} (epoch {s['epoch']}), balance {s['balance']:.3f}")
         for r in s["ranks"]:
             mbs = ", ".join(f"{len(mb['pairs'])} pairs/{mb['tokens']} tok" for mb in r["microbatches"])
             lines.append(f"  rank {r['rank']}: {mbs}")
