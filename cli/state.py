@@ -208,7 +208,8 @@ def env(as_json) -> None:
         for row in rows:
             verdict = {True: "ok", False: "OUTSIDE THE RANGE", None: "not installed (optional)"}[row["within"]]
             extra = f"  [{row['extra']}]" if row["extra"] else ""
-            lines.append(f"  {row['name']:<14}{row['installed'] or '-':<22}{row['needed']:<12}{verdict}{extra}")
+            installed = "-" if row["installed"] is None else row["shown"]  # escaped: a release may hold escapes
+            lines.append(f"  {row['name']:<14}{installed:<21} {row['needed']:<12}{verdict}{extra}")
         click.echo("\n".join(lines))
     sys.exit(0 if all(row["within"] is not False for row in rows) else 1)
 

@@ -22,6 +22,10 @@ UNTESTED = "DPO_ALLOW_UNTESTED_DEPENDENCIES"
 """Set to 1 to run outside the declared ranges anyway: the refusal becomes a warning on stderr."""
 PACKAGES = ("dpo_state", "dpo_data", "dpo_train", "dpo_report", "dpo_cli")
 """This toolkit's own packages, whose source `code_fingerprint` hashes."""
+UNREADABLE = "(metadata not UTF-8)"
+"""`release`'s answer for metadata that is not UTF-8, as `dpo-state env --json` shows it."""
+SHOWN = 40
+"""The characters of a release that messages print (a 500-digit version string would fill the screen)."""
 NUMERIC = ("torch", "torchdata", "transformers")
 """The libraries whose release can change a step's numbers (kernels, model code) or a checkpoint's loader state,
 recorded with the Python in a checkpoint's `environment` (with the PEFT of a LoRA run)."""
@@ -46,18 +50,48 @@ def outside(requirements: list[Requirement]) -> dict[Requirement, str]:
     of the 2.10 branch, is older than 2.10), as pip compares them."""
     unmet = {}
     for requirement in requirements:
-        try:
-            found = metadata.version(requirement.name)
-        except metadata.PackageNotFoundError:
+        found = release(requirement.name)
+        if found is None:
             unmet[requirement] = "not installed"
             continue
-        try:
-            met = requirement.specifier.contains(Version(found), prereleases=True)
-        except InvalidVersion:
-            met = False
-        if not met:
+        version = parsed(found)
+        if version is None or not requirement.specifier.contains(version, prereleases=True):
             unmet[requirement] = found
     return unmet
+
+
+def release(name: str) -> str | None:
+    """`name`'s installed release as its metadata says: None when not installed, "" when the metadata names
+    none, UNREADABLE when its METADATA file is not UTF-8 text (a broken or hostile install beside the toolkit
+    must make a check say so, never end it in a traceback)."""
+    try:
+        return metadata.version(name) or ""
+    except metadata.PackageNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        return UNREADABLE
+
+
+def parsed(found: str) -> Version | None:
+    """`found` as a PEP 440 version, or None where it is not one (ValueError too: a release of more digits than
+    Python converts to an int, 4300, fails in int() rather than in packaging's pattern)."""
+    try:
+        return Version(found)
+    except (InvalidVersion, ValueError):
+        return None
+
+
+def shown(found: str | None) -> str:
+    """An installed release as messages and `dpo-state env` print it: escape sequences and control characters
+    escaped (a version string must not drive the terminal), cut at SHOWN characters, and one that PEP 440
+    cannot read said to be so, since no range can be checked against it."""
+    if found is None:
+        return "not installed"
+    if found == UNREADABLE:
+        return "metadata not UTF-8, its version cannot be read"
+    text = found.encode("unicode_escape").decode("ascii")
+    text = text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(found)} characters)"
+    return text if parsed(found) is not None else f"'{text}', not a PEP 440 version"
 
 
 def check_installed(extra: str | None = None) -> None:
@@ -70,7 +104,7 @@ def check_installed(extra: str | None = None) -> None:
     unmet = outside(declared(extra))
     if not unmet:
         return
-    found = "\n".join(f"  - {r.name}: {version}; needed: {_pinned(r)}" for r, version in unmet.items())
+    found = "\n".join(f"  - {r.name}: {_described(version)}; needed: {_pinned(r)}" for r, version in unmet.items())
     what = f"installed libraries outside the ranges dpo-toolkit is tested on (docs/dependencies.md):\n{found}"
     if os.environ.get(UNTESTED) == "1":
         print(f"warning: {what}\n({UNTESTED}=1: running anyway, untested)", file=sys.stderr)
@@ -85,17 +119,16 @@ def environment(extra: str | None = None) -> dict[str, str]:
     names = [*NUMERIC, *(r.name for r in declared(extra))] if extra else list(NUMERIC)
     found = {"python": _printable(platform.python_version())}
     for name in names:
-        try:
-            found[name] = _printable(metadata.version(name))
-        except metadata.PackageNotFoundError:
-            continue
+        if (release_found := release(name)) is not None:
+            found[name] = _printable(release_found)
     return found
 
 
 def releases() -> list[dict]:
     """Every requirement dpo-toolkit declares, the unconditional ones first, then each extra's (the test tools
     aside), with what is installed: {name, extra, needed, installed (None: not), within (None: an extra's
-    library that is not installed, which only that extra's feature needs)}. What `dpo-state env` shows."""
+    library that is not installed, which only that extra's feature needs), shown (the release as `shown` prints
+    it)}. What `dpo-state env` shows."""
     try:
         extras = metadata.metadata(DISTRIBUTION).get_all("Provides-Extra") or []
     except metadata.PackageNotFoundError:
@@ -103,19 +136,15 @@ def releases() -> list[dict]:
     rows = []
     for extra in [None, *(e for e in extras if e != "test")]:
         for requirement in declared(extra):
-            unmet = outside([requirement])
-            try:
-                installed = metadata.version(requirement.name)
-            except metadata.PackageNotFoundError:
-                installed = None
-            within = None if installed is None and extra else not unmet
+            installed = release(requirement.name)
             rows.append(
                 {
                     "name": requirement.name,
                     "extra": extra,
                     "needed": str(requirement.specifier) or "any",
                     "installed": installed,
-                    "within": within,
+                    "within": None if installed is None and extra else not outside([requirement]),
+                    "shown": shown(installed),
                 }
             )
     return rows
@@ -138,6 +167,11 @@ def _printable(release: str) -> str:
     """`release` as the checkpoint schema holds it: PEP 440's characters, at most 128 (anything else, which no
     release pip installs has, becomes `_`), so that a save never fails on an odd build's version string."""
     return re.sub(r"[^A-Za-z0-9.+!_-]", "_", release)[:128] or "_"
+
+
+def _described(found: str) -> str:
+    """What `outside` found, as a refusal prints it."""
+    return found if found == "not installed" else shown(found)
 
 
 def _pinned(requirement: Requirement) -> str:
