@@ -200,8 +200,9 @@ def main(
         other = precompute_reference or overwrite or only_planned
         sys.exit(_translate(config, from_trl, list(overrides), processes, other))
     nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)  # the command line's flags first
-    _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
+    raw = _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
     _dependencies()
+    _inputs(raw, overrides, precompute_reference)
     if (nproc_per_node > 1 or nnodes > 1) and "TORCHELASTIC_RUN_ID" not in os.environ:  # not yet under torchrun
         args = [
             sys.executable,
@@ -237,16 +238,31 @@ def main(
     sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite, only_planned))
 
 
-def _config_file(config: str) -> None:
+def _config_file(config: str) -> object:
     """CONFIG readable as YAML (missing, a directory, binary or oversized: one line, exit 2), checked by the
     loader's own reader, which imports no torch; `load_config` reads it again and checks what it says."""
     from dpo_train.config.strict_yaml import read_yaml_file
     from dpo_train.errors import ConfigError
 
     try:
-        read_yaml_file(Path(config))
+        return read_yaml_file(Path(config))
     except ConfigError as e:
         fail(str(e))
+
+
+def _inputs(raw: object, overrides: tuple[str, ...], precompute: bool) -> None:
+    """The directories the run reads exist (data.path, eval.path, a precomputed sidecar; --set applied): a typo is
+    named at once, before torch, the tokenizer or the model loads and before OUTPUT or its lock is created. The
+    run's setup checks them again (`dpo_train.run.setup`), for callers that skip this CLI."""
+    from dpo_train.config.overrides import apply_override
+    from dpo_train.run.inputs import check_inputs
+
+    if not isinstance(raw, dict):
+        return  # not a mapping of sections: load_config names that
+    with user_errors():
+        for item in overrides:
+            apply_override(raw, item)
+        check_inputs(raw, precompute)
 
 
 def _dependencies() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpo_state.schema import load_schema, schema_problems
+from dpo_train.config.overrides import apply_override
 from dpo_train.config.rules import check_config
 from dpo_train.config.sections import (
     CONFIG_FORMAT_VERSION,
@@ -17,7 +18,7 @@ from dpo_train.config.sections import (
     SECTIONS,
     TrainConfig,
 )
-from dpo_train.config.strict_yaml import non_finite, parse_yaml, read_yaml_file
+from dpo_train.config.strict_yaml import non_finite, read_yaml_file
 from dpo_train.config.trl_names import hint
 from dpo_train.errors import ConfigError
 
@@ -70,18 +71,6 @@ def _read(source: str | Path | dict) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
-
-
-def apply_override(raw: dict, item: str) -> None:
-    key, sep, value = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {item!r}: write section.key=value, e.g. --set optim.lr=2e-5")
-    section, name = parts
-    target = raw.setdefault(section, {})
-    if not isinstance(target, dict):
-        raise ConfigError(f"--set {item!r}: {section} is not a section")
-    target[name] = parse_yaml(value, f"--set {item!r}: the value")
 
 
 def _check_keys(raw: dict) -> None:

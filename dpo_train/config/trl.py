@@ -9,7 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dpo_train.config.loading import apply_override, load_config, suggest
+from dpo_train.config.loading import load_config, suggest
+from dpo_train.config.overrides import apply_override
 from dpo_train.config.sections import SECTIONS
 from dpo_train.config.strict_yaml import read_yaml_file
 from dpo_train.config.trl_names import TABLE, UNSET, Context, Untranslatable, boolean, refuse, shown

@@ -26,6 +26,7 @@ from dpo_train.parallel.device import Placement, init_distributed, placement
 from dpo_train.run.agreement import check_ranks_agree
 from dpo_train.run.directory import check_output_dir, check_shared, run_lock, start_run_dir
 from dpo_train.run.environment import set_run_environment
+from dpo_train.run.inputs import check_inputs
 from dpo_train.run.preflight import (
     apply_dataset_template,
     check_data,
@@ -103,7 +104,7 @@ def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
 
 def precompute_run(config: TrainConfig, progress: bool = True) -> Run:
     """The run `--precompute-reference` scores: set up, with data.path checked (it writes no run directory)."""
-    config, place, rank, world, mesh, tokenizer = _placed(config, progress)
+    config, place, rank, world, mesh, tokenizer = _placed(config, progress, precompute=True)
     shown = progress and rank == 0
     with stage("datasets", shown, datasets=datasets(len(config.data.paths))):
         data = PairStore(config.data.paths)
@@ -120,12 +121,16 @@ def local_run(
     return Run(config, place, rank, world, run_mesh(config, rank, world), data, out=out)
 
 
-def _placed(config: TrainConfig, progress: bool) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
-    """Check the config and the model paths, place this rank, join the process group torchrun describes, check
-    that every rank runs the same code and releases, and load the run's tokenizer: where every run starts (its
-    process environment first, before anything large is allocated or any model loads)."""
+def _placed(
+    config: TrainConfig, progress: bool, precompute: bool = False
+) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
+    """Check the config, its input directories and the model paths, place this rank, join the process group
+    torchrun describes, check that every rank runs the same code and releases, and load the run's tokenizer: where
+    every run starts (its process environment first, before anything large is allocated or any model loads, and
+    before the output directory is created)."""
     set_run_environment()
     check_config(config)
+    check_inputs(config.resolved(), precompute)
     check_model_paths(config.model)
     place = placement(config.distributed.device, config.train.precision)
     rank, world = init_distributed(place)

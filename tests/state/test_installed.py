@@ -93,7 +93,7 @@ def test_dpo_train_runs_on_under_the_untested_switch(installed, run_cli, tmp_pat
     result = train_here(run_cli, config, code=2)
     assert "warning: installed libraries outside the ranges" in result.stderr
     assert "error: installed libraries" not in result.stderr
-    assert "none: not a committed dataset" in result.stderr
+    assert "none: no such directory" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["build", "merge"])
