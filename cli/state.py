@@ -112,11 +112,12 @@ def diff(a, b, as_json, values, atol) -> None:
 @main.command()
 @click.argument("path", type=click.Path())
 def verify(path) -> None:
-    """Check the commit record, every file's size and sha256, the schemas and the rank files. PATH may also
-    be an export (OUTPUT/final, OUTPUT/final-merged): its files against its export.json (changed, missing,
-    extra or symbolic links), the record's step and run id against the model card (and, in its run directory,
-    the run's checkpoints); one without export.json is named as such. Exit 0 when all hold, 1 with every
-    failure named."""
+    """Check the commit record, every file's size and sha256, the schemas and the rank files, and that no file
+    or directory of the checkpoint (the step directory included) is a symbolic link. PATH may also be an export
+    (OUTPUT/final, OUTPUT/final-merged): its files against its export.json (changed, missing, extra or symbolic
+    links, the directory itself included), the record's step and run id against the model card (and, in its
+    run directory, the run's checkpoints); one without export.json is named as such. Exit 0 when all hold, 1
+    with every failure named."""
     from dpo_state import verify_checkpoint
 
     problems = verify_checkpoint(path)

@@ -8,7 +8,7 @@ from typing import Any
 from dpo_state.commit import COMMIT_FILE, commit_problems, read_commit
 from dpo_state.dcp_io import DCP_DIR, DCP_METADATA, read_dcp_metadata, reading_tensors, safe_reader
 from dpo_state.errors import DocumentError, StateError
-from dpo_state.export_record import export_problems, is_export
+from dpo_state.export_record import export_problems, is_export, link_problems
 from dpo_state.files import read_json
 from dpo_state.layout import resolve
 from dpo_state.state import (
@@ -21,6 +21,8 @@ from dpo_state.state import (
     read_state,
     read_state_tree,
 )
+
+_COPY_AGAIN = "put the files themselves there (cp -r --dereference), or copy the run again without links"
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -61,7 +63,9 @@ def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]
     """Every reason a checkpoint must not be read; empty = sound. The one verification that `dpo-state
     verify`, `diff`, resume and `weights_from` all use, so they never disagree.
 
-    Checked: the files against the commit record (missing, resized, altered, outside, unlisted); state.json
+    Checked: no symbolic link, the step directory itself included (its target may change after the check, and a
+    copied run would verify against the bytes it points to); the files against the commit record (missing,
+    resized, altered, outside, unlisted); state.json
     and state_tree.json (schema, version); the commit record's step against state.json's; the rank files
     (named as the format says, listed, parsed, each rank's loader position equal to the one state.json
     records); RNG files; and, last, DCP's metadata through the restricted unpickler (tensors only).
@@ -69,7 +73,7 @@ def checkpoint_problems(directory: str | Path, hashes: bool = True) -> list[str]
     that open no tensor (`diff` without `--values`).
     """
     directory = Path(directory)
-    problems = commit_problems(directory, hashes)
+    problems = link_problems(directory, "the checkpoint", _COPY_AGAIN) + commit_problems(directory, hashes)
     try:
         record = read_commit(directory)
         state = read_state(directory)

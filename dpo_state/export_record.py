@@ -35,6 +35,7 @@ _CARD_ROWS = {
     "step": re.compile(rf"^\| {CARD_ROWS['step']} \| (\d+) \|$", re.M),
 }
 _CARD_BYTES = 16 << 20  # a card is KBs; read no more of one, whatever its record claims
+_EXPORT_AGAIN = "put the files themselves there (cp -r --dereference), or export again"
 
 
 def write_export_record(directory: str | Path, step: int, run_id: str) -> dict:
@@ -85,15 +86,22 @@ def export_problems(directory: str | Path) -> list[str]:
     return _card_problems(directory, record) + _run_problems(directory, record)
 
 
-def link_problems(directory: Path) -> list[str]:
-    """Every symbolic link in `directory`: an export holds its files themselves, and a link's target (outside it,
-    or anywhere) can change after `verify` passed it, or be uploaded in its place."""
+def link_problems(directory: Path, place: str = "the export", fix: str = _EXPORT_AGAIN) -> list[str]:
+    """Every symbolic link in `directory` (an export, or a checkpoint: `place`), and `directory` itself where it is
+    one: it holds its files themselves, and a link's target (outside it, or anywhere) can change after `verify`
+    passed it, be uploaded in its place, or make a copied run verify against another run's bytes."""
+    problems = []
+    if directory.is_symlink():
+        problems.append(
+            f"{directory}: a symbolic link (to {os.readlink(directory)}), not {place} itself. Fix: give the "
+            f"directory itself ({os.path.realpath(directory)}), or {fix}"
+        )
     links = []
     for root, dirs, files in os.walk(directory):  # never into a linked directory
         links += [Path(root, name) for name in dirs + files if os.path.islink(Path(root, name))]
-    return [
-        f"{link.relative_to(directory).as_posix()}: a symbolic link (to {os.readlink(link)}), not a file of the "
-        "export. Fix: put the file itself there (cp --dereference), or export again"
+    return problems + [
+        f"{link.relative_to(directory).as_posix()}: a symbolic link (to {os.readlink(link)}), not a file of "
+        f"{place}. Fix: {fix}"
         for link in sorted(links)
     ]
 

@@ -1,13 +1,17 @@
 """Hostile round 4 (issue 55), dpo-state's and the dependency check's points: absurd version strings installed
-beside the toolkit are named and printed safely, never a traceback."""
+beside the toolkit are named and printed safely, never a traceback; `verify` refuses symbolic links in a
+checkpoint and an export directory that is one."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from tests.harness import data_cli, state_cli
+import pytest
+
+from tests.harness import data_cli, state_cli, state_here, tiny_config, train_cli, write_yaml
 
 ABSURD = {
     "pyyaml": "not-a-version",
@@ -81,3 +85,58 @@ def test_a_checkpoint_records_a_release_its_metadata_does_not_name(tmp_path, mon
     assert info.exists() and str(root) == sys.path[0]
     recorded = environment()
     assert recorded["torchdata"] == "_" and recorded["transformers"] == "_metadata_not_UTF-8_"
+
+
+# -- verify refuses links in a checkpoint, and an export directory that is one ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(small_dataset, smollm2_dir, tmp_path_factory):
+    """A tiny real run: its committed checkpoint of step 1 and its export (final/)."""
+    tmp = tmp_path_factory.mktemp("round4-state")
+    train_cli(
+        write_yaml(tmp / "c.yaml", tiny_config(small_dataset, smollm2_dir, tmp / "run", max_steps=1, save_every=1))
+    )
+    return tmp / "run"
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A private copy of the trained run."""
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def _linked(path: Path, elsewhere: Path) -> Path:
+    """`path` moved to `elsewhere` (identical bytes) and replaced by a symbolic link to it."""
+    shutil.move(path, elsewhere)
+    path.symlink_to(elsewhere)
+    return elsewhere
+
+
+@pytest.mark.parametrize("name", ["rank-00000.json", "dcp"])
+def test_verify_refuses_a_checkpoint_whose_files_are_links(run, tmp_path, run_cli, name):
+    """Before: a rank file or dcp/ linked to an identical copy verified, and a copied run would verify against
+    whatever the link then pointed to."""
+    step = run / "checkpoints" / "step-000001"
+    target = _linked(step / name, tmp_path / "elsewhere")
+    refused = state_here(run_cli, "verify", run, code=1)
+    assert f"{name}: a symbolic link (to {target}), not a file of the checkpoint. Fix: " in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_verify_refuses_a_step_directory_that_is_a_link(run, tmp_path, run_cli):
+    step = run / "checkpoints" / "step-000001"
+    target = _linked(step, tmp_path / "elsewhere")
+    refused = state_here(run_cli, "verify", run, code=1)
+    assert f"{step}: a symbolic link (to {target}), not the checkpoint itself. Fix: give the directory" in (
+        refused.stderr
+    )
+
+
+def test_verify_refuses_an_export_directory_that_is_a_link(run, tmp_path, run_cli):
+    """Before: final/ linked to an identical copy verified (and `push` would have sent the link's target)."""
+    state_here(run_cli, "verify", run / "final")
+    target = _linked(run / "final", tmp_path / "elsewhere")
+    refused = state_here(run_cli, "verify", run / "final", code=1)
+    assert f"{run / 'final'}: a symbolic link (to {target}), not the export itself" in refused.stderr
+    state_here(run_cli, "verify", target)  # the directory itself verifies
