@@ -74,7 +74,47 @@ def fill_shares(
                 break
         else:
             left.append(i)
-    return bins, sorted(left)
+    _even_out_bins(bins, room, load, [int(s) for s in sizes], capacity, bins_per_part)
+    return [[b for b in share if b] for share in bins], sorted(left)
+
+
+def _even_out_bins(
+    bins: list[list[list[int]]], room: list[list[int]], load: list[int], sizes: list[int], capacity: int, most: int
+) -> None:
+    """`_even_out` for shares of bins: a move or swap between the busiest and the lightest share must also fit
+    the bin it lands in. Placing alone leaves a share a few percent short where its bins fill unevenly."""
+    none = len(sizes)
+    weight = np.asarray(sizes + [0], dtype=np.int64)  # position `none`: no item (a plain move)
+    for _ in range(2 * len(sizes)):
+        hi = max(range(len(bins)), key=lambda p: (load[p], -p))
+        lo = min(range(len(bins)), key=lambda p: (load[p], p))
+        gap = load[hi] - load[lo]
+        give = [(a, x) for x, b in enumerate(bins[hi]) for a in b]
+        # What lo gives back in each bin y (or nothing), and the room bin y has: a new bin while lo has few.
+        take = [(b, y, room[lo][y]) for y, items in enumerate(bins[lo]) for b in [none, *items]]
+        take += [(none, -1, capacity)] if len(bins[lo]) < most else []
+        if not give or not take or gap <= 0:
+            return
+        d = weight[[a for a, _ in give]][:, None] - weight[[b for b, _, _ in take]][None, :]
+        fits = (d > 0) & (d < gap) & (d <= np.asarray([r for _, _, r in take])[None, :])
+        cost = np.where(fits, np.abs(gap - 2 * d), np.iinfo(np.int64).max)
+        if cost.min() == np.iinfo(np.int64).max:
+            return
+        row, col = np.unravel_index(int(cost.argmin()), cost.shape)
+        (a, x), (b, y, _) = give[row], take[col]
+        if y < 0:
+            bins[lo].append([])
+            room[lo].append(capacity)
+        bins[hi][x].remove(a)
+        bins[lo][y].append(a)
+        if b != none:
+            bins[lo][y].remove(b)
+            bins[hi][x].append(b)
+        moved = int(d[row, col])
+        room[hi][x] += moved
+        room[lo][y] -= moved
+        load[hi] -= moved
+        load[lo] += moved
 
 
 def first_fit_decreasing(
