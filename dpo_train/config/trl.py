@@ -134,8 +134,8 @@ def _unknown(name: str, value: Any, unused: list[str]) -> dict:
     defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
     if name not in defaults:
         refuse(
-            f"{name} is not a field of TRL 1.16's DPOConfig, TrainingArguments, ModelConfig or ScriptArguments"
-            + suggest(name, list(TABLE) + list(defaults))
+            f"{name} is not a field of TRL 1.16's DPOConfig, TrainingArguments, ModelConfig, ScriptArguments or "
+            "DatasetMixtureConfig" + suggest(name, list(TABLE) + list(defaults))
         )
     if isinstance(defaults[name], bool):
         value = boolean(name, value)

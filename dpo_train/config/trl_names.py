@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -523,6 +524,115 @@ def _mixture(value: dict, ctx: Context) -> dict:
     return {"build.inputs": inputs, **note}
 
 
+DATASET_FIELDS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
+"""TRL 1.16's DatasetConfig: one entry of `datasets:` (DatasetMixtureConfig), as `trl dpo` reads them."""
+FILE_BUILDERS = ("json", "parquet")
+"""load_dataset's builders whose `data_files` the build reads as they are (JSON lines or JSON, Parquet)."""
+
+
+def _dataset_list(name: str, value: Any) -> list:
+    """TRL's `datasets:`: a list of DatasetConfig mappings, each with a path."""
+    if isinstance(value, list) and all(isinstance(d, dict) and _text_in(d.get("path")) for d in value):
+        return value
+    refuse(
+        f"{name} is {shown(value)}; TRL's form is a list of {{path: OWNER/NAME or a local path, split: train}} "
+        "(or {path: json, data_files: FILE}): give each entry a path"
+    )
+
+
+def _datasets(value: list | None, ctx: Context) -> dict:
+    """TRL's `datasets:` (what `trl dpo` trains when given, before dataset_name): each entry's files an input of
+    the build, a Hub dataset's split as `dataset_name`'s is."""
+    if not value:
+        return {}
+    if ctx.trl.get("dataset_name") is not None:  # TRL loads `datasets` then; one source here, named
+        refuse(
+            f"dataset_name is {shown(ctx.trl['dataset_name'])} beside datasets: TRL trains datasets and ignores "
+            "dataset_name; give one of them (drop dataset_name to build datasets)"
+        )
+    if ctx.trl.get("dataset_mixture") is not None:
+        refuse(
+            "datasets and dataset_mixture both name the training data (TRL's list, the alignment-handbook's "
+            "mixture); give one of them"
+        )
+    return {"build.inputs": [item for i, entry in enumerate(value) for item in _entry_inputs(f"datasets[{i}]", entry)]}
+
+
+def _entry_inputs(where: str, entry: dict) -> list[str]:
+    """One DatasetConfig's inputs of the build: its files (`data_files`, under a local `path` or a Hub dataset's)
+    or its split; what would change the rows the build reads is refused by name."""
+    unknown = [key for key in entry if key not in DATASET_FIELDS]
+    if unknown:
+        refuse(f"{where} has {', '.join(map(str, unknown))}: TRL's DatasetConfig has {', '.join(DATASET_FIELDS)}")
+    _refuse_narrowing(where, entry)
+    split = entry.get("split") or "train"
+    files = entry.get("data_files")
+    if files is None:
+        return [build_input(entry["path"], _text(f"{where}.split", split))]
+    files = files.get(split) if isinstance(files, dict) else files  # load_dataset's {split: files}
+    files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not files or not all(_text_in(f) for f in files):
+        refuse(
+            f"{where}.data_files is {shown(entry['data_files'])}; give a file, a list of files, or {{{split}: "
+            "FILES}} for the split"
+        )
+    return [_entry_file(where, entry["path"], file) for file in files]
+
+
+def _refuse_narrowing(where: str, entry: dict) -> None:
+    """A configuration, a data_dir, a column selection or a share: the build would read other rows or columns."""
+    if entry.get("name") not in (None, "default"):
+        refuse(
+            f"{where} names config {shown(entry['name'])}: the build reads files, not Hub configurations, and "
+            "would read the default one; give that configuration's files as data_files instead, and drop name"
+        )
+    fixes = {
+        "data_dir": "give its files as data_files (data_dir/FILE)",
+        "columns": "the build reads the preference columns itself (docs/data-build.md): drop columns",
+        "fraction": "each input is built whole: build a file of the rows to keep, or mix datasets by data.weights",
+    }
+    for key, fix in fixes.items():
+        if entry.get(key) is not None:
+            refuse(f"{where}.{key} is {shown(entry[key])}; here {fix}")
+
+
+def _entry_file(where: str, path: str, file: str) -> str:
+    """A data file as the build reads it: as given under a file builder (json, parquet), inside a local
+    directory, or in a Hub dataset (hf://datasets/NAME/FILE)."""
+    if path in FILE_BUILDERS:
+        return file
+    if Path(path).expanduser().is_dir():
+        return str(Path(path) / file)
+    if "/" in path and is_hub_id(path):  # a name without an owner beside data_files is load_dataset's builder (csv)
+        return f"{HUB_PREFIX}{path}/{file}"
+    refuse(
+        f"{where}.path is {path!r} with data_files: the build reads JSON lines, JSON and Parquet files; give path: "
+        "json or parquet (the files as they are), a local directory, or a Hub dataset's OWNER/NAME"
+    )
+
+
+def _test_split(value: float | None, ctx: Context) -> dict:
+    """DatasetMixtureConfig's test_split_size: TRL holds those rows out; here a held-out set is built apart."""
+    if value is None:
+        return {}
+    return {
+        "note.test_split_size": f"test_split_size {value} holds rows of datasets out as TRL's eval set; here the "
+        "build keeps every row for training, and a held-out set is a dataset of its own: build those rows apart "
+        "(eval.path)"
+    }
+
+
+def _run_name(value: str | None, ctx: Context) -> dict:
+    """run_name names TRL's run in its loggers only; here train.output_dir names the run, WANDB_NAME a W&B run."""
+    if value is None:
+        return {}
+    return {
+        "note.run_name": f"run_name {shown(value)} names the run in TRL's loggers only; here train.output_dir names "
+        f"the run, and a W&B run (train.report_to: [wandb]) takes WANDB_NAME: `WANDB_NAME={shlex.quote(value)} "
+        "dpo-train CONFIG`; nothing else changes"
+    }
+
+
 def _build_option(option: str) -> Callable[[Any, Context], dict]:
     """A build-time field: an option of the `dpo-data build` command the translation prints."""
     return lambda value, ctx: {} if value is None else {f"build.{option}": value}
@@ -918,7 +1028,13 @@ TABLE: dict[str, Row] = {
         default=False,
         read=boolean,
     ),
-    "run_name": Row("", "the run is named by train.output_dir; " + _UNUSED, harmless=(None,)),
+    "run_name": Row(
+        "",
+        "names the run only: accepted with a note (here train.output_dir names the run, WANDB_NAME a W&B run)",
+        _run_name,
+        default=None,
+        read=_optional(_text),
+    ),
     "use_liger_kernel": Row("", "no Liger kernels here", harmless=(False,), read=boolean),
     # older TRL names
     "rpo_alpha": Row(
@@ -994,6 +1110,23 @@ TABLE: dict[str, Row] = {
         "default or none; refused beside dataset_name, which TRL then ignores)",
         _mixture,
         read=_optional(_mapping),
+    ),
+    "datasets": Row(
+        "dpo-data build",
+        "TRL's DatasetMixtureConfig list (`trl dpo` trains it when given): each entry's split, or its data_files "
+        "(under path json or parquet, a local directory or a Hub dataset), an input of the printed build command "
+        "(name default or none; data_dir, columns and fraction refused; refused beside dataset_name, which TRL then "
+        "ignores, and beside dataset_mixture)",
+        _datasets,
+        read=_optional(_dataset_list),
+    ),
+    "streaming": Row("", "built datasets are memory-mapped (DatasetMixtureConfig's)", harmless=(False,), read=boolean),
+    "test_split_size": Row(
+        "",
+        "DatasetMixtureConfig's: accepted with a note; here every built row trains, and a held-out set is built "
+        "apart (eval.path)",
+        _test_split,
+        read=_optional(_number(0, open_low=True)),
     ),
     "dataset_config": Row("", "the build reads files, not Hub configs", harmless=(None,)),
     "dataset_train_split": Row(

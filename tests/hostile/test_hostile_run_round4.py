@@ -1,13 +1,16 @@
 """Hostile round 4 (issue 55), a newcomer's and a TRL user's `dpo-train`: a mistyped input path named before
-anything loads and with nothing left behind."""
+anything loads and with nothing left behind; a TRL recipe's run_name and `datasets:` list translated."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
+from dpo_train.config.trl import translate
+from dpo_train.config.trl_names import TABLE
 from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, run_process, train_here, write_yaml
 
@@ -73,3 +76,53 @@ def test_a_run_set_up_in_code_names_a_missing_input_before_its_output_dir_exists
         with training_run(config, progress=False):
             pass
     assert _listing(tmp_path) == []
+
+
+def _from_trl(run_cli, tmp_path: Path, trl: dict, *args):
+    import dpo_cli.train
+
+    return run_cli(dpo_cli.train.main, "--from-trl", write_yaml(tmp_path / "trl.yaml", trl), *args)
+
+
+def test_a_trl_run_name_is_accepted_with_a_note_that_quotes_it(run_cli, tmp_path):
+    """Any run_name was refused ("this toolkit has no counterpart"), where the docs said it changes nothing."""
+    result = _from_trl(run_cli, tmp_path, {"run_name": "dpo exp-1; touch x"}, "--set", "data.path=built")
+    assert result.exit_code == 0, result.stderr
+    assert "note: run_name 'dpo exp-1; touch x' names the run in TRL's loggers only" in result.stderr
+    assert "`WANDB_NAME='dpo exp-1; touch x' dpo-train CONFIG`" in result.stderr  # quoted: safe to paste
+
+
+def test_trls_datasets_list_translates_as_trl_dpo_reads_it(run_cli, tmp_path):
+    """TRL's own `datasets:` (DatasetMixtureConfig, which `trl dpo` trains) was "not a field of TRL 1.16's ...":
+    each entry's split, or its data_files, is an input of the printed build; its siblings are known too."""
+    trl = pytest.importorskip("trl")
+    assert [f.name for f in dataclasses.fields(trl.DatasetMixtureConfig) if f.name not in TABLE] == []
+    datasets = [{"path": "json", "data_files": "rows.jsonl"}, {"path": "org/prefs", "split": "train_prefs"}]
+    recipe = {"datasets": datasets, "streaming": False, "test_split_size": 0.1}
+    result = _from_trl(run_cli, tmp_path, recipe, "--set", "data.path=built")
+    assert result.exit_code == 0, result.stderr
+    assert "`dpo-data build rows.jsonl 'hf://datasets/org/prefs/data/train_prefs-*' --tokenizer" in result.stderr
+    assert "note: test_split_size 0.1 holds rows of datasets out as TRL's eval set" in result.stderr
+    assert "accepted, changing nothing here: streaming" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("recipe", "named"),
+    [
+        ({"datasets": [{"path": "org/a", "name": "hard"}]}, "datasets[0] names config 'hard': the build reads files"),
+        ({"datasets": [{"path": "org/a", "fraction": 0.5}]}, "datasets[0].fraction is 0.5; here each input is built"),
+        ({"datasets": [{"path": "org/a", "columns": ["prompt"]}]}, "datasets[0].columns is ['prompt']; here the"),
+        ({"datasets": [{"path": "org/a", "data_dir": "d"}]}, "datasets[0].data_dir is 'd'; here give its files"),
+        ({"datasets": [{"path": "csv", "data_files": "a.csv"}]}, "datasets[0].path is 'csv' with data_files: the"),
+        ({"datasets": [{"id": "org/a"}]}, "datasets is [{'id': 'org/a'}]; TRL's form is a list of {path:"),
+        (
+            {"dataset_name": "org/b", "datasets": [{"path": "org/a"}]},
+            "dataset_name is 'org/b' beside datasets: TRL trains datasets and ignores dataset_name",
+        ),
+    ],
+    ids=["name", "fraction", "columns", "data_dir", "csv", "no-path", "beside-dataset_name"],
+)
+def test_a_datasets_entry_that_would_build_other_rows_is_refused_by_name(recipe, named):
+    with pytest.raises(ConfigError) as refused:
+        translate(recipe)
+    assert named in str(refused.value) and "not a field" not in str(refused.value)

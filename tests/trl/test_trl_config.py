@@ -139,6 +139,13 @@ SAMPLES = {
         NOTES,
         "`dpo-data build 'hf://datasets/org/a/data/s-*' /x/b.jsonl --tokenizer MODEL_DIR",
     ),
+    "datasets": (
+        {"datasets": [{"path": "org/a", "split": "s"}, {"path": "json", "data_files": ["/x/b.jsonl"]}]},
+        NOTES,
+        "`dpo-data build 'hf://datasets/org/a/data/s-*' /x/b.jsonl --tokenizer MODEL_DIR",
+    ),
+    "test_split_size": ({"test_split_size": 0.1}, NOTES, "test_split_size 0.1 holds rows of datasets out"),
+    "run_name": ({"run_name": "my run"}, NOTES, "`WANDB_NAME='my run' dpo-train CONFIG`"),
 }
 """Per mapped TRL field: a TRL config setting it, the key here, and the value that key must then hold (or, NOTES:
 a text of the notes, with --set data.path=/d/train: the printed build and push commands)."""
