@@ -48,6 +48,16 @@ def main() -> None:
     help="--processor builds only (an error with --tokenizer): an image declaring more pixels (width x height) is "
     "rejected as image_too_large; at most PIL's decompression-bomb threshold (89478485).",
 )
+@click.option(
+    "--max-row-image-pixels",
+    type=int,
+    default=1 << 27,
+    show_default=True,
+    metavar="N",
+    help="--processor builds only (an error with --tokenizer): a row whose images declare more pixels together "
+    "(each occurrence counted) is rejected as row_images_too_large, read from their headers before any is decoded; "
+    "the default is four images at the --max-image-pixels default. The loader applies the same bound.",
+)
 @click.option("--out", required=True, metavar="DIR", help="Dataset directory to create.")
 @click.option(
     "--max-length", type=int, default=None, metavar="N", help="Bound on prompt + completion tokens per segment."
@@ -137,6 +147,7 @@ def build(
     tokenizer_dir,
     processor_dir,
     max_image_pixels,
+    max_row_image_pixels,
     out,
     max_length,
     overlength,
@@ -175,10 +186,12 @@ def build(
 
     with user_errors():
         check_installed()
-        if processor_dir is None and _given("max_image_pixels"):  # even at its default: a text build has no images
-            from dpo_data.prepare.build import pixels_without_processor
+        given = {"max_image_pixels": max_image_pixels, "max_row_image_pixels": max_row_image_pixels}
+        for name, value in given.items():
+            if processor_dir is None and _given(name):  # even at its default: a text build has no images
+                from dpo_data.prepare.build import pixels_without_processor
 
-            raise pixels_without_processor(max_image_pixels)
+                raise pixels_without_processor(value, name)
         chosen_part = resolve_part(part)
         if chosen_part is not None:
             click.echo(f"part {chosen_part.label} ({chosen_part.origin})", err=True)
@@ -197,6 +210,7 @@ def build(
             progress=True,
             part=chosen_part,
             max_image_pixels=max_image_pixels,
+            max_row_image_pixels=max_row_image_pixels,
         )
         result = run_build(list(inputs), tokenizer_dir, out, options, processor_dir=processor_dir)
     click.echo(_summary(result))

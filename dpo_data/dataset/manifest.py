@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from dpo_data.errors import DataError
+from dpo_data.images import DEFAULT_MAX_ROW_IMAGE_PIXELS
 from dpo_state.digest import DIGEST_PREFIX, bytes_digest, sha256_json
 from dpo_state.errors import DocumentError
 from dpo_state.files import read_document, write_json_atomic
@@ -158,6 +159,8 @@ def processor_problems(m: dict) -> list[str]:
         ["producer.options.max_image_pixels"] if "max_image_pixels" in m["producer"]["options"] else []
     )
     if not keys:
+        if "max_row_image_pixels" in m["producer"]["options"]:
+            return ["producer.options.max_row_image_pixels in a dataset without images (processor)"]
         return []
     if len(keys) < 3:
         return [f"{', '.join(keys)} without the rest of processor, images and producer.options.max_image_pixels"]
@@ -172,6 +175,13 @@ def processor_problems(m: dict) -> list[str]:
     ):
         problems.append(f"images {images} cannot hold for {m['totals']['pairs']} pairs")
     return problems
+
+
+def max_row_image_pixels(m: dict) -> int:
+    """The --max-row-image-pixels a vision dataset's rows were built under. A dataset built before the option
+    records none and is read under its default: a row of it whose images declare more is refused by name when
+    read, never decoded (the bound keeps a loader worker's memory flat whatever a row names)."""
+    return m["producer"]["options"].get("max_row_image_pixels", DEFAULT_MAX_ROW_IMAGE_PIXELS)
 
 
 def is_vision(m: dict) -> bool:

@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dpo_data.dataset.manifest import is_vision, read_manifest, recorded_chat_template, template_origin
+from dpo_data.dataset.manifest import (
+    is_vision,
+    max_row_image_pixels,
+    read_manifest,
+    recorded_chat_template,
+    template_origin,
+)
 from dpo_data.dataset.shards import as_numpy
 from dpo_data.errors import DataError
 from dpo_state.attestation import differing_parts
@@ -78,6 +84,14 @@ class PairStore:
         if not self.vision:
             return None
         return min(m["producer"]["options"]["max_image_pixels"] for m in self._manifests)
+
+    @property
+    def max_row_image_pixels(self) -> int | None:
+        """The --max-row-image-pixels a vision store's rows were built under (the smallest of its datasets'; a
+        dataset that records none: the default, `manifest.max_row_image_pixels`)."""
+        if not self.vision:
+            return None
+        return min(max_row_image_pixels(m) for m in self._manifests)
 
     @property
     def num_pairs(self) -> int:

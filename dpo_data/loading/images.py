@@ -8,7 +8,7 @@ from typing import Any
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
-from dpo_data.images import ImageError, decode_image, image_sha256
+from dpo_data.images import ImageError, decode_row, image_sha256
 from dpo_data.loading.vision import Family, VisionPair, pack_vision, vision_family
 
 
@@ -25,7 +25,7 @@ class ImageSource:
         self.directory = str(directory)
         self.attestation = store.processor_attestation
         self.template = store.chat_template
-        self.max_pixels = store.max_image_pixels
+        self.max_pixels, self.max_row_pixels = store.max_image_pixels, store.max_row_image_pixels
         self.prepared  # noqa: B018 - loaded and checked here, on the rank, before any worker starts
 
     @property
@@ -52,7 +52,6 @@ class ImageSource:
         build decoded them, and run through the attested processor."""
         processor, config = self.prepared
         stored = store.images(index)
-        pictures = []
         for k, (data, digest) in enumerate(stored):
             if image_sha256(data) != digest:
                 raise DataError(
@@ -60,12 +59,12 @@ class ImageSource:
                     f"({digest[:16]}...): the shard was changed after the build; refusing to train on it. Fix: "
                     "rebuild the dataset or restore the shard (`dpo-data verify DIR` names every changed image)"
                 )
-            try:
-                pictures.append(decode_image(data, self.max_pixels))
-            except ImageError as e:
-                raise DataError(
-                    f"{_where(store, index)}: its image {k} cannot be used ({e.reason}: {e.message})"
-                ) from None
+        try:  # the build's bounds, headers first: a row over the per-row bound is refused before any decode
+            decoded = decode_row([data for data, _ in stored], self.max_pixels, self.max_row_pixels)
+        except ImageError as e:
+            which = "images" if e.index is None else f"image {e.index}"
+            raise DataError(f"{_where(store, index)}: its {which} cannot be used ({e.reason}: {e.message})") from None
+        pictures = [image for _, image in decoded]
         return VisionPair(store.pair(index), _processed(processor, vision_family(config), pictures))
 
     def pack(self, store: PairStore, indices: list[int], layout: str, pad_to_multiple_of: int | None) -> dict:
@@ -74,7 +73,7 @@ class ImageSource:
         return pack_vision([self.pair(store, i) for i in indices], config, layout, pad_to_multiple_of)
 
     def __getstate__(self) -> dict:
-        return {k: self.__dict__[k] for k in ("directory", "attestation", "template", "max_pixels")}
+        return {k: self.__dict__[k] for k in ("directory", "attestation", "template", "max_pixels", "max_row_pixels")}
 
 
 def _where(store: PairStore, index: int) -> str:

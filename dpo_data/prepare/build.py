@@ -18,10 +18,10 @@ import orjson
 from dpo_data.dataset.manifest import REJECTS_NAME, ImageTally
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter
 from dpo_data.errors import DataError
-from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, pil_pixel_limit
+from dpo_data.images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_ROW_IMAGE_PIXELS, pil_pixel_limit
 from dpo_data.prepare.columns import check_columns, rename_columns
 from dpo_data.prepare.hub import hub_files, is_hub_input
-from dpo_data.prepare.inputs import MAX_ROW_BYTES, InputFile, OversizedLine, iter_rows, open_input
+from dpo_data.prepare.inputs import MAX_ROW_BYTES, InputFile, OversizedLine, iter_rows, open_input, row_size
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, check_replaceable, commit_staged
 from dpo_data.prepare.parts import Part, build_plan, existing_part, part_document, refused_part, write_part
 from dpo_data.prepare.rows import RowReject, normalize_row
@@ -40,6 +40,8 @@ CHUNK_ROWS = 256  # rows per unit of work sent to a worker, within one span
 VISION_CHUNK_ROWS = 4  # a vision build's chunks carry their images' bytes back from the workers: few rows
 IN_FLIGHT_PER_PROC = 2  # chunks sent to the pool and not yet written, per worker: what the build holds is bounded
 RAW_KEEP_CHARS = 2000  # what a reject keeps of its raw row
+VISION_OPTIONS = {"max_image_pixels": DEFAULT_MAX_IMAGE_PIXELS, "max_row_image_pixels": DEFAULT_MAX_ROW_IMAGE_PIXELS}
+"""The options that bound images, with their defaults: a vision build's alone (given to a text build, an error)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ class BuildOptions:
     `pairs_per_shard` rows read make a span, and each span's pairs one shard (so at most that many pairs a
     shard). `part` builds only every `part.count`-th span from the `part.index`-th, into a part directory.
 
-    `max_image_pixels` bounds the pixels an image of a vision build (`build(..., processor_dir=...)`) may declare;
-    it is recorded for vision builds only."""
+    `max_image_pixels` bounds the pixels an image of a vision build (`build(..., processor_dir=...)`) may declare,
+    `max_row_image_pixels` those a row's images declare together (checked before any is decoded); both are recorded
+    for vision builds only."""
 
     max_length: int | None = None
     overlength: str = "reject"
@@ -72,6 +75,7 @@ class BuildOptions:
     progress: bool = False
     part: Part | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_row_image_pixels: int = DEFAULT_MAX_ROW_IMAGE_PIXELS
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
@@ -96,14 +100,19 @@ class BuildOptions:
                 f"--max-image-pixels is {self.max_image_pixels}; allowed: 1 to {pil_pixel_limit()} (PIL's "
                 "decompression-bomb threshold, above which it flags an image as a bomb whatever this says)"
             )
+        if self.max_row_image_pixels < 1:
+            raise DataError(
+                f"--max-row-image-pixels is {self.max_row_image_pixels}; it must be at least 1 (the pixels a row's "
+                f"images may declare together; default {DEFAULT_MAX_ROW_IMAGE_PIXELS})"
+            )
 
     def recorded(self, chat_template: dict | None = None, vision: bool = False) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest; --num-proc never changes a byte), with
-        the override template as `read_chat_template` read it; `max_image_pixels` for a vision build only, so a
+        the override template as `read_chat_template` read it; the `VISION_OPTIONS` for a vision build only, so a
         text build records what it always did."""
         skip = {"num_proc", "overwrite", "progress", "chat_template", "part"}
         if not vision:
-            skip.add("max_image_pixels")
+            skip.update(VISION_OPTIONS)
         if self.columns is None:
             skip.add("columns")  # left out, not null: a build without a mapping records what it always did
         options = {k: v for k, v in asdict(self).items() if k not in skip}
@@ -121,7 +130,9 @@ def _init_worker(tokenizer: Any, options: BuildOptions, inputs: list[InputFile],
     """Set up this process's encoders (the build process itself, or a forked pool worker)."""
     topts = TokenizeOptions(options.max_length, options.overlength, options.append_eos, options.max_row_bytes)
     encoder = PairEncoder(tokenizer, topts, override=options.chat_template)
-    vision = None if processor is None else VisionEncoder(encoder, processor, options.max_image_pixels)
+    vision = None
+    if processor is not None:
+        vision = VisionEncoder(encoder, processor, options.max_image_pixels, options.max_row_image_pixels)
     _worker.update(encoder=encoder, vision=vision, options=options, inputs=inputs)
 
 
@@ -249,9 +260,13 @@ def _parse(item: Any, max_row_bytes: int) -> Any:
     if isinstance(item, OversizedLine):
         raise RowReject("row_too_large", f"the row has {item.size} bytes, over --max-row-bytes {max_row_bytes}")
     if not isinstance(item, bytes):  # .json / .parquet rows arrive parsed
-        size = len(orjson.dumps(item, default=str))
+        size = row_size(item)
         if size > max_row_bytes:
-            raise RowReject("row_too_large", f"the row has {size} bytes as JSON, over --max-row-bytes {max_row_bytes}")
+            raise RowReject(
+                "row_too_large",
+                f"the row has {size} bytes (its JSON, a binary value counted by its length), over --max-row-bytes "
+                f"{max_row_bytes}",
+            )
         return item
     try:
         item.decode("utf-8")
@@ -338,8 +353,9 @@ def build(
             "give exactly one of --tokenizer DIR (text data) and --processor DIR (data with images: a vision-language "
             "model's directory with its processor)"
         )
-    if processor_dir is None and options.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS:
-        raise pixels_without_processor(options.max_image_pixels)
+    for name, default in VISION_OPTIONS.items():
+        if processor_dir is None and getattr(options, name) != default:
+            raise pixels_without_processor(getattr(options, name), name)
     files = _open_inputs(inputs, options)
     chars = render_chars(options.max_row_bytes)
     template = read_chat_template(options.chat_template, chars) if options.chat_template is not None else None
@@ -355,11 +371,13 @@ def build(
     return result
 
 
-def pixels_without_processor(value: int) -> DataError:
-    """--max-image-pixels given to a text build, which has no images to bound (it would be ignored)."""
+def pixels_without_processor(value: int, name: str = "max_image_pixels") -> DataError:
+    """An image bound (`VISION_OPTIONS`, by its field name) given to a text build, which has no images to bound (it
+    would be ignored)."""
+    option = "--" + name.replace("_", "-")
     return DataError(
-        f"--max-image-pixels {value}: it applies only to a vision build (--processor DIR), and this build is a text "
-        "build (--tokenizer DIR); drop --max-image-pixels, or build data with images with --processor DIR"
+        f"{option} {value}: it applies only to a vision build (--processor DIR), and this build is a text "
+        f"build (--tokenizer DIR); drop {option}, or build data with images with --processor DIR"
     )
 
 

@@ -153,6 +153,21 @@ def iter_rows(inp: InputFile, max_row_bytes: int, skip: Skip | None = None) -> I
         raise InputFileError(inp.path, f"read failed: {e}") from None
 
 
+def row_size(row: Any) -> int:
+    """What a parsed row (.json, .parquet, .arrow) counts toward --max-row-bytes: its JSON, with each binary value
+    (an image's bytes) counted by its length, as a JSON line's size counts what it holds. (Measured by its repr, a
+    binary value counted about 3.5 times its size: a 2.4 MB photo was a row_too_large reject.)"""
+    binary: list[int] = []
+
+    def as_null(value: Any) -> Any:  # orjson asks for what JSON cannot hold: bytes become null, measured apart
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            binary.append(memoryview(value).nbytes)
+            return None
+        return str(value)
+
+    return len(orjson.dumps(row, default=as_null)) + sum(n - len(b"null") for n in binary)
+
+
 @dataclass(frozen=True)
 class OversizedLine:
     """A line longer than the row-size limit: only its size and head are kept, never the whole line."""

@@ -4,10 +4,11 @@ processor (chat template, image placeholder expansion) exactly as `processor(tex
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dpo_data.images import MAX_IMAGE_BYTES, ImageError, decode_image, image_sha256
+from dpo_data.images import DEFAULT_MAX_ROW_IMAGE_PIXELS, MAX_IMAGE_BYTES, ImageError, decode_row, image_sha256
 from dpo_data.prepare.inputs import HF_DATASET, InputFile
 from dpo_data.prepare.rows import Pair, RowReject, content_text
 from dpo_data.prepare.tokenize import EncodedPair, PairEncoder, _special_text
@@ -27,19 +28,32 @@ class RowImage:
     image: Any
 
 
-def read_images(pair: Pair, inp: InputFile, max_pixels: int) -> list[RowImage]:
-    """The pair's images, read (a path relative to the input's directory), decoded and checked, in order; the first
-    problem is a `RowReject` naming the image, the value and the fix."""
+def read_images(
+    pair: Pair, inp: InputFile, max_pixels: int, max_row_pixels: int = DEFAULT_MAX_ROW_IMAGE_PIXELS
+) -> list[RowImage]:
+    """The pair's images, read (a path relative to the input's directory), decoded and checked, in order, in memory
+    bounded by `max_row_pixels` (`decode_row`: headers first, each file read once per row, each distinct image
+    decoded once); the first problem is a `RowReject` naming the image, the value and the fix."""
     base = Path(inp.path) if inp.format == HF_DATASET else Path(inp.path).parent
-    found = []
-    for i, value in enumerate(pair.images):
-        data = _image_data(f"images[{i}]", value, base)
-        try:
-            image = decode_image(data, max_pixels)
-        except ImageError as e:
-            raise RowReject(e.reason, f"images[{i}] ({_named(value)}): {e.message}") from None
-        found.append(RowImage(data, image_sha256(data), image))
-    return found
+    files: dict[str, bytes] = {}  # a path named again is read once: its bytes are shared, and so is its decoding
+
+    def data() -> Iterator[bytes]:
+        for i, value in enumerate(pair.images):
+            key = value if isinstance(value, str) else None
+            if key not in files:
+                found = _image_data(f"images[{i}]", value, base)
+                if key is None:
+                    yield found
+                    continue
+                files[key] = found
+            yield files[key]
+
+    try:
+        decoded = decode_row(data(), max_pixels, max_row_pixels)
+    except ImageError as e:
+        where = "the row" if e.index is None else f"images[{e.index}] ({_named(pair.images[e.index])})"
+        raise RowReject(e.reason, f"{where}: {e.message}") from None
+    return [RowImage(item, image_sha256(item), image) for item, image in decoded]
 
 
 def _named(value: Any) -> str:
@@ -159,14 +173,17 @@ class VisionEncoder:
     image), the completions' ids by its tokenizer after the prompt. Plain-text pairs without images go to `encoder`.
     """
 
-    def __init__(self, encoder: PairEncoder, processor: Any, max_pixels: int):
-        self.encoder, self.processor, self.max_pixels = encoder, processor, max_pixels
+    def __init__(
+        self, encoder: PairEncoder, processor: Any, max_pixels: int, max_row_pixels: int = DEFAULT_MAX_ROW_IMAGE_PIXELS
+    ):
+        self.encoder, self.processor = encoder, processor
+        self.max_pixels, self.max_row_pixels = max_pixels, max_row_pixels
         self.image_token = processor.image_token
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(self.image_token)
 
     def encode(self, pair: Pair, inp: InputFile) -> EncodedPair:
         """The pair's ids and images, or a `RowReject`."""
-        images = read_images(pair, inp, self.max_pixels)
+        images = read_images(pair, inp, self.max_pixels, self.max_row_pixels)
         pair = multimodal(pair)
         self._check_content(pair)
         encoder = self.encoder

@@ -58,6 +58,7 @@ VISION_REASONS = (
     "image_missing",
     "image_path_outside",
     "image_too_large",
+    "row_images_too_large",
     "image_bomb",
     "image_count_mismatch",
     "control_text_in_vision_content",

@@ -21,8 +21,8 @@ IMAGE_TOKEN = {"qwen2_5_vl": "<|image_pad|>", "idefics3": "<image>"}
 
 def bad_rows(names: list[str], token: str) -> list[tuple[str, dict, str]]:
     """(reason, row, what its message must say). Files: the sample images; garbage.png, truncated.jpg, huge.png (a
-    6000 x 6000 header: over the default pixel cap), warn.png (10000 x 10000: PIL's bomb warning), bomb.png (a real
-    20000 x 20000 PNG of 50 KB: PIL's DecompressionBombError)."""
+    6000 x 6000 header: over the default pixel cap), max.png (an 8192 x 4096 header: at the cap), warn.png (10000 x
+    10000: PIL's bomb warning), bomb.png (a real 20000 x 20000 PNG of 50 KB: PIL's DecompressionBombError)."""
 
     def one(image, text: str = "What is it?") -> dict:
         return row(user(None, text), "This.", "That.", [image])
@@ -36,6 +36,11 @@ def bad_rows(names: list[str], token: str) -> list[tuple[str, dict, str]]:
         ("image_path_outside", one("../outside.png"), "which lies outside the input's directory"),
         ("image_path_outside", one("/etc/hostname"), "images[0] is '/etc/hostname', which lies outside"),
         ("image_too_large", one("img/huge.png"), "6000 x 6000 = 36000000 pixels, over --max-image-pixels 33554432"),
+        (
+            "row_images_too_large",
+            row(user(None, "Five?"), "Yes.", "No.", ["img/max.png"] * 5),
+            "the row: its images declare 167772160 pixels together by images[4] (5 images",
+        ),
         ("image_bomb", one("img/warn.png"), "PIL flags it as a decompression bomb"),
         ("image_bomb", one("img/bomb.png"), "PIL flags it as a decompression bomb"),
         ("image_count_mismatch", row(user(None, "Two?", None), "Yes.", "No.", names[:1]), "the prompt holds 2 image"),
@@ -59,6 +64,7 @@ def hostile(tmp_path_factory, images):
     jpeg = image_bytes(**IMAGES[1])
     (d / "img/truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (d / "img/huge.png").write_bytes(png_header(6000, 6000))
+    (d / "img/max.png").write_bytes(png_header(8192, 4096))  # at --max-image-pixels: five are over the row's bound
     (d / "img/warn.png").write_bytes(png_header(10_000, 10_000))
     (d / "img/bomb.png").write_bytes(bomb_png())
     (d.parent / "outside.png").write_bytes(images[0])  # readable, but not the input's to take
