@@ -17,3 +17,10 @@ class InputFileError(DataError):
         super().__init__(f"input file {path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class OutputWriteError(DataError):
+    """An output a build or merge cannot write (a full or read-only disk, no space in the quota): the machine's,
+    not the input's, so the exit code is 1; the message names the place, what is left and the fix."""
+
+    exit_code = 1

@@ -17,6 +17,8 @@ Unset (the normal case), each function does nothing.
 - `DPO_TRAIN_FAULT` (`step_fault`): `RANK:STEP` makes that rank fail reading that training step (an OSError).
 - `DPO_DATA_KILL` (`data_kill_point`): `before-swap`, `after-swap` or `after-delete` SIGKILLs the build
   process there.
+- `DPO_DATA_STOP` (`data_kill_point` too): a point of the same names SIGSTOPs the build process there, until a
+  SIGCONT (a test changes the disk under a build at a known moment: remounts it read-only).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SAVE_FAULT_ENV = "DPO_TRAIN_SAVE_FAULT"
 EXPORT_FAULT_ENV = "DPO_TRAIN_EXPORT_FAULT"
 STEP_FAULT_ENV = "DPO_TRAIN_FAULT"
 DATA_KILL_ENV = "DPO_DATA_KILL"
+DATA_STOP_ENV = "DPO_DATA_STOP"
 
 
 def train_kill_point(name: str) -> None:
@@ -93,7 +96,10 @@ def step_fault(rank: int) -> Callable[[int], None]:
 
 
 def data_kill_point(name: str) -> None:
-    """SIGKILL this process if `DPO_DATA_KILL` names this point."""
+    """SIGKILL this process if `DPO_DATA_KILL` names this point; SIGSTOP it if `DPO_DATA_STOP` does."""
     if os.environ.get(DATA_KILL_ENV) == name:
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(DATA_STOP_ENV) == name:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)

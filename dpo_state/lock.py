@@ -54,8 +54,12 @@ class DirectoryLock:
             raise
         # written over the previous holder's line, then cut to length: the file is never empty while held
         line = f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode()
-        os.pwrite(fd, line, 0)
-        os.ftruncate(fd, len(line))
+        try:
+            os.pwrite(fd, line, 0)
+            os.ftruncate(fd, len(line))
+        except OSError as e:  # a full disk takes the empty file but not its line
+            os.close(fd)
+            raise self._unwritable_error(self._unwritable.format(lock=self.path, reason=e.strerror)) from None
         self._fd = fd
         return self
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from dpo_data.dataset.manifest import MANIFEST_NAME, PART_NAME, REJECTS_NAME, STAGING_SUFFIX, read_manifest
 from dpo_data.dataset.shards import SHARD_DIR
-from dpo_data.errors import DataError
+from dpo_data.errors import DataError, OutputWriteError
+from dpo_state.disk import disk_errno, disk_fix, disk_reason
 from dpo_state.faults import data_kill_point
 from dpo_state.files import fsync_dir
 from dpo_state.lock import DirectoryLock
@@ -66,14 +67,33 @@ def commit_staged(out: Path, overwrite: bool, produce: Callable[[Path], BuildRes
     staging = new_staging(out)
     try:
         result = produce(staging)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)  # a failed build leaves nothing behind
+        _raise_disk_fault(out, staging, e, "could not be written")
         raise
     if result.committed:
-        swap_into_place(staging, out, overwrite)
+        try:
+            swap_into_place(staging, out, overwrite)
+        except OSError as e:  # a rename the disk refused: nothing moved, the finished build stays in staging
+            _raise_disk_fault(out, staging, e, "could not be moved into place")
+            raise
         result.out = out
         remove_stale_staging(out)  # earlier refused or killed builds' leftovers, kept until now for their rejects
     return result
+
+
+def _raise_disk_fault(out: Path, staging: Path, e: BaseException, failed: str) -> None:
+    """Raise an `OutputWriteError` where the disk stopped the build (full, read-only, over quota), naming the fault,
+    what `out` holds, what `staging` still holds and the fix; anything else is for the caller to raise."""
+    code = disk_errno(e) if isinstance(e, Exception) else None
+    if code is None:
+        return
+    kept = f"; {out} is unchanged" if out.exists() else ""
+    left = f"; {staging} is left (the next build of --out that commits removes it)" if staging.exists() else ""
+    raise OutputWriteError(
+        f"--out {out}: the build {failed} ({disk_reason(e, code)}); nothing was committed{kept}{left}. "
+        f"Fix: {disk_fix(code, out.parent)}, or choose another --out"
+    ) from None
 
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
@@ -201,6 +221,8 @@ def _exchange(a: Path, b: Path) -> None:
         )
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         code = ctypes.get_errno()
+        if disk_errno(OSError(code, "")) is not None:  # a full or read-only disk: `commit_staged` names it so
+            raise OSError(code, os.strerror(code), str(b))
         raise DataError(
             f"--overwrite {b}: the atomic swap with {a} failed ({os.strerror(code)}); {b} is unchanged "
             f"and the new build is in {a}"

@@ -7,6 +7,7 @@ from dpo_state.layout import step_dir
 from dpo_train.checkpoint.parts import Checkpointable, RunView, new_lineage
 from dpo_train.checkpoint.restore import abandon_later, find_resume, restore
 from dpo_train.checkpoint.save import save
+from dpo_train.errors import CheckpointError
 
 
 class Checkpoints:
@@ -49,12 +50,16 @@ class Checkpoints:
 
     def keep_trained(self) -> str:
         """Save the last step when no checkpoint holds it (whatever `train.save_every` says): what an export that
-        failed would lose; where it is, as a sentence."""
-        if self.parts.train.step != self._saved_step:
-            self._save()
-        directory = step_dir(self.run.out, self.parts.train.step)
+        failed would lose; where it is, as a sentence (or, when that save fails too, that it is lost and why)."""
+        step = self.parts.train.step
+        if step != self._saved_step:
+            try:
+                self._save()
+            except CheckpointError as e:  # (on every rank alike: a failed save is agreed on before it raises)
+                return f"The trained weights of step {step} could not be kept in a checkpoint either: {e}"
+        directory = step_dir(self.run.out, step)
         return (
-            f"The trained weights of step {self.parts.train.step} are in the committed checkpoint {directory}; "
+            f"The trained weights of step {step} are in the committed checkpoint {directory}; "
             "rerunning the same command after the fix resumes from it and exports again"
         )
 

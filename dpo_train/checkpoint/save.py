@@ -18,6 +18,7 @@ from dpo_state.dcp_io import (
     quiet_single_process_dcp,
 )
 from dpo_state.digest import DIGEST_PREFIX, sha256_json
+from dpo_state.disk import disk_errno, disk_fix
 from dpo_state.faults import commit_fault, flip_written, save_fault, train_kill_point
 from dpo_state.files import write_json_atomic
 from dpo_state.layout import move_aside, retain, step_dir
@@ -54,9 +55,9 @@ def save(parts: Checkpointable, run: RunView, identity: dict, lineage: dict, ver
     with held_until_saved(step, announce=rank == 0):
         _agree(step)  # every rank is at the same step before anyone writes
         directory = step_dir(run.out, step)
-        if rank == 0:
-            _clear_for(directory, run.out, step)
-        collectives.barrier()
+        cleared = _guarded(rank, lambda: _clear_for(directory, run.out, step))[1] if rank == 0 else ""
+        if failures := collectives.gather_failures(cleared):  # (every rank waits here for the room, as at a barrier)
+            raise CheckpointError(_failed(step, failures, directory))  # nothing was written: nothing to remove
         written, failure = _guarded(rank, lambda: _write_this_rank(parts, run, directory))
         failures = collectives.gather_failures(failure)
         if verify and not failures:
@@ -201,20 +202,26 @@ def _commit(
     retain(run.out, run.config.train.keep_last, lineage["run_id"], writing=directory)
 
 
-_ABANDON_FIX = "Fix the cause (free disk space, permissions) and rerun: the run resumes from that checkpoint"
-
-
-def _abandon(directory: Path, rank: int, step: int, failures: list[str], fix: str = _ABANDON_FIX) -> None:
+def _abandon(directory: Path, rank: int, step: int, failures: list[str], fix: str | None = None) -> None:
     """Rank 0 removes the partial directory before any rank raises: a rank that exits first makes
     torchrun stop the others, and rank 0 must not be stopped half-way through the removal."""
     if rank == 0:
         (directory / COMMIT_FILE).unlink(missing_ok=True)  # a commit written before retention failed
         shutil.rmtree(directory, ignore_errors=True)
     collectives.barrier()
-    raise CheckpointError(
+    raise CheckpointError(_failed(step, failures, directory, fix))
+
+
+def _failed(step: int, failures: list[str], directory: Path, fix: str | None = None) -> str:
+    """The message of a save that committed nothing: each rank's failure, and the fix (a full or read-only disk's
+    names the filesystem of `directory`)."""
+    code = disk_errno("; ".join(failures))
+    if fix is None and code is not None:
+        fix = f"Fix: {disk_fix(code, directory.parent)}, then rerun: the run resumes from the latest checkpoint"
+    return (
         f"saving step {step} failed, nothing was committed (the previous checkpoint stays the latest): "
         + "; ".join(failures)
-        + f". {fix}"
+        + f". {fix or 'Fix the cause (free disk space, permissions) and rerun: the run resumes from that checkpoint'}"
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dpo_state.disk import disk_errno, disk_fix, disk_reason
 from dpo_state.export_record import CARD_FILE, write_export_record
 from dpo_state.faults import flip_exported, train_kill_point
 from dpo_state.files import fsync_dir, read_json, write_json_atomic
@@ -117,6 +118,30 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     for leftover in target.parent.glob(f"{target.name}.incomplete-*"):  # an export killed half-way
         shutil.rmtree(leftover)
     staging = target.with_name(f"{target.name}.incomplete-{uuid.uuid4().hex[:12]}")
+    try:
+        _write_staged(model, state, staging, tokenizer, config, facts, target)
+        train_kill_point(f"in-export:{target.name}")
+        _into_place(staging, target)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays (a read-only disk keeps it)
+        if isinstance(e, Exception) and (code := disk_errno(e)) is not None:
+            raise ExportError(_disk_fault(target, staging, e, code)) from None
+        raise
+
+
+def _disk_fault(target: Path, staging: Path, e: Exception, code: int) -> str:
+    """An export the disk stopped (full, read-only, over quota): the fault, what is left, the fix."""
+    left = f"{staging} is left (the next export removes it)" if staging.exists() else "nothing half-written is left"
+    return (
+        f"{target.name}/ was not written: {disk_reason(e, code)}, writing {staging}; {left}. "
+        f"Fix: {disk_fix(code, target.parent)}"
+    )
+
+
+def _write_staged(
+    model: Any, state: dict, staging: Path, tokenizer: Any, config: TrainConfig, facts: RunFacts, target: Path
+) -> None:
+    """Everything the export holds, into `staging`: weights (read back), tokenizer or processor, card, record."""
     dtype = export_dtype(config)
     peft = hasattr(model, "peft_config")
     written = export_state(model, state, dtype)
@@ -129,8 +154,6 @@ def _save(model: Any, state: dict, target: Path, tokenizer: Any, config: TrainCo
     elif tokenizer is not None:
         tokenizer.save_pretrained(staging)
     _describe(staging, config, facts, peft)
-    train_kill_point(f"in-export:{target.name}")
-    _into_place(staging, target)
 
 
 def write_weights(model: Any, staging: Path, written: dict, dtype: torch.dtype) -> None:
@@ -204,7 +227,12 @@ def _into_place(staging: Path, target: Path) -> None:
     old = target.with_name(f"{target.name}.replaced-{uuid.uuid4().hex[:12]}") if target.exists() else None
     if old is not None:
         os.rename(target, old)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if old is not None:  # the earlier export goes back in place
+            os.rename(old, target)
+        raise
     fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old)
