@@ -395,6 +395,11 @@ def _run_rank(
         click.echo(f"error: {prefix}{e}", err=True)
         return _exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - a rank's failure must end every rank, named
+        from dpo_state.disk import disk_errno, disk_message
+
+        if (code := disk_errno(e)) is not None:  # a full or read-only disk no code named: the machine's, one line
+            click.echo(f"error: {prefix}{disk_message(e, code)}", err=True)
+            return _exit(1)
         click.echo(f"error: {prefix}{type(e).__name__}: {e}\n{traceback.format_exc()}", err=True)
         return _exit(1)
     if rank == 0:

@@ -44,6 +44,14 @@ def disk_reason(failure: BaseException | str, code: int) -> str:
     return os.strerror(code) + (f": {named}" if named else "")
 
 
+def disk_message(failure: BaseException, code: int) -> str:
+    """A disk fault that no caller named more closely, as one line: the fault, the file, and the fix for the
+    directory holding that file (or for the files the command writes, where the library kept no name)."""
+    named = next((x.filename for x in _behind(failure) if getattr(x, "filename", None)), None)
+    place = Path(os.fsdecode(named)).parent if named else "the files it writes"
+    return f"{disk_reason(failure, code)} ({type(failure).__name__}). Fix: {disk_fix(code, place)}"
+
+
 def _behind(failure: BaseException | str) -> list[BaseException | str]:
     """`failure` and what it was raised from or while handling, with each rank's failure that DCP's
     CheckpointException wraps (its `failures`: rank -> (exception, traceback)); at most 64 of them."""

@@ -92,6 +92,23 @@ def test_a_build_that_fills_the_disk_is_one_error_line_and_keeps_the_dataset_it_
         assert _pairs(out) == 3
 
 
+def test_a_build_onto_a_disk_already_full_is_one_error_line_naming_the_lock(smollm2_dir, tmp_path, run_cli):
+    """Before: the lock file was created (an inode) but its holder's line did not fit: an OSError traceback."""
+    few = write_jsonl(tmp_path / "few.jsonl", FEW)
+    disk = tmp_path / "disk"
+    with tmpfs(disk, "4k") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root (mount); this full disk is not run here")
+        (disk / "filler").write_bytes(bytes(4096))
+        out = disk / "ds"
+        failed = data_here(run_cli, "build", few, "--tokenizer", smollm2_dir, "--out", out, code=2)
+        assert _one_error(failed.stderr) == (
+            f"error: --out {out}: cannot create the lock file {disk / 'ds.lock'} (No space left on device); choose "
+            "a writable location"
+        )
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "replacing"])
 def test_a_build_whose_disk_turns_read_only_is_one_error_line_and_keeps_the_dataset_it_would_replace(
     smollm2_dir, tmp_path, run_cli, earlier
@@ -214,3 +231,26 @@ def test_an_export_that_fills_the_disk_keeps_the_trained_steps_in_a_checkpoint_a
         rerun = train_here(run_cli, path)
         assert f"resumed from {kept} at step 2" in rerun.stderr
         state_here(run_cli, "verify", out / "final")
+
+
+@pytest.mark.slow
+def test_a_full_disk_where_no_code_names_it_is_still_one_error_line_and_no_half_written_file(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """Before: the reference sidecar's write onto a full disk (a 4 KB tmpfs: its table fits, not reference.json)
+    was an OSError with the trainer's traceback, and left .reference.json.tmp beside the table. The one-line error
+    is the CLI's net for any disk fault (`dpo_state.disk`); the sidecar is absent without its reference.json."""
+    disk = tmp_path / "disk"
+    config = tiny_config(small_dataset, smollm2_dir, tmp_path / "run", max_steps=1)
+    config["reference"] = {"mode": "precomputed", "path": str(disk / "ref")}
+    path = write_yaml(tmp_path / "run.yaml", config)
+    with tmpfs(disk, "4k") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root (mount); this full disk is not run here")
+        failed = train_here(run_cli, path, "--precompute-reference", code=1)
+        line = _one_error(failed.stderr)
+        assert line == (
+            f"error: No space left on device: {disk / 'ref' / 'reference.json'} (OSError). Fix: free space on the "
+            f"filesystem holding {disk / 'ref'}"
+        ), line
+        assert not list((disk / "ref").glob(".*.tmp"))
