@@ -28,11 +28,10 @@ from typing import Any
 import orjson
 
 from dpo_data.tokenizer.chat import chat_environment, jinja_supported, render, without_none
+from dpo_data.tokenizer.check import SPECIAL_TOKEN_NAMES
 
 TRANSFORMERS_MAJOR = "5"
 """The transformers major version whose loading rules this module reproduces; another is left to transformers."""
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-"""transformers' named special tokens, in its order (the special-token map's)."""
 FLAGS = ("clean_up_tokenization_spaces", "split_special_tokens")
 """tokenizer_config.json's behaviour flags (booleans, default False)."""
 INERT_KEYS = frozenset(
