@@ -169,7 +169,8 @@ def build(
     Every row ends up either as a pair in a shard or as a record in OUT/rejects.jsonl; manifest.json,
     written last, commits the dataset. Exit 0 on success; 1 when no pair survives, the reject
     fraction exceeds --max-reject-fraction or a --chat-template is not prefix-stable on a row (nothing
-    is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out); 2 on a
+    is committed; rejects stay in OUT.incomplete-*/ until the next successful build of --out), or when the
+    disk fills up or goes read-only (nothing is committed, an earlier OUT stays; docs/data-build.md); 2 on a
     usage, input-file or template-file error, or an installed library outside dpo-toolkit's ranges (checked
     first, as by merge and dpo-train; docs/dependencies.md). With --part, the refusals on counts wait for
     dpo-data merge.

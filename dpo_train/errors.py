@@ -32,8 +32,9 @@ class CheckpointError(ToolkitError):
 
 
 class ExportError(ToolkitError):
-    """An export that does not load back as the weights it was written from (train.read_back): final/ is not
-    written. The run itself failed, after its config was accepted, so the exit code is 1."""
+    """An export that does not load back as the weights it was written from (train.read_back), or that a full or
+    read-only disk stopped: final/ is not written. The run itself failed, after its config was accepted, so the
+    exit code is 1."""
 
     exit_code = 1
 
