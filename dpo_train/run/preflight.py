@@ -8,10 +8,12 @@ from dpo_data.dataset.store import PairStore
 from dpo_data.dataset.verify import shard_problems
 from dpo_data.errors import DataError
 from dpo_data.progress import say
+from dpo_data.tokenizer import load_tokenizer
 from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 from dpo_train.config.sections import TrainConfig
 from dpo_train.errors import ConfigError
 from dpo_train.parallel import collectives
+from dpo_train.run.vocabulary import beyond_rows, check_declared_rows, check_own_tokenizer, mismatch_fix
 
 
 def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int) -> None:
@@ -35,19 +37,19 @@ def check_data(stores: dict[str, PairStore], mode: str, rank: int, world: int) -
 
 
 def load_run_tokenizer(config: TrainConfig) -> Any | None:
-    """The tokenizer of `model.tokenizer`, else of `model.path`; None for a random init without one."""
-    from transformers import AutoTokenizer
-
+    """The tokenizer of `model.tokenizer`, else of `model.path`; None for a random init without one. Loaded as
+    `dpo-data build` loads it (`load_tokenizer`: one rule for what does not load), as AutoTokenizer's own object,
+    which the export saves."""
     directory = config.model.tokenizer or config.model.path
     if not directory:
         return None
     key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    published = "the directory of the tokenizer the model was trained with, as published"
+    fix = f"set model.tokenizer to {published}" if key == "model.path" else f"give {published}"
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        return load_tokenizer(directory, savable=True)
     except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{key} {directory}: cannot load a tokenizer ({e}); give a local tokenizer directory"
-        ) from None
+        raise ConfigError(f"{key} {directory}: cannot load a tokenizer ({e}); {fix}") from None
 
 
 def apply_dataset_template(tokenizer: Any | None, config: TrainConfig, key: str, store: PairStore, rank: int) -> None:
@@ -74,7 +76,8 @@ def _label(config: TrainConfig) -> str:
 def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str, PairStore]) -> None:
     """Refuse (ConfigError) a run tokenizer whose attestation differs from any dataset's: `stores` maps a
     config key (data.path, eval.path) to its store. A precomputed reference is bound to the training
-    data's fingerprint, which includes the tokenizer, so it is covered by data.path."""
+    data's fingerprint, which includes the tokenizer, so it is covered by data.path. The fix it names, and a
+    model.tokenizer other than model.path's own, are checked against what the data's ids mean (vocabulary.py)."""
     if tokenizer is None:
         return
     actual = tokenizer_attestation(tokenizer)
@@ -91,24 +94,22 @@ def check_tokenizer(tokenizer: Any | None, config: TrainConfig, stores: dict[str
         raise ConfigError(
             "the run's tokenizer is not the one its data was built with:\n  - "
             + "\n  - ".join(problems)
-            + "\n  fix: point model.tokenizer at the tokenizer the datasets were built with, or rebuild "
-            "them with this one (dpo-data build --tokenizer DIR); `dpo-data verify DIR --tokenizer DIR` "
-            "shows the same comparison"
+            + f"\n  fix: {mismatch_fix(config, stores, actual)}; `dpo-data verify DIR --tokenizer DIR` shows the "
+            "same comparison"
         )
+    check_declared_rows(config, stores)
+    check_own_tokenizer(tokenizer, config, stores)
 
 
 def check_vocabulary(model: Any, stores: dict[str, PairStore]) -> None:
-    """Refuse (ConfigError) a model with fewer embedding rows than a dataset's largest token id + 1."""
+    """Refuse (ConfigError) a model with fewer embedding rows than a dataset's largest token id + 1, naming the
+    fix (`vocabulary.beyond_rows`): the model's own name is its model.path, empty for a random init."""
     from dpo_train.model.policy import embedding_rows
 
     rows = embedding_rows(model)
     for key, store in stores.items():
         if store.max_token_id >= rows:
-            raise ConfigError(
-                f"{key}: the datasets hold token id {store.max_token_id}, but the model embeds only "
-                f"{rows} ids (0 to {rows - 1}); use the model whose tokenizer built the data, or rebuild "
-                "the data with this model's tokenizer"
-            )
+            raise ConfigError(beyond_rows(key, store, rows, getattr(model, "name_or_path", None) or None))
 
 
 def check_sees_images(model: Any, stores: dict[str, PairStore]) -> None:
