@@ -12,7 +12,7 @@ from typing import Any
 from dpo_data.dataset.manifest import read_manifest
 from dpo_data.dataset.store import PairStore
 from dpo_data.tokenizer import load_tokenizer
-from dpo_state.attestation import differing_parts, tokenizer_attestation
+from dpo_state.attestation import tokenizer_attestation
 from dpo_train.config.sections import ModelConfig, TrainConfig
 from dpo_train.errors import ConfigError
 
@@ -161,7 +161,7 @@ def declared_rows(model: ModelConfig) -> int | None:
 
 
 def _vocabulary_differs(recorded: dict, actual: dict) -> bool:
-    return bool(set(differing_parts(recorded, actual)) & {*VOCABULARY_PARTS, "unknown"})
+    return any(recorded["components"].get(part) != actual["components"].get(part) for part in VOCABULARY_PARTS)
 
 
 def _own_tokenizer_dir(model: ModelConfig) -> str | None:
