@@ -226,7 +226,8 @@ def _eval(plt, report: dict):
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     lines = {"margin > 0 (vs reference)": e["accuracy"], "chosen logp > rejected (policy)": e["logp_accuracy"]}
     _panel(axes[0], report, "held-out accuracy", lines, x=e["step"], points=True)
-    _panel(axes[1], report, "held-out mean margin", {"margin": e["margin"]}, x=e["step"], points=True)
+    margins = {"rewards/margins": e["rewards/margins"]}  # TRL's, beta-scaled: the training chart's meaning
+    _panel(axes[1], report, "held-out reward margin (chosen - rejected)", margins, x=e["step"], points=True)
     _panel(axes[2], report, "held-out loss (the run's objective)", _loss_lines(e), x=e["step"], points=True)
     return figure
 

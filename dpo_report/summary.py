@@ -8,14 +8,15 @@ from typing import Any
 
 from dpo_state.errors import DocumentError, ToolkitError
 from dpo_state.layout import list_checkpoints
-from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, current_metrics, read_log, step_scalars
+from dpo_state.run_logs import EVAL_LOG, METRICS_LOG, by_step, current_eval, current_metrics, read_log, step_scalars
 from dpo_state.sidecar_record import read_sidecar_record
 from dpo_state.strict_yaml import read_yaml_file
 
-REPORT_FORMAT_VERSION = 3
+REPORT_FORMAT_VERSION = 4
 """`dpo-state report --json` prints one document of this version; schema `run-report`. 2: eval `loss`, `nll`;
 3: series `loss` is the optimized objective (None for steps logged before metrics format 3), `pair_loss` its
-pair part (`sources/NAME/pair_loss` per source), eval `pair_loss`."""
+pair part (`sources/NAME/pair_loss` per source), eval `pair_loss`; 4: eval `margin` (the raw log-ratio margin)
+is `logratio_margin`, and eval `rewards/margins` is TRL's, beta-scaled (None for records before eval format 4)."""
 
 FILL_EDGES = [b / 10 for b in range(11)]
 """The bins of the trainer's micro-batch fill histogram (dpo_train.step.metrics.FILL_BINS)."""
@@ -42,7 +43,7 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         raise DocumentError(f"{metrics_log} holds no finished step yet; run the report again after the first step")
     evals = read_log(run / EVAL_LOG) if (run / EVAL_LOG).is_file() else None
     torn = [name for name, log in ((METRICS_LOG, metrics), (EVAL_LOG, evals)) if log and log.torn]
-    eval_steps = by_step(evals.records) if evals else []
+    eval_steps = by_step([current_eval(r) for r in evals.records]) if evals else []  # one naming, as for steps
     return {
         "format_version": REPORT_FORMAT_VERSION,
         "summary": _summary(run, steps, eval_steps, torn),
@@ -241,7 +242,8 @@ def _sources(steps: list[dict]) -> list[dict[str, Any]]:
 
 
 def _eval_series(evals: list[dict]) -> dict[str, list]:
-    keys = ("step", "pairs", "accuracy", "ties", "margin", "logp_accuracy", "loss", "pair_loss", "nll")
+    keys = ("step", "pairs", "accuracy", "ties", "rewards/margins", "logratio_margin", "logp_accuracy", "loss")
+    keys += ("pair_loss", "nll")
     return {key: [r.get(key) for r in evals] for key in keys}  # None before the format that added it
 
 

@@ -18,6 +18,11 @@ OBJECTIVE_FORMAT = 3
 """The metrics.jsonl format (dpo_train.step.metrics.METRICS_FORMAT_VERSION) from which `loss` is the whole
 optimized objective and `pair_loss` its pair part; before it, `loss` was the pair part alone."""
 
+TRL_MARGIN_FORMAT = 4
+"""The eval.jsonl format (dpo_train.evaluation.EVAL_FORMAT_VERSION) from which `rewards/margins` is TRL's (the
+beta-scaled reward margin, as metrics.jsonl's) and the raw log-ratio margin is `logratio_margin`; before it, that
+raw margin was `margin`."""
+
 # The metrics that are not scalars of the step: written as series elsewhere (or not at all).
 _NOT_SCALARS = {"format_version", "step", "time", "sources", "fill_histogram", "nonfinite_ranks", "skipped"}
 
@@ -72,6 +77,16 @@ def current_metrics(record: dict) -> dict:
         return record
     sources = {name: _pair_loss_named(values) for name, values in record["sources"].items()}
     return {**record, "loss": None, "pair_loss": record["loss"], "sources": sources}
+
+
+def current_eval(record: dict) -> dict:
+    """An eval record in today's names, whatever format wrote it: before TRL_MARGIN_FORMAT, `margin` was the raw
+    log-ratio margin, so it becomes `logratio_margin`, and `rewards/margins`, which such a record did not hold, is
+    None (unknown, not the raw margin under TRL's name for a beta-scaled one)."""
+    if record["format_version"] >= TRL_MARGIN_FORMAT:
+        return record
+    renamed = {("logratio_margin" if key == "margin" else key): value for key, value in record.items()}
+    return {**renamed, "rewards/margins": None}
 
 
 def _pair_loss_named(values: dict) -> dict:

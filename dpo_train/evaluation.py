@@ -11,17 +11,21 @@ from dpo_train.reference import Scores, score_pairs
 from dpo_train.run import Run
 from dpo_train.step import LossConfig, SortScores, pair_losses, set_partners, sorted_types
 
-EVAL_FORMAT_VERSION = 3
+EVAL_FORMAT_VERSION = 4
 """Every eval.jsonl record carries it; schema `eval-record`. 2: `loss` and `nll` added; 3: `pair_loss`, the
-pair part of `loss`, as metrics.jsonl names it."""
+pair part of `loss`, as metrics.jsonl names it; 4: `margin`, the raw log-ratio margin, is `logratio_margin`, and
+`rewards/margins` is TRL's: the loss's beta-scaled reward margin, as metrics.jsonl's (about ten times smaller at
+beta 0.1, under one name they read as one metric; `dpo_state.run_logs.current_eval` reads older records so)."""
 
 
 class Evaluator:
     """Scores a held-out store with the initial policy once (it is the reference), then with the policy.
 
     accuracy: share of pairs with (c - c0) - (r - r0) > 0 (a tie is not a win, so it is 0 before
-    training, when policy = reference); logp_accuracy: share with c > r, the policy alone; loss: the run's
-    objective over the held-out pairs (`held_out_loss`), pair_loss its pair part, nll the NLL per chosen token.
+    training, when policy = reference), logratio_margin the mean of that log-ratio margin; rewards/margins: the
+    mean of the run's loss's chosen minus rejected reward (beta-scaled, TRL's `eval_rewards/margins` and
+    metrics.jsonl's `rewards/margins`); logp_accuracy: share with c > r, the policy alone; loss: the run's
+    objective over the held-out pairs (`held_out_metrics`), pair_loss its pair part, nll the NLL per chosen token.
     """
 
     def __init__(self, run: Run, initial: Any):
@@ -48,31 +52,33 @@ class Evaluator:
             policy = self._score(model, self.loss.use_weighting, stage)
         margin = (policy.chosen - self.reference.chosen) - (policy.rejected - self.reference.rejected)
         n = max(len(margin), 1)
-        loss, pair_loss, nll = held_out_loss(self.loss, policy, self.reference)
+        objective = held_out_metrics(self.loss, policy, self.reference)
         return {
             "format_version": EVAL_FORMAT_VERSION,
             "step": step,
             "pairs": int(len(margin)),
             "accuracy": float((margin > 0).sum() / n),
             "ties": float((margin == 0).sum() / n),
-            "margin": float(margin.sum() / n),
+            "rewards/margins": objective["rewards/margins"],
+            "logratio_margin": float(margin.sum() / n),
             "logp_accuracy": float((policy.chosen > policy.rejected).sum() / n),
-            "loss": loss,
-            "pair_loss": pair_loss,
-            "nll": nll,
+            "loss": objective["loss"],
+            "pair_loss": objective["pair_loss"],
+            "nll": objective["nll"],
         }
 
 
-def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tuple[float, float, float]:
-    """(loss, pair_loss, nll): the training objective with the held-out set as one step, every pair weighing
-    1/N (the sorted types sort over the whole set: `pair_loss`), plus the NLL term's weight times `nll`, the
-    NLL per chosen completion token; the router load-balancing loss, a regularizer of training and a
-    statistic of how the pairs are packed, is left out."""
+def held_out_metrics(config: LossConfig, policy: Scores, reference: Scores) -> dict[str, float]:
+    """loss, pair_loss, nll and rewards/margins: the training objective with the held-out set as one step, every
+    pair weighing 1/N (the sorted types sort over the whole set: `pair_loss`), plus the NLL term's weight times
+    `nll`, the NLL per chosen completion token; the router load-balancing loss, a regularizer of training and a
+    statistic of how the pairs are packed, is left out. rewards/margins: the mean of the same terms' chosen minus
+    rejected rewards, as `dpo_train.step.metrics` logs them for a step."""
     as_tensor = [torch.from_numpy(np.asarray(v, dtype=np.float64)) for v in (*policy.scored, *reference.scored)]
     chosen, rejected, ref_chosen, ref_rejected = as_tensor
     counts = torch.from_numpy(policy.chosen_tokens), torch.from_numpy(policy.rejected_tokens)
     if not len(chosen):
-        return float("nan"), float("nan"), float("nan")
+        return dict.fromkeys(("loss", "pair_loss", "nll", "rewards/margins"), float("nan"))
     partners = None
     if sorted_types(config):
         partners = set_partners(
@@ -82,4 +88,5 @@ def held_out_loss(config: LossConfig, policy: Scores, reference: Scores) -> tupl
     terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, weights, partners)
     nll = float(-policy.chosen.sum() / max(int(policy.chosen_tokens.sum()), 1))
     pair_loss = float(terms.losses.mean())
-    return pair_loss + config.sft_weight * nll, pair_loss, nll
+    margins = float((terms.chosen_rewards - terms.rejected_rewards).mean())
+    return {"loss": pair_loss + config.sft_weight * nll, "pair_loss": pair_loss, "nll": nll, "rewards/margins": margins}

@@ -38,7 +38,8 @@ rows = [json.loads(line) for line in open("runs/demo/train/eval.jsonl")]
 before, after = rows[0], rows[-1]
 print(f"pairs whose chosen margin over the reference is positive: {before['accuracy']:.1%} before "
       f"(step {before['step']}: policy = reference, every margin ties) -> {after['accuracy']:.1%} after "
-      f"(step {after['step']}), mean margin {after['margin']:+.3f}")
+      f"(step {after['step']}), reward margin {after['rewards/margins']:+.3f} (rewards/margins, beta-scaled as "
+      f"in training; log-ratio margin {after['logratio_margin']:+.3f})")
 print(f"pairs whose chosen completion is more likely than the rejected one (policy alone): "
       f"{before['logp_accuracy']:.1%} -> {after['logp_accuracy']:.1%}")
 m = [json.loads(line) for line in open("runs/demo/train/metrics.jsonl")]

@@ -273,7 +273,7 @@ def _reference_rules(config: TrainConfig) -> list[str]:
 def _eval_rules(config: TrainConfig) -> list[str]:
     """Early stopping watches a metric the evaluations write, evaluated during training; its other keys
     only with it."""
-    from dpo_train.step.early_stopping import LOWER_IS_BETTER
+    from dpo_train.step.early_stopping import LOWER_IS_BETTER, RENAMED
 
     e, defaults = config.eval, EvalConfig()
     if e.every and not e.path:  # the run would start, evaluate nothing and say nothing
@@ -290,7 +290,10 @@ def _eval_rules(config: TrainConfig) -> list[str]:
             if getattr(e, key) != getattr(defaults, key)
         ]
     problems = []
-    if e.early_stopping_metric not in LOWER_IS_BETTER:
+    metric = e.early_stopping_metric
+    if metric in RENAMED:
+        problems.append(f"eval.early_stopping_metric is {metric!r}: {RENAMED[metric]}")
+    elif e.early_stopping_metric not in LOWER_IS_BETTER:
         problems.append(
             f"eval.early_stopping_metric is {e.early_stopping_metric!r}; allowed: {', '.join(LOWER_IS_BETTER)}; "
             "set it to one of them"

@@ -246,8 +246,9 @@ class EvalConfig:
     every: int = 0
     """Also evaluate every N optimizer steps (0: only before and after)."""
     early_stopping_metric: str | None = None
-    """Stop the run when this eval.jsonl metric (loss, nll, accuracy, margin, logp_accuracy) has not improved
-    for `early_stopping_patience` evaluations (dpo_train/step/early_stopping.py); null: never."""
+    """Stop the run when this eval.jsonl metric (loss, nll, accuracy, rewards/margins, logratio_margin,
+    logp_accuracy) has not improved for `early_stopping_patience` evaluations (dpo_train/step/early_stopping.py);
+    null: never. `margin`, an earlier release's name, is refused with what it became."""
     early_stopping_patience: int = 3
     """Evaluations in a row without a gain that end the run (HF's `early_stopping_patience`)."""
     early_stopping_threshold: float = 0.0

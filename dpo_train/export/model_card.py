@@ -9,12 +9,13 @@ from typing import Any
 from dpo_state.commit import COMMIT_FILE
 from dpo_state.export_record import CARD_ROWS
 from dpo_state.layout import step_dir
-from dpo_state.run_logs import EVAL_LOG, by_step, read_log
+from dpo_state.run_logs import EVAL_LOG, by_step, current_eval, read_log
 from dpo_train.config.sections import ModelConfig, TrainConfig
 from dpo_train.export.hub_metadata import base_licence, dataset_names, hub_model_id
 
-_EVAL_ROWS = ("accuracy", "loss", "margin", "logp_accuracy", "nll")
-"""The held-out metrics the card compares before and after training (those an eval record has)."""
+_EVAL_ROWS = ("accuracy", "loss", "rewards/margins", "logp_accuracy", "nll")
+"""The held-out metrics the card compares before and after training (those an eval record has); rewards/margins is
+TRL's, beta-scaled, as a reader of TRL's logs reads it."""
 _SHARES = {"accuracy", "logp_accuracy"}
 """Held-out metrics that are shares of pairs: shown as percentages."""
 _USAGE_REPO = "YOUR-NAME/YOUR-MODEL"
@@ -179,7 +180,7 @@ def _evaluation(config: TrainConfig, facts: RunFacts) -> str | None:
     log = facts.out / EVAL_LOG
     if not config.eval.path or not log.is_file():
         return None
-    records = by_step(read_log(log).records)
+    records = by_step([current_eval(r) for r in read_log(log).records])  # a resumed run's older lines too
     if not records:
         return None
     first, last = records[0], records[-1]

@@ -6,8 +6,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-LOWER_IS_BETTER = {"loss": True, "nll": True, "accuracy": False, "margin": False, "logp_accuracy": False}
+LOWER_IS_BETTER = {
+    "loss": True,
+    "nll": True,
+    "accuracy": False,
+    "rewards/margins": False,
+    "logratio_margin": False,
+    "logp_accuracy": False,
+}
 """The eval.jsonl metrics early stopping may watch, and which way each improves."""
+RENAMED = {
+    "margin": "eval.jsonl's `margin` (the raw log-ratio margin) is logratio_margin since eval format 4; set "
+    "logratio_margin to watch it as before (same threshold), or rewards/margins, TRL's beta-scaled reward margin "
+    "(scale early_stopping_threshold by loss.beta)"
+}
+"""Metric names a config may still hold from an earlier release: refused with what each became."""
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Hostile round 4 (issue 55), a newcomer's and a TRL user's `dpo-train`: a mistyped input path named before
-anything loads and with nothing left behind; a TRL recipe's run_name and `datasets:` list translated."""
+anything loads and with nothing left behind; one meaning per metric name, TRL's (`rewards/margins` beta-scaled in
+eval.jsonl as in metrics.jsonl); a TRL recipe's run_name and `datasets:` list translated."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import pytest
 from dpo_train.config.trl import translate
 from dpo_train.config.trl_names import TABLE
 from dpo_train.errors import ConfigError
-from tests.harness import TINY_LLAMA, run_process, train_here, write_yaml
+from tests.harness import TINY_LLAMA, run_process, state_here, tiny_trainer, train_here, write_yaml
+from tests.report.test_report import _metrics_line
 
 INIT = {"init": {"config": TINY_LLAMA, "seed": 0}}
 
@@ -126,3 +129,76 @@ def test_a_datasets_entry_that_would_build_other_rows_is_refused_by_name(recipe,
     with pytest.raises(ConfigError) as refused:
         translate(recipe)
     assert named in str(refused.value) and "not a field" not in str(refused.value)
+
+
+def test_the_held_out_reward_margin_is_trls_beta_scaled_one_as_in_training(small_dataset):
+    """eval.jsonl's `margin` was the raw log-ratio margin (+5.4 in the demo) beside metrics.jsonl's beta-scaled
+    `rewards/margins` (about 0.44): one name read as one metric, ten times apart. Now `rewards/margins` in both is
+    the loss's chosen minus rejected reward, as TRL logs it, and the raw one is `logratio_margin`."""
+    from dpo_data.loading.microbatch import pack_microbatch
+    from dpo_train.evaluation import Evaluator
+    from dpo_train.step.metrics import SUMS
+
+    config = {"model": INIT, "data": {"path": str(small_dataset), "max_tokens_per_microbatch": 300}}
+    config |= {"loss": {"beta": 0.5}, "optim": {"lr": 0.05}, "train": {"output_dir": "unused"}}
+    trainer = tiny_trainer(config)
+    pairs = [trainer.store.pair(i) for i in range(8)]
+    batch = pack_microbatch(pairs, pad_to_multiple_of=8)
+    batch.update(
+        microbatch=0, microbatches_in_step=1, step_pairs=8, step_chosen_tokens=sum(len(p.chosen) for p in pairs)
+    )
+    trainer.microbatch(batch)
+    trainer.step()
+    held_out = dataclasses.replace(trainer.run, held_out=trainer.store)
+    record = Evaluator(held_out, trainer.reference.initial).run(trainer.model, step=1)
+    assert "margin" not in record and record["format_version"] == 4
+    assert record["rewards/margins"] == pytest.approx(0.5 * record["logratio_margin"], rel=1e-6)
+    assert abs(record["logratio_margin"]) > 1e-3  # the policy moved: beta-scaled and raw differ
+    trainer.sums.zero_()
+    trainer.microbatch(batch)  # the training metric of the same 8 pairs, read off the step's sums
+    sums = dict(zip(SUMS, trainer.sums[0].tolist()))
+    subset = dataclasses.replace(trainer.run, held_out=_first_pairs(trainer.store, 8))
+    again = Evaluator(subset, trainer.reference.initial).run(trainer.model, step=1)
+    assert again["rewards/margins"] == pytest.approx(sums["margin"] / sums["pairs"], rel=1e-5)
+
+
+def _first_pairs(store, n: int):
+    """`store` seen as its first `n` pairs (the evaluator reads num_pairs, pair(i) and segment_tokens)."""
+
+    class First:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        num_pairs = n
+
+    return First()
+
+
+def test_the_report_reads_an_older_margin_as_the_log_ratio_one_and_never_as_trls(tmp_path, run_cli):
+    """A run resumed across the change: its step-0 evaluation (format 3) has `margin`, the raw log-ratio margin;
+    the report names it logratio_margin and leaves TRL's rewards/margins unknown there, never 5.4 under TRL's
+    name; the format-4 record after training carries both."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_metrics_line(3, 0, 0.69, 0.69, 0.69)) + "\n")
+    common = {"pairs": 8, "ties": 0.0, "logp_accuracy": 0.9, "loss": 0.6, "pair_loss": 0.6, "nll": 1.0}
+    before = {"format_version": 3, "step": 0, "accuracy": 0.0, "margin": 0.0, **common}
+    after = {"format_version": 4, "step": 1, "accuracy": 0.8, "rewards/margins": 0.54, "logratio_margin": 5.4}
+    lines = [before, {**after, **common}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report = json.loads(state_here(run_cli, "report", tmp_path, "--json").stdout)
+    assert report["format_version"] == 4 and "margin" not in report["eval"]
+    assert report["eval"]["rewards/margins"] == [None, 0.54]
+    assert report["eval"]["logratio_margin"] == [0.0, 5.4]
+    assert report["summary"]["eval_before"]["rewards/margins"] is None
+
+
+def test_early_stopping_on_the_old_margin_name_is_refused_with_what_it_became():
+    from dpo_train.config.loading import load_config
+
+    eval_keys = {"path": "held-out", "every": 2, "early_stopping_metric": "margin"}
+    with pytest.raises(ConfigError) as refused:
+        load_config({"data": {"path": "x"}, "eval": eval_keys})
+    message = str(refused.value)
+    assert "eval.early_stopping_metric is 'margin': eval.jsonl's `margin` (the raw log-ratio margin)" in message
+    assert "set logratio_margin to watch it as before" in message and "or rewards/margins" in message
+    for metric in ("rewards/margins", "logratio_margin"):
+        assert load_config({"data": {"path": "x"}, "eval": {**eval_keys, "early_stopping_metric": metric}})

@@ -221,7 +221,7 @@ def test_a_log_written_before_the_objective_was_logged_reads_in_todays_names(tmp
     lines += [_metrics_line(3, k, 5.7 - k / 100, 0.7 - k / 100, 0.6) for k in (2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     report = run_report(tmp_path)
-    assert schema_problems("run-report", report) == [] and report["format_version"] == 3
+    assert schema_problems("run-report", report) == [] and report["format_version"] == 4
     series = report["series"]
     assert series["loss"][:2] == [None, None] and series["loss"][2:] == pytest.approx([5.68, 5.67])
     assert series["pair_loss"] == pytest.approx([0.7, 0.69, 0.68, 0.67])

@@ -23,11 +23,11 @@ def _records(metric: str, values: list) -> list[dict]:
         ("accuracy", [0.0, 0.5, 0.6, 0.7], None),
         ("loss", [0.69, None, 0.68, float("nan")], None),  # not finite: no gain, and a gain resets the count
         ("loss", [0.69, None, float("nan")], 2),
-        ("margin", [0.0, 0.001, 0.002], 2),  # below the threshold of 0.005: no gain
+        ("rewards/margins", [0.0, 0.001, 0.002], 2),  # below the threshold of 0.005: no gain
     ],
 )
 def test_patience_counts_evaluations_without_a_gain_beyond_the_threshold(metric, values, stops_at):
-    watch = EarlyStopping(metric, patience=2, threshold=0.005 if metric == "margin" else 0.0)
+    watch = EarlyStopping(metric, patience=2, threshold=0.005 if metric == "rewards/margins" else 0.0)
     stopped = [watch.update(record) for record in _records(metric, values)]
     assert (stopped.index(True) if True in stopped else None) == stops_at
     again = EarlyStopping(metric, patience=2, threshold=watch.threshold)

@@ -69,7 +69,7 @@ def test_the_held_out_loss_is_the_step_objective_on_those_pairs(small_dataset, l
         trainer.step()
     after = evaluator.run(trainer.model, step=2)
     step = _objective(trainer, pairs)
-    assert after["format_version"] == 3 and after["pairs"] == 24
+    assert after["format_version"] == 4 and after["pairs"] == 24
     assert after["nll"] == pytest.approx(step["nll"], rel=1e-5)
     assert after["pair_loss"] == pytest.approx(step["loss"], rel=1e-5)
     assert after["loss"] == pytest.approx(step["loss"] + sft * step["nll"], rel=1e-5)

@@ -104,7 +104,7 @@ def test_the_card_says_what_made_the_run(lora_run, small_dataset, smollm2_dir):
         "| held-out (24 pairs) | step 0 (before) | step 2 (after) |",
         f"| accuracy | {100 * evals[0]['accuracy']:.1f}% | {100 * evals[1]['accuracy']:.1f}% |",
         f"| loss | {evals[0]['loss']:#.4g} | {evals[1]['loss']:#.4g} |",
-        f"| margin | {evals[0]['margin']:#.4g} | {evals[1]['margin']:#.4g} |",
+        f"| rewards/margins | {evals[0]['rewards/margins']:#.4g} | {evals[1]['rewards/margins']:#.4g} |",
         f"Trained with dpo-toolkit {__version__}, on:\n\n| library | release |\n|---|---|\n| python |",
         f"| torch | {metadata.version('torch')} |\n| torchdata |",
         f"| peft | {metadata.version('peft')} |",  # a LoRA run: PEFT's release too
@@ -287,9 +287,9 @@ def test_datasets_are_named_by_hub_id_or_as_the_build_named_its_inputs(
         ("accuracy", 0.8333333333, "83.3%"),
         ("logp_accuracy", 1.0, "100.0%"),
         ("loss", 0.69314718, "0.6931"),
-        ("margin", 5.4, "5.400"),
+        ("rewards/margins", 0.54, "0.5400"),
         ("nll", 1234.5678, "1235"),
-        ("margin", -0.000123456, "-0.0001235"),
+        ("rewards/margins", -0.000123456, "-0.0001235"),
         ("nll", None, "-"),
     ],
 )

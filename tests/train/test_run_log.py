@@ -20,7 +20,7 @@ def _step(step):
 
 
 def _eval(step):
-    fields = ("accuracy", "ties", "margin", "logp_accuracy", "loss", "pair_loss", "nll")
+    fields = ("accuracy", "ties", "rewards/margins", "logratio_margin", "logp_accuracy", "loss", "pair_loss", "nll")
     return {"format_version": EVAL_FORMAT_VERSION, "step": step, "pairs": 2, **dict.fromkeys(fields, 0.5)}
 
 
@@ -74,7 +74,8 @@ def test_an_eval_log_written_before_loss_existed_stays_readable(tmp_path):
     from dpo_state.run_logs import read_log
 
     old = {k: v for k, v in _eval(0).items() if k not in ("loss", "pair_loss", "nll")}
-    (tmp_path / EVAL_LOG).write_bytes(orjson.dumps({**old, "format_version": 1}) + b"\n")
+    first = {k: v for k, v in old.items() if k not in ("rewards/margins", "logratio_margin")}  # format 1's names
+    (tmp_path / EVAL_LOG).write_bytes(orjson.dumps({**first, "format_version": 1, "margin": 0.5}) + b"\n")
     assert read_log(tmp_path / EVAL_LOG).records[0]["format_version"] == 1
     (tmp_path / EVAL_LOG).write_bytes(orjson.dumps(old) + b"\n")
     with pytest.raises(DocumentError, match="'loss' is a required property"):

@@ -396,4 +396,6 @@ def test_precompute_and_eval_under_ulysses_and_context_equal_one_process(small_d
             np.testing.assert_allclose(table[key], base_table[key], rtol=1e-5, atol=1e-4, err_msg=f"{name} {key}")
         assert [r["step"] for r in records] == [0, 1] and [r["pairs"] for r in records] == [24, 24]
         for a, b in zip(base_eval, records, strict=True):
-            assert b["accuracy"] == a["accuracy"] and b["margin"] == pytest.approx(a["margin"], abs=1e-5), name
+            assert b["accuracy"] == a["accuracy"], name
+            assert b["logratio_margin"] == pytest.approx(a["logratio_margin"], abs=1e-5), name
+            assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=1e-5), name

@@ -155,7 +155,8 @@ def test_two_processes_train_the_same_as_one(single, two_ddp, sample_dataset, sm
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
     evals = [[json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()] for run in (single, out)]
     assert [e["step"] for e in evals[1]] == [0, 3] and evals[1][1]["pairs"] == 342  # scored across both ranks
-    assert evals[1][1]["margin"] == pytest.approx(evals[0][1]["margin"], abs=1e-4)
+    assert evals[1][1]["logratio_margin"] == pytest.approx(evals[0][1]["logratio_margin"], abs=1e-4)
+    assert evals[1][1]["rewards/margins"] == pytest.approx(evals[0][1]["rewards/margins"], abs=1e-5)
 
 
 TIMING = ("time", "pairs/s", "tokens/s")
