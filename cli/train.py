@@ -39,11 +39,11 @@ _RDZV_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a key in the rendezvous store
     "--from-trl",
     "from_trl",
     metavar="TRL.yaml",
-    help="Translate a TRL config (flat DPOConfig / TrainingArguments / ModelConfig fields, as `trl dpo --config` "
-    "reads) into this toolkit's config, print it (YAML) on stdout and exit; notes on stderr: the `dpo-data "
-    "build` command its dataset and build-time fields (max_length, ...) make, the `dpo-state push` command of "
-    "push_to_hub, what is not carried (an eval_strategy without --set eval.path). A Hub model id is found in "
-    "the local Hugging Face cache or refused. --set applies to "
+    help="Translate a TRL config (flat DPOConfig / TrainingArguments / ModelConfig fields and the datasets: list, as "
+    "`trl dpo --config` reads them) into this toolkit's config, print it (YAML) on stdout and exit; notes on "
+    "stderr: the `dpo-data build` command its dataset and build-time fields (max_length, ...) make, the "
+    "`dpo-state push` command of push_to_hub, what is not carried (an eval_strategy without --set eval.path). "
+    "A Hub model id is found in the local Hugging Face cache or refused. --set applies to "
     "the translation, --nproc-per-node N (times --nnodes) sets the processes the global batch is counted for. "
     "Save it and train it: dpo-train --from-trl trl.yaml > train.yaml && dpo-train train.yaml. Table: "
     "docs/train-config.md.",
