@@ -177,7 +177,9 @@ def main(
     (train.parity_guard), and as each sequence scores alone, unpadded, through the model as loaded
     (train.alone_check): a difference is exit 2 before the optimizer steps. A value named like dropout
     that the evaluation forward reads is kept (PhiMoE's routing threshold). Under auto a model the
-    run's path cannot score takes a path the probe checked, said once. Supported architectures:
+    run's path cannot score takes a path the probe checked, said once. model.attention flex runs each
+    layer's attention in one compiled FlexAttention call (rows padded to a power-of-two bucket; each compile
+    said on stderr; DPO_FLEX_COMPILE=0 runs it uncompiled, for debugging). Supported architectures:
     docs/train-config.md.
 
     First of all, the installed libraries must be within the ranges dpo-toolkit declares (torch, transformers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dpo_train.attention import rope, segments, sequence_parallel, unpacked
+from dpo_train.attention import flex, rope, segments, sequence_parallel, unpacked
 from dpo_train.attention.features import model_attention, text_config
 from dpo_train.errors import ConfigError
 
@@ -14,6 +14,7 @@ _ALL = frozenset(
 )
 EXPRESSES = {
     segments.ATTENTION: _ALL,
+    flex.ATTENTION: _ALL,  # the segment path's masks as one block mask per kind; softcap, sinks, tuning as it
     sequence_parallel.ATTENTION: _ALL,
     # the model's own attention code, with our per-kind masks; Llama 4 scales NoPE queries by row index
     "eager": _ALL - {"temperature tuning"},
@@ -27,7 +28,8 @@ EXPRESSES = {
 def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "separate") -> str:
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
     else the segment attention (`dpo_train.attention.segments`: attention per segment, no row-by-row
-    mask). sdpa and eager are transformers' own, given the row's masks per layer kind
+    mask). flex: FlexAttention over the row, one block mask per layer kind (`dpo_train.attention.flex`;
+    never auto's choice). sdpa and eager are transformers' own, given the row's masks per layer kind
     (`dpo_train.attention.inputs.row_inputs`). Under sequence parallelism (an active `mesh`) the model
     runs `dpo_train.attention.sequence_parallel`'s attention. unpacked: transformers' sdpa over a padded
     batch (`load_model` falls back to eager where transformers has no sdpa for the model; auto picks it
@@ -47,6 +49,8 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
             "model.attention flash_attention_2 cannot express data.layout shared_prompt (a completion "
             "attends to its prompt segment, never to the other completion); use auto, sdpa or eager"
         )
+    if requested == "flex":
+        return _flex(place)
     if requested == "segments" or requested == "auto" and not _flash_usable(place, layout):
         segments.register()
         return segments.ATTENTION
@@ -58,6 +62,17 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
             )
         return requested
     return "flash_attention_2"
+
+
+def _flex(place: Any) -> str:
+    """flex, registered; on CUDA and the CPU only (torch's FlexAttention kernels), else refused by name."""
+    if place.device.type not in ("cuda", "cpu"):
+        raise ConfigError(
+            f"model.attention flex runs on CUDA and the CPU, not on distributed.device {place.device.type} "
+            "(torch's FlexAttention has no kernel for it); use model.attention auto or segments"
+        )
+    flex.register()
+    return flex.ATTENTION
 
 
 def _flash_usable(place: Any, layout: str) -> bool:
@@ -113,6 +128,7 @@ def expresses(model: Any, implementation: str) -> bool:
 
 _IMPLEMENTATION = {
     "segments": segments.ATTENTION,
+    "flex": flex.ATTENTION,
     "unpacked": unpacked.ATTENTION,
 }  # model.attention value -> implementation name
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpo_train.attention.features import text_config
+from dpo_train.attention.flex import ATTENTION as FLEX_ATTENTION
 from dpo_train.attention.masks import model_masks
 from dpo_train.attention.segments import ATTENTION as SEGMENT_ATTENTION
 from dpo_train.attention.segments import row_segments
@@ -43,7 +44,7 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
 
     - unpacked (`dpo_train.attention.unpacked`, a model packing cannot serve): the row's sequences as
       a right-padded batch with the model's own 2D attention mask, positions from 0;
-    - segment attention: the row's segments go along and no mask exists;
+    - segment attention and flex: the row's segments go along and no mask exists (flex makes its block masks);
     - flash_attention_2 (separate layout only): no mask; transformers derives the segments' cu_seqlens
       from `position_ids` restarting at 0, and passes each layer's window and softcap to the kernel;
     - a vision-language row (`dpo_train.vision`) adds its images and the positions its model reads
@@ -63,7 +64,7 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
         return {**inputs, "sequence_shard": shard}, shard
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     attention = attention_of(model)
-    if attention == SEGMENT_ATTENTION:
+    if attention in (SEGMENT_ATTENTION, FLEX_ATTENTION):
         inputs["row_segments"] = row_segments(batch)
     elif attention in ("sdpa", "eager"):
         dtype = next(model.parameters()).dtype if attention == "eager" else None

@@ -25,7 +25,9 @@ class ModelConfig:
     attention: str = "auto"
     """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, the layout is separate and the
     model needs no chunked attention or sinks, else segments) | segments (attention once per packed
-    segment, no row-by-row mask; every window, chunk, softcap and sink applied) | sdpa (transformers'
+    segment, no row-by-row mask; every window, chunk, softcap and sink applied) | flex (FlexAttention: the row in
+    one kernel call per layer, one block mask per layer kind; everything segments applies; compiled, on CUDA and
+    the CPU; never auto's choice) | sdpa (transformers'
     sdpa over the row with a mask per layer kind; no softcap, no sinks) | eager (the model's own
     attention with the same masks) | flash_attention_2 | unpacked (no packing: each sequence alone in a
     right-padded batch through the model's own sdpa or eager attention; exact for every model, it costs the
