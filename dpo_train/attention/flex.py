@@ -34,6 +34,7 @@ compiled kernel (dynamo's default of 8 would silently fall back to the unfused m
 
 _COMPILED: set[tuple] = set()  # the kernels this process compiled (`compiles`)
 _CPU_NOTED: list[bool] = []  # whether the CPU training note was said
+_DROPPED: dict[str, str] = {}  # device type -> why its compiled kernel failed (the unfused math runs there)
 
 
 @dataclass(frozen=True)
@@ -192,10 +193,16 @@ def _kernel(q, k, v, mask: BlockMask, layer: LayerAttention, scaling, lse: bool)
     }
     grad = any(t.requires_grad for t in (q, k, v))
     _raise_recompile_limit()
+    result = None
     if _compiles(q.device, grad, lse):
         _count(q, k, v, layer, grad)
-        result = _compiled()(q, k, v, **options)
-    else:
+        try:
+            result = _compiled()(q, k, v, **options)
+        except torch.OutOfMemoryError:
+            raise  # the unfused math would need more
+        except Exception as e:  # noqa: BLE001 - a kernel torch cannot build for this call: the unfused math stands in
+            _drop(q.device, e)
+    if result is None:
         with _unfused(q.device, grad):
             result = flex_attention(q, k, v, **options)
     return (result[0], result[1].lse) if lse else (result, None)
@@ -204,9 +211,20 @@ def _kernel(q, k, v, mask: BlockMask, layer: LayerAttention, scaling, lse: bool)
 def _compiles(device: torch.device, grad: bool, lse: bool) -> bool:
     """Whether this call takes the compiled kernel: on CUDA always; on the CPU torch 2.13 compiles inference only,
     without the log-sum-exp (so not a sink layer); never with DPO_FLEX_COMPILE=0."""
-    if os.environ.get(COMPILE_ENV, "1") == "0":
+    if os.environ.get(COMPILE_ENV, "1") == "0" or device.type in _DROPPED:
         return False
     return device.type != "cpu" or not (grad or lse)
+
+
+def _drop(device: torch.device, error: Exception) -> None:
+    """A compile or compiled call that failed: the unfused math runs on this device type from now on (slower, the
+    same numbers), said once on rank 0."""
+    _DROPPED[device.type] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    if os.environ.get("RANK", "0") == "0":
+        say(
+            f"note: model.attention flex could not compile its kernel on {device.type} ({_DROPPED[device.type]}); "
+            "its unfused math runs from now on, slower, with the same numbers"
+        )
 
 
 @functools.cache

@@ -225,6 +225,25 @@ def test_one_compiled_kernel_serves_many_rows(monkeypatch):
     assert flex.compiles() - before == 1
 
 
+def test_a_kernel_that_fails_to_compile_leaves_the_unfused_math_with_a_note(monkeypatch, capsys):
+    """A compile torch cannot do for a call (a backend without flex, a shape its kernels refuse) costs speed, never
+    the run: the unfused math scores the row, and rank 0 says why once."""
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.delenv(flex.COMPILE_ENV)
+    monkeypatch.setattr(flex, "_DROPPED", {})
+    monkeypatch.setattr(flex, "_COMPILED", set())
+    monkeypatch.setattr(flex, "_compiled", lambda: refusing)
+    model = _flex_model("llama")
+    truth = eager_unpacked(model, pairs())
+    with torch.no_grad():
+        assert relative_error(pair_logps(model, LAYOUTS["separate"](pairs(), 16)), truth) < TOLERANCE
+    said = capsys.readouterr().err
+    assert said.count("could not compile its kernel on cpu (RuntimeError: no kernel for this shape)") == 1, said
+
+
 def _run(tmp_path, dataset, tokenizer_dir, **sections) -> None:
     """A one-step two-process run of the zoo's Llama on model.attention flex (SmolLM2's vocabulary, so the real
     tokenizer's ids embed): the start-up probe, step 1's parity guard and its alone check all run, and a pair
