@@ -179,7 +179,8 @@ def main(
     that the evaluation forward reads is kept (PhiMoE's routing threshold). Under auto a model the
     run's path cannot score takes a path the probe checked, said once. model.attention flex runs each
     layer's attention in one compiled FlexAttention call (rows padded to a power-of-two bucket; each compile
-    said on stderr; DPO_FLEX_COMPILE=0 runs it uncompiled, for debugging). Supported architectures:
+    said on stderr; DPO_FLEX_COMPILE=0 runs it uncompiled, for debugging); model.attention varlen runs it in
+    one call of torch's variable-length FlashAttention (CUDA, bf16 or fp16, separate layout). Supported architectures:
     docs/train-config.md.
 
     First of all, the installed libraries must be within the ranges dpo-toolkit declares (torch, transformers,

@@ -18,7 +18,11 @@ steps on gloo and CPU so that the script itself can be checked where no GPU is. 
    chunked head on the CPU, with its speed against the eager head on the device;
 7. the MLPs in tiles (train.mlp_tile_tokens) on the device, each layer checkpointed: in fp32 the log-probs and
    gradients of the whole MLPs, as many positions through the MLPs as whole (the layer's recompute stopped at the
-   tiles' saved input), and in bf16 autocast the tiles recomputed in bf16 by the backward's own threads.
+   tiles' saved input), and in bf16 autocast the tiles recomputed in bf16 by the backward's own threads;
+8. the one-kernel packed paths (issue 56): model.attention flex and varlen on the demo model in bf16 against fp32
+   sdpa as in step 2 (varlen refused by name on the CPU), and flex compiled on the device in fp32 on five zoo
+   architectures (windows, softcap, chunks with temperature tuning, sinks), both layouts, log-probs and
+   gradients against eager unpacked.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def check_collectives(device: str) -> dict:
         dist.destroy_process_group()
 
 
-def check_logps(model_dir: str, data: str, device: str) -> dict:
+def check_logps(model_dir: str, data: str, device: str, requested: str = "auto") -> dict:
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
@@ -80,7 +84,7 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
     from dpo_train.parallel.device import placement
 
     place = placement(device, "bf16")
-    attention = attention_for("auto", place)
+    attention = attention_for(requested, place)
     store = PairStore([data])
     batch = pack_microbatch([store.pair(i) for i in range(16)], pad_to_multiple_of=8)
     batch = {k: v.to(place.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -96,6 +100,60 @@ def check_logps(model_dir: str, data: str, device: str) -> dict:
     diff = (torch.cat([low.chosen, low.rejected]) - torch.cat([exact.chosen, exact.rejected])).abs() / tokens
     worst = float(diff.max())
     return {"ok": worst < 0.05, "attention": attention, "max_abs_diff_per_token": worst}
+
+
+def check_packed_paths(model_dir: str, data: str, device: str) -> dict:
+    """flex and varlen: the demo model in bf16 (each against fp32 sdpa, as `check_logps`), or the refusal's first
+    line; flex compiled in fp32 on zoo architectures, log-probs and gradients against eager unpacked."""
+    from dpo_train.attention.choice import first_line
+    from dpo_train.errors import ConfigError
+
+    out: dict = {}
+    for path in ("flex", "varlen"):
+        try:
+            out[path] = check_logps(model_dir, data, device, path)
+        except ConfigError as e:
+            out[path] = {"refused": first_line(e), "ok": device == "cpu" and path == "varlen"}
+    out["flex_zoo_fp32"] = {name: _flex_exact(name, device) for name in FLEX_ZOO}
+    out["ok"] = all(r["ok"] for r in (out["flex"], out["varlen"])) and all(
+        r["worst"] < 1e-5 for r in out["flex_zoo_fp32"].values()
+    )
+    return out
+
+
+FLEX_ZOO = ("llama", "mistral", "gemma2", "llama4_text", "gpt_oss")
+
+
+def _flex_exact(model_type: str, device: str) -> dict:
+    """One zoo architecture on model.attention flex on `device` in fp32: the worst relative error of a pair's
+    log-prob and of the gradient of a weighted sum of them, against eager unpacked, over both layouts."""
+    from dpo_train.attention.logps import pair_logps
+    from dpo_train.attention.probe import eager_unpacked
+    from dpo_train.config.sections import ModelConfig
+    from dpo_train.model.load import load_model
+    from dpo_train.parallel.device import placement
+    from tests.architectures.test_architectures import LAYOUTS
+    from tests.architectures.zoo import model_spec, pairs
+
+    spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
+    model = load_model(spec, "flex", placement(device, "fp32"), None, "separate").to(device).eval()
+    weights = torch.linspace(-1.0, 1.0, 2 * len(pairs()), dtype=torch.float64).reshape(-1, 2)
+
+    def scored(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        (logps.double().cpu() * weights).sum().backward()
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        return logps.detach().double().cpu(), torch.cat(grads).double().cpu()
+
+    truth, truth_grad = scored(eager_unpacked(model, pairs()))
+    worst = 0.0
+    for build in LAYOUTS.values():
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in build(pairs(), 16).items()}
+        out = pair_logps(model, batch)
+        logps, grad = scored(torch.stack([out.chosen, out.rejected], 1))
+        worst = max(worst, float(((logps - truth).abs() / truth.abs()).max()))
+        worst = max(worst, float((grad - truth_grad).norm() / truth_grad.norm()))
+    return {"worst": worst}
 
 
 def check_architectures(device: str) -> dict:
@@ -323,6 +381,7 @@ def main() -> None:
         summary["train_precompute_kill_resume"] = check_training(model_dir, data, work, args.device)
         summary["architectures"] = check_architectures(args.device)
         summary["tiled_mlps"] = check_tiles(model_dir, data, args.device)
+        summary["packed_paths"] = check_packed_paths(model_dir, data, args.device)
     peak = matmul_peak(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)  # as trained
     achieved = summary["train_precompute_kill_resume"]["tokens_per_s"] * model_flops_per_token(model_dir)
     summary["throughput"] = {

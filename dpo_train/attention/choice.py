@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dpo_train.attention import flex, rope, segments, sequence_parallel, unpacked
+from dpo_train.attention import flex, rope, segments, sequence_parallel, unpacked, varlen
 from dpo_train.attention.features import model_attention, text_config
 from dpo_train.errors import ConfigError
 
@@ -15,6 +15,7 @@ _ALL = frozenset(
 EXPRESSES = {
     segments.ATTENTION: _ALL,
     flex.ATTENTION: _ALL,  # the segment path's masks as one block mask per kind; softcap, sinks, tuning as it
+    varlen.ATTENTION: varlen.EXPRESSES,  # FlashAttention's causal window per segment; no chunks, softcap, sinks
     sequence_parallel.ATTENTION: _ALL,
     # the model's own attention code, with our per-kind masks; Llama 4 scales NoPE queries by row index
     "eager": _ALL - {"temperature tuning"},
@@ -29,11 +30,13 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
     """auto: varlen flash-attention when it can run (CUDA, bf16, flash-attn installed, separate layout),
     else the segment attention (`dpo_train.attention.segments`: attention per segment, no row-by-row
     mask). flex: FlexAttention over the row, one block mask per layer kind (`dpo_train.attention.flex`;
-    never auto's choice). sdpa and eager are transformers' own, given the row's masks per layer kind
-    (`dpo_train.attention.inputs.row_inputs`). Under sequence parallelism (an active `mesh`) the model
-    runs `dpo_train.attention.sequence_parallel`'s attention. unpacked: transformers' sdpa over a padded
-    batch (`load_model` falls back to eager where transformers has no sdpa for the model; auto picks it
-    for a model packing cannot serve, `dpo_train.attention.unpacked`). `fit_model` then checks the model."""
+    never auto's choice). varlen: torch's variable-length FlashAttention over the row's segments, one call
+    per layer (`dpo_train.attention.varlen`; CUDA, bf16 or fp16, separate layout). sdpa and eager are
+    transformers' own, given the row's masks per layer kind (`dpo_train.attention.inputs.row_inputs`). Under
+    sequence parallelism (an active `mesh`) the model runs `dpo_train.attention.sequence_parallel`'s
+    attention. unpacked: transformers' sdpa over a padded batch (`load_model` falls back to eager where
+    transformers has no sdpa for the model; auto picks it for a model packing cannot serve,
+    `dpo_train.attention.unpacked`). `fit_model` then checks the model."""
     if mesh is not None and mesh.active:
         if requested not in ("auto", "sdpa"):
             raise ConfigError(
@@ -51,6 +54,8 @@ def attention_for(requested: str, place: Any, mesh: Any = None, layout: str = "s
         )
     if requested == "flex":
         return _flex(place)
+    if requested == "varlen":
+        return _varlen(place, layout)
     if requested == "segments" or requested == "auto" and not _flash_usable(place, layout):
         segments.register()
         return segments.ATTENTION
@@ -73,6 +78,15 @@ def _flex(place: Any) -> str:
         )
     flex.register()
     return flex.ATTENTION
+
+
+def _varlen(place: Any, layout: str) -> str:
+    """varlen, registered, where its kernel can run (`varlen.unusable`), else refused by name."""
+    why = varlen.unusable(place.device.type, place.precision, layout)
+    if why:
+        raise ConfigError(f"model.attention varlen cannot run here: {why}; use model.attention auto, segments or flex")
+    varlen.register()
+    return varlen.ATTENTION
 
 
 def _flash_usable(place: Any, layout: str) -> bool:
@@ -129,6 +143,7 @@ def expresses(model: Any, implementation: str) -> bool:
 _IMPLEMENTATION = {
     "segments": segments.ATTENTION,
     "flex": flex.ATTENTION,
+    "varlen": varlen.ATTENTION,
     "unpacked": unpacked.ATTENTION,
 }  # model.attention value -> implementation name
 

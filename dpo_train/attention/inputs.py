@@ -11,6 +11,7 @@ from dpo_train.attention.segments import ATTENTION as SEGMENT_ATTENTION
 from dpo_train.attention.segments import row_segments
 from dpo_train.attention.sequence_parallel import split_row
 from dpo_train.attention.unpacked import runs_unpacked, unpack
+from dpo_train.attention.varlen import ATTENTION as VARLEN_ATTENTION
 from dpo_train.errors import ModelError
 
 PASSED = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
@@ -44,7 +45,8 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
 
     - unpacked (`dpo_train.attention.unpacked`, a model packing cannot serve): the row's sequences as
       a right-padded batch with the model's own 2D attention mask, positions from 0;
-    - segment attention and flex: the row's segments go along and no mask exists (flex makes its block masks);
+    - segment attention, flex and varlen: the row's segments go along and no mask exists (flex makes its block
+      masks, varlen its cu_seqlens);
     - flash_attention_2 (separate layout only): no mask; transformers derives the segments' cu_seqlens
       from `position_ids` restarting at 0, and passes each layer's window and softcap to the kernel;
     - a vision-language row (`dpo_train.vision`) adds its images and the positions its model reads
@@ -64,7 +66,7 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
         return {**inputs, "sequence_shard": shard}, shard
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     attention = attention_of(model)
-    if attention in (SEGMENT_ATTENTION, FLEX_ATTENTION):
+    if attention in (SEGMENT_ATTENTION, FLEX_ATTENTION, VARLEN_ATTENTION):
         inputs["row_segments"] = row_segments(batch)
     elif attention in ("sdpa", "eager"):
         dtype = next(model.parameters()).dtype if attention == "eager" else None

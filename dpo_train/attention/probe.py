@@ -13,7 +13,7 @@ import torch
 from dpo_data.dataset.store import PairIds
 from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature
+from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature, varlen
 from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
 from dpo_train.errors import ConfigError, ModelError
 
@@ -183,7 +183,8 @@ def checkable(attention: str | None) -> str:
     segment attention, flex), else the segment attention (sequence parallelism needs its group, flash-attention
     CUDA), registered."""
     segments.register()
-    return attention if attention in ("eager", "sdpa", segments.ATTENTION, flex.ATTENTION) else segments.ATTENTION
+    checked = ("eager", "sdpa", segments.ATTENTION, flex.ATTENTION, varlen.ATTENTION)
+    return attention if attention in checked else segments.ATTENTION
 
 
 def _named(model: Any, what: str, call: Any):

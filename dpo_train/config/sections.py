@@ -27,7 +27,8 @@ class ModelConfig:
     model needs no chunked attention or sinks, else segments) | segments (attention once per packed
     segment, no row-by-row mask; every window, chunk, softcap and sink applied) | flex (FlexAttention: the row in
     one kernel call per layer, one block mask per layer kind; everything segments applies; compiled, on CUDA and
-    the CPU; never auto's choice) | sdpa (transformers'
+    the CPU; never auto's choice) | varlen (torch's variable-length FlashAttention over the row's segments, one
+    call per layer; CUDA in bf16 or fp16, separate layout; windows, no chunks, softcaps or sinks) | sdpa (transformers'
     sdpa over the row with a mask per layer kind; no softcap, no sinks) | eager (the model's own
     attention with the same masks) | flash_attention_2 | unpacked (no packing: each sequence alone in a
     right-padded batch through the model's own sdpa or eager attention; exact for every model, it costs the
