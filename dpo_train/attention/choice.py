@@ -153,5 +153,38 @@ def _either(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+NAMES = {
+    segments.ATTENTION: "segments",
+    flex.ATTENTION: "flex",
+    varlen.ATTENTION: "varlen",
+    sequence_parallel.ATTENTION: "sequence parallel",
+    unpacked.ATTENTION: "unpacked",
+}
+"""Implementation name -> what the user calls the path (`model.attention`'s value)."""
+
+
+def taken(model: Any, requested: str, place: Any, layout: str) -> str:
+    """The start-up line that says which attention path the run takes, and why."""
+    attention = text_config(model)._attn_implementation
+    name = "unpacked" if unpacked.runs_unpacked(model) else NAMES.get(attention, attention)
+    if requested != "auto":
+        why = f"model.attention {requested}"
+    elif name == "flash_attention_2":
+        why = "auto: CUDA in bf16, flash-attn installed, the separate layout"
+    elif name == "segments" and place.device.type == "cpu":
+        why = (
+            "auto on the CPU: one sdpa call per segment; flex trains through its unfused math there, about 60x "
+            "slower in attention (docs/benchmarks.md)"
+        )
+    elif name == "segments":
+        why = (
+            "auto: flash_attention_2 needs the flash-attn package, bf16 and the separate layout; flex and varlen "
+            "become auto's choice once measured on a GPU (set model.attention to try them)"
+        )
+    else:
+        why = "auto, for this model (said above)"
+    return f"attention: {name} ({why})"
+
+
 def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].split(". ")[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpo_data.progress import say
+from dpo_train.attention.choice import taken
 from dpo_train.attention.compiled import choose as choose_compiled
 from dpo_train.attention.head import check_head
 from dpo_train.attention.head import mark as mark_budget
@@ -61,6 +62,8 @@ def load_initial_policy(
                 "with images are checked by step 1's parity guard on the run's own pairs (train.parity_guard) and "
                 "by tests/vision (docs/vision.md)"
             )
+    if shown:
+        say(taken(model, config.model.attention, place, config.data.layout))
     choose_compiled(config.train.compiled_head)
     budget, why = config.train.logits_budget_mib, None
     if budget is not None:

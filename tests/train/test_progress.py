@@ -116,5 +116,6 @@ def test_a_run_says_each_start_up_stage_with_its_time_and_quiet_silences_them(
     said = {key: STAGES[key].format(datasets="2 datasets", step=1) for key in STAGES if key != "resume"}
     assert [x.split(" ... ")[0] for x in lines] == list(said.values())
     assert all(re.fullmatch(r".* \.\.\. \d+\.\d s", x) for x in lines), lines
+    assert "attention: segments (auto on the CPU: one sdpa call per segment;" in result.stderr  # the path, and why
     quiet = run_cli(main, path, "--quiet", "--set", f"train.output_dir={tmp_path / 'q'}")
     assert quiet.exit_code == 0 and not [x for x in quiet.stderr.splitlines() if x.startswith(("setup", "step"))]
