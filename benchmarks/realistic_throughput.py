@@ -34,6 +34,7 @@ import resource
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import harness
@@ -137,9 +138,10 @@ def _build(rows: list[dict], model: str, out: Path) -> dict:
     return {"rows": result.rows_read, "kept": result.pairs, "rejects": result.rejects_by_reason}
 
 
-def prepare(work: Path, pairs: int, steps: int, seed: int) -> dict:
+def prepare(work: Path, pairs: int, steps: int, seed: int, pairs_per_step: int = PAIRS_PER_STEP) -> dict:
     """Materialize the model, generate, build the full set (for the profile) and the training subset (the first
-    steps x 8 rows: one epoch of it is exactly the timed run, so a precompute pass scores only trained pairs)."""
+    steps x pairs_per_step rows: one epoch of it is exactly the timed run, so a precompute pass scores only
+    trained pairs)."""
     from transformers import AutoTokenizer
 
     from dpo_train.model.bundled import materialize_smollm2
@@ -147,11 +149,13 @@ def prepare(work: Path, pairs: int, steps: int, seed: int) -> dict:
     model = str(materialize_smollm2())
     meta = work / "meta.json"
     want = {"pairs": pairs, "steps": steps, "seed": seed}
+    if pairs_per_step != PAIRS_PER_STEP:  # only then: a work directory of this script's default stays valid
+        want["pairs_per_step"] = pairs_per_step
     if meta.is_file() and json.loads(meta.read_text()).get("want") == want:
         return json.loads(meta.read_text())
-    rows, redrawn = generate_rows(max(pairs, steps * PAIRS_PER_STEP), seed, AutoTokenizer.from_pretrained(model))
+    rows, redrawn = generate_rows(max(pairs, steps * pairs_per_step), seed, AutoTokenizer.from_pretrained(model))
     full = _build(rows, model, work / "full")
-    train = _build(rows[: steps * PAIRS_PER_STEP], model, work / "train")
+    train = _build(rows[: steps * pairs_per_step], model, work / "train")
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([str(work / "train")])
@@ -272,14 +276,14 @@ def padding_profile(data: str) -> dict:
     return out
 
 
-def ours_geometry(data: str, layout: str, steps: int, budget: int) -> list[dict]:
+def ours_geometry(data: str, layout: str, steps: int, budget: int, pairs_per_step: int = PAIRS_PER_STEP) -> list[dict]:
     """Each micro-batch our loader hands the trainer: row length (no padding) and segment lengths."""
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
 
     out = []
     config = LoaderConfig(
-        batching="pairs", pairs_per_step=PAIRS_PER_STEP, max_tokens_per_microbatch=budget, layout=layout
+        batching="pairs", pairs_per_step=pairs_per_step, max_tokens_per_microbatch=budget, layout=layout
     )
     for batch in DPOLoader([data], config):
         if batch["step"] >= steps or batch["epoch"] > 0:
@@ -318,25 +322,40 @@ def segment_score_pairs(micro: dict) -> int:
 # ---------------------------------------------------------------- the trainers (child processes)
 
 
-def _config(info: dict, out: Path, steps: int, reference: dict, layout: str) -> dict:
+@dataclass(frozen=True)
+class Setting:
+    """How a trainer runs, besides the data: this script's CPU fp32 by default; benchmarks/gpu_throughput.py
+    varies it. `attention` and `train` are ours' (model.attention, more train-section keys as (key, value)
+    pairs); `device`, `precision` (TRL: bf16 autocast when "bf16") and `pairs_per_step` are both sides'."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+    attention: str = "auto"
+    pairs_per_step: int = PAIRS_PER_STEP
+    train: tuple = ()
+
+
+def _config(info: dict, out: Path, steps: int, reference: dict, layout: str, setting: Setting = Setting()) -> dict:
     return {
-        "model": {"path": info["model"]},
+        "model": {"path": info["model"], "attention": setting.attention},
         "reference": reference,
         "data": {
             "path": info["data"],
             "batching": "pairs",
-            "pairs_per_step": PAIRS_PER_STEP,
+            "pairs_per_step": setting.pairs_per_step,
             "max_tokens_per_microbatch": info["budget"],
             "layout": layout,
         },
         "loss": {"type": "sigmoid", "beta": HYPER["beta"]},
         "optim": {"lr": HYPER["lr"], "scheduler": "constant", "max_grad_norm": 1.0},
-        "train": {"output_dir": str(out), "max_steps": steps, "precision": "fp32"},
-        "distributed": {"device": "cpu"},
+        "train": {"output_dir": str(out), "max_steps": steps, "precision": setting.precision, **dict(setting.train)},
+        "distributed": {"device": setting.device},
     }
 
 
-def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, precomputed: bool) -> dict:
+def run_ours(
+    info: dict, work: Path, steps: int, warmup: int, layout: str, precomputed: bool, setting: Setting = Setting()
+) -> dict:
     from dpo_train.config.loading import load_config
     from dpo_train.precompute import precompute_reference
     from dpo_train.trainer import train
@@ -345,10 +364,14 @@ def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, preco
     reference = {"mode": "precomputed", "path": str(sidecar)} if precomputed else {"mode": "live"}
     out = work / f"ours-{layout}-{precomputed}"
     shutil.rmtree(out, ignore_errors=True)
-    config = load_config(_config(info, out, steps, reference, layout))
+    config = load_config(_config(info, out, steps, reference, layout, setting))
     if precomputed:
         shutil.rmtree(sidecar, ignore_errors=True)
         precompute_reference(config)  # not timed (TRL's precompute is not timed either)
+        if setting.device == "cuda":  # the training's peak, not the precompute pass's
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
     train(config, progress=False)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[warmup:]
@@ -364,16 +387,30 @@ def run_ours(info: dict, work: Path, steps: int, warmup: int, layout: str, preco
     }
 
 
-def run_trl(info: dict, work: Path, steps: int, warmup: int, micro: int, precomputed: bool) -> dict:
+def run_trl(
+    info: dict,
+    work: Path,
+    steps: int,
+    warmup: int,
+    micro: int,
+    precomputed: bool,
+    setting: Setting = Setting(),
+    speed: dict | None = None,
+) -> dict:
+    """TRL on the pairs of ours' steps, in ours' order within each step; `speed`: `trl_trainer`'s (with the
+    setting's bf16). On CUDA each clock reading waits for the device."""
+    import torch
     from transformers import TrainerCallback
 
     from dpo_data.dataset.store import PairStore
 
     store = PairStore([info["data"]])
-    geometry = ours_geometry(info["data"], "separate", steps, info["budget"])
+    pps = setting.pairs_per_step
+    geometry = ours_geometry(info["data"], "separate", steps, info["budget"], pps)
     order = [i for s in range(steps) for i in sorted(p for g in geometry if g["step"] == s for p in g["pairs"])]
     pairs = [store.pair(i) for i in order]
-    trainer = trl_trainer(info["model"], pairs, work, micro, steps, precomputed)
+    speed = {"bf16": setting.precision == "bf16", **(speed or {})}
+    trainer = trl_trainer(info["model"], pairs, work, micro, steps, precomputed, pps, setting.device, speed)
     ids = trainer.train_dataset
     padded = []  # what TRL's collator feeds the model: (row length, rows) per micro-batch
     for start in range(0, len(pairs), micro):
@@ -381,12 +418,15 @@ def run_trl(info: dict, work: Path, steps: int, warmup: int, micro: int, precomp
         padded.append([int(batch["input_ids"].shape[1]), int(batch["input_ids"].shape[0])])
     begins: list[float] = []
     ends: list[float] = []
+    sync = torch.cuda.synchronize if setting.device == "cuda" else lambda: None
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
+            sync()
             begins.append(time.perf_counter())
 
         def on_step_end(self, *a, **k):
+            sync()
             ends.append(time.perf_counter())
 
     trainer.add_callback(Clock())
@@ -396,10 +436,11 @@ def run_trl(info: dict, work: Path, steps: int, warmup: int, micro: int, precomp
     durations = [b - a for a, b in zip(begins, ends)]
     timed = sum(durations[warmup:])
     return {
-        "pairs_per_s": PAIRS_PER_STEP * len(durations[warmup:]) / timed,
+        "pairs_per_s": pps * len(durations[warmup:]) / timed,
         "step_seconds": durations,
         "timed_seconds": timed,
-        "timed_pairs": PAIRS_PER_STEP * len(durations[warmup:]),
+        "timed_pairs": pps * len(durations[warmup:]),
+        "padding_free": bool(getattr(trainer, "padding_free", False)),  # what TRL kept (1.16 turns it off)
         "padded": padded,
         "losses": [e["loss"] for e in logs],
         "peak_rss_mib": harness.peak_rss_mib(),
@@ -479,16 +520,26 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
     }
 
 
-def matmul_peak(sizes=(2048, 3072, 4096), repeats: int = 5) -> dict:
+def matmul_peak(sizes=(2048, 3072, 4096), repeats: int = 5, dtype: str = "float32", device: str = "cpu") -> dict:
+    """The best FLOP/s of square matmuls of `dtype` on `device` (CUDA: each timing waits for the device)."""
     import torch
 
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     best = {}
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = (torch.randn(n, n, dtype=getattr(torch, dtype), device=device) for _ in range(2))
         torch.mm(a, b)
-        best[n] = 2 * n**3 / min(harness.seconds(lambda a=a, b=b: torch.mm(a, b)) for _ in range(repeats))
+        sync()
+
+        def mm(a=a, b=b):
+            torch.mm(a, b)
+            sync()
+
+        best[n] = 2 * n**3 / min(harness.seconds(mm) for _ in range(repeats))
     return {
         "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "device": device,
         "by_size_gflops": {k: v / 1e9 for k, v in best.items()},
         "peak": max(best.values()),
     }

@@ -17,11 +17,14 @@ def trl_trainer(
     precomputed: bool,
     pairs_per_step: int = PAIRS_PER_STEP,
     device: str = "cpu",
+    speed: dict | None = None,
 ):
     """A `DPOTrainer` on `pairs` (records with `prompt`, `chosen`, `rejected` id arrays) in this order, through
     a sequential sampler: `micro` pairs per micro-batch, `pairs_per_step` per optimizer step, fp32 on `device`, no
     warm-up, weight decay or truncation (`max_length=None`: TRL's default 1024 would cut long pairs, other
-    work). With `precomputed`, TRL's own reference pass runs here, so callers do not time it."""
+    work). With `precomputed`, TRL's own reference pass runs here, so callers do not time it. `speed`: the
+    settings a throughput run varies (`peer_args`'s bf16, padding_free, gradient_checkpointing, and
+    `attn_implementation` of the policy, which TRL's reference copies); none: TRL's defaults, fp32."""
     import datasets
     import torch
     from torch.utils.data import SequentialSampler
@@ -33,9 +36,11 @@ def trl_trainer(
         for p in pairs
     ]
     ids = datasets.Dataset.from_list(rows)
-    args = peer_args(work / "trl", micro, pairs_per_step // micro, steps, device)
+    speed = dict(speed or {})
+    attention = {"attn_implementation": speed.pop("attn_implementation")} if "attn_implementation" in speed else {}
+    args = peer_args(work / "trl", micro, pairs_per_step // micro, steps, device, **speed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **attention)
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -50,17 +55,18 @@ def trl_trainer(
     return trainer
 
 
-def peer_args(out: Path, micro: int, accumulation: int, steps: int, device: str = "cpu"):
+def peer_args(out: Path, micro: int, accumulation: int, steps: int, device: str = "cpu", bf16: bool = False, **speed):
     """TRL's `DPOConfig` as the peer runs it: HYPER's sigmoid loss, AdamW at a constant lr, clipping at 1.0, fp32
-    on `device` (`cpu`, or `cuda`: accelerate's default device), no warm-up, weight decay, truncation
-    (`max_length=None`), saving, workers or progress bar."""
+    (`bf16`: its bf16 autocast) on `device` (`cpu`, or `cuda`: accelerate's default device), no warm-up, weight
+    decay, truncation (`max_length=None`), saving, workers or progress bar; `speed`: more DPOConfig fields
+    (padding_free, gradient_checkpointing)."""
     from trl import DPOConfig
 
     return DPOConfig(
         output_dir=str(out),
         report_to=[],
         use_cpu=device == "cpu",
-        bf16=False,
+        bf16=bf16,
         seed=0,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
@@ -77,6 +83,7 @@ def peer_args(out: Path, micro: int, accumulation: int, steps: int, device: str 
         save_strategy="no",
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **speed,
     )
 
 

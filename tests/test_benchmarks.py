@@ -71,3 +71,32 @@ def test_a_benchmark_builds_our_trainer_through_the_harness(script):
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Trainer"
     ]
     assert calls == []
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_smoke_runs_on_the_cpu(smollm2_dir, tmp_path):
+    """benchmarks/gpu_throughput.py end to end as a process, on the CPU with a tiny model: data, model, matmul
+    peak, ours (one layout and path, live) and TRL's default each in their own process, the summary, the JSON."""
+    import json
+    import subprocess
+
+    out = tmp_path / "gpu.json"
+    argv = ["--device", "cpu", "--tiny", "--pairs", "8", "--steps", "2", "--warmup", "1", "--pairs-per-step", "2"]
+    argv += ["--budget", "4096", "--methods", "ours-separate-segments-live", "trl-default-live", "ours-separate-x-live"]
+    argv += ["--work", str(tmp_path / "work"), "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), *argv], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    summary = doc["summary"]
+    assert 3e6 < summary["parameters"] < 4e6 and summary["timed_pairs"] == 2
+    assert summary["table"]["ours-separate-x-live"]["refused"].startswith("model.attention x is not a value")
+    for method in ("ours-separate-segments-live", "trl-default-live"):
+        row = summary["table"][method]
+        assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_mib"] > 0, row
+        assert 0 < row["mfu_useful"] <= row["mfu_hardware"] < 1, row
+        assert len(row["step_seconds"]) == 2 and row["warmup_s"] == row["step_seconds"][0]
+    assert summary["ratios"]["ours-separate-segments-live / TRL default"] > 0
+    assert all(not t["judged"] for t in summary["targets"].values())  # judged on CUDA only
+    assert "| ours-separate-segments-live | segments |" in done.stdout
