@@ -367,6 +367,53 @@ def _attested(data_dir: str) -> str:
 
 
 @main.command()
+@click.argument("data_dir", metavar="DIR")
+@click.option(
+    "--tokenizer",
+    "--processor",
+    "tokenizer_dir",
+    required=True,
+    metavar="DIR",
+    help="The tokenizer the dataset was built with (a vision dataset: the directory holding its processor), "
+    "checked against the dataset's attestation as dpo-data verify --tokenizer checks it; another is refused. The "
+    "manifest records the tokenizer's fingerprint, not where it lives.",
+)
+@click.option("--pair", type=int, default=None, metavar="N", help="Show pair N (and the --limit - 1 after it).")
+@click.option("--source", default=None, metavar="NAME", help="Show the first --limit pairs of source NAME.")
+@click.option(
+    "--limit", type=int, default=None, metavar="K", help="How many pairs to show (default: 1 with --pair, else 3)."
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON document per pair and line (schemas/show.schema.json): ids, decoded pieces and each token's origin.",
+)
+def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
+    """Show pairs of a built dataset decoded as the model sees them: the prompt, chosen and rejected parts, each
+    part's token count from the stored ids, and the text the chat template or the build added (a default system
+    prompt, role headers, special tokens such as <|im_end|>) in ⟦brackets⟧, apart from the row's own messages.
+
+    The template's text is found by rendering the chat template with placeholder messages and matching the decoded
+    prompt against it; where no rendering matches (a plain-text row, a truncated prompt, tools, a template that
+    renders differently today), only special tokens are marked, and the output says so. A vision pair's images are
+    named (sha256, bytes, size) at their placeholder tokens. Exit 0; 2 when DIR is not a dataset, the tokenizer is
+    not the dataset's, --pair is out of range or --source unknown. See docs/data-build.md, dpo-data show.
+    """
+    from dpo_data.dataset.show import format_pair, open_viewer, pair_document, select_pairs
+
+    with user_errors():
+        viewer = open_viewer(data_dir, tokenizer_dir)
+        indices = select_pairs(viewer.store, pair, source, limit)
+        for k, index in enumerate(indices):
+            doc = pair_document(viewer, index)
+            if as_json:
+                click.echo(orjson.dumps(doc).decode())
+            else:
+                click.echo(("\n" if k else "") + format_pair(doc))
+
+
+@main.command()
 @click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
 @click.option("--batching", type=click.Choice(["pairs", "tokens"]), required=True, help="Batching mode.")
 @click.option("--world-size", type=int, required=True, metavar="W", help="Number of data-parallel ranks.")

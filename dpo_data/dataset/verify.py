@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -404,15 +405,34 @@ def _check_inputs(m: dict, inputs: list[str]) -> list[str]:
 
 
 def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
+    return attested_tokenizer(m, tokenizer_dir).failures
+
+
+@dataclass(frozen=True)
+class Attested:
+    """A tokenizer directory loaded for a dataset, and every way it differs from the dataset's attestation."""
+
+    tokenizer: Any
+    """What the dataset's ids are read with (a vision dataset: its processor's rendering tokenizer), the dataset's
+    --chat-template applied; None where the directory does not load."""
+    processor: Any
+    """A vision dataset's processor; None for text data or where it does not load."""
+    failures: list[str]
+    """Empty when the directory holds the tokenizer (and processor) the dataset was built with."""
+
+
+def attested_tokenizer(m: dict, tokenizer_dir: str) -> Attested:
+    """`tokenizer_dir` loaded as the build loads it and checked against manifest `m`'s attestation (`dpo-data verify
+    --tokenizer`, `dpo-data show`)."""
     from dpo_data.tokenizer import load_tokenizer
     from dpo_state.attestation import attestation_mismatch, tokenizer_attestation
 
     if is_vision(m):
-        return _check_processor(m, tokenizer_dir)
+        return _attested_processor(m, tokenizer_dir)
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as e:
-        return [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"]
+        return Attested(None, None, [f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({e})"])
     template = recorded_chat_template(m)
     if template is not None:  # as dpo-train does: the dataset's --chat-template replaces the tokenizer's own
         tokenizer.chat_template = template["text"]
@@ -420,11 +440,13 @@ def _check_tokenizer(m: dict, tokenizer_dir: str) -> list[str]:
         m["tokenizer"], tokenizer_attestation(tokenizer), f"tokenizer {tokenizer_dir}", "the dataset"
     )
     if mismatch is None:
-        return []
-    return [f"{mismatch}; rebuild the dataset with this tokenizer or use the one it was built with"]
+        return Attested(tokenizer, None, [])
+    return Attested(
+        tokenizer, None, [f"{mismatch}; rebuild the dataset with this tokenizer or use the one it was built with"]
+    )
 
 
-def _check_processor(m: dict, processor_dir: str) -> list[str]:
+def _attested_processor(m: dict, processor_dir: str) -> Attested:
     """A vision dataset's processor attestation (which holds the tokenizer's) against the processor in
     `processor_dir`, naming every differing component."""
     from dpo_data.processor import load_processor, rendering_tokenizer
@@ -433,7 +455,7 @@ def _check_processor(m: dict, processor_dir: str) -> list[str]:
     try:
         processor = load_processor(processor_dir)
     except DataError as e:
-        return [str(e)]
+        return Attested(None, None, [str(e)])
     tokenizer = rendering_tokenizer(processor)
     template = recorded_chat_template(m)
     if template is not None:
@@ -448,4 +470,4 @@ def _check_processor(m: dict, processor_dir: str) -> list[str]:
     mismatch = attestation_mismatch(m["tokenizer"], tokenizer_actual, f"{label}'s tokenizer", "the dataset")
     if mismatch is not None:
         failures.append(f"{mismatch}; rebuild the dataset with this processor or use the one it was built with")
-    return failures
+    return Attested(tokenizer, processor, failures)
