@@ -166,7 +166,7 @@ def format_pair(doc: dict[str, Any]) -> str:
     parts = doc["parts"]
     template = doc["template"]
     how = (
-        f"matched as a conversation of {', '.join(template['roles'])}: {OPEN}marked{CLOSE} text is the chat "
+        f"matched as a conversation of {_roles(template['roles'])}: {OPEN}marked{CLOSE} text is the chat "
         "template's or the build's, the rest the row's messages"
         if template["matched"]
         else f"special tokens alone are {OPEN}marked{CLOSE}: no rendering of the chat template matches this prompt "
@@ -183,6 +183,13 @@ def format_pair(doc: dict[str, Any]) -> str:
     unplaced = [image for image in doc["images"] if image["tokens"] is None]
     lines += [f"image {_image(image)} (its placeholder tokens are not one run per image)" for image in unplaced]
     return "\n".join(lines)
+
+
+def _roles(roles: list[str]) -> str:
+    """`system, user`, or for a long conversation its length and ends: `41 messages (user, assistant, ..., user)`."""
+    if len(roles) <= 6:
+        return ", ".join(roles)
+    return f"{len(roles)} messages ({', '.join(roles[:2])}, ..., {roles[-1]})"
 
 
 def _split(part: dict[str, Any]) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from dpo_cli.data import main as dpo_data
+from dpo_data.dataset.show import SHOW_FORMAT_VERSION
 from dpo_data.dataset.store import PairStore
-from dpo_state.schema import schema_problems
+from dpo_state.schema import load_schema, schema_problems
 from tests.conftest import chat, write_jsonl
 from tests.harness import cli_argv, run_process
 from tests.vision.conftest import qwen25vl, vision_datasets, vlm_dirs  # noqa: F401 - fixtures
@@ -50,6 +52,9 @@ def test_the_templates_default_system_prompt_is_marked_apart_from_the_question(d
     assert "prompt 37 tokens (template 30, text 7) | chosen 4 tokens (template 2, text 2)" in r.output
     assert FRANCE in r.output and "Paris.\u27e6<|im_end|>\n\u27e7" in r.output
     assert "matched as a conversation of user:" in r.output
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "data-build.md").read_text()
+    shown = docs.split('$ dpo-data show data/train --tokenizer "$(dpo-data smollm2)" --pair 0\n')[1].split("```")[0]
+    assert r.output.replace(str(dataset), "data/train") == shown  # the documented example is this output
 
 
 def test_counts_are_the_stored_ids_and_special_token_text_typed_in_a_message_is_the_rows(dataset, smollm2_dir, run_cli):
@@ -60,9 +65,10 @@ def test_counts_are_the_stored_ids_and_special_token_text_typed_in_a_message_is_
     r = run_cli(dpo_data, "show", dataset, "--tokenizer", smollm2_dir, "--limit", 5, "--json")
     docs = [json.loads(line) for line in r.output.splitlines()]
     store, backend = PairStore([dataset]), load_tokenizer(smollm2_dir).backend_tokenizer
+    version = load_schema("show")["properties"]["format_version"]["const"]
     assert [d["pair"] for d in docs] == [0, 1, 2] and [d["source"] for d in docs] == ["geo", "chat", "plain"]
     for doc in docs:
-        assert schema_problems("show", doc) == []
+        assert schema_problems("show", doc) == [] and doc["format_version"] == SHOW_FORMAT_VERSION == version
         stored = store.pair(doc["pair"])
         for name, part in doc["parts"].items():
             assert part["ids"] == getattr(stored, name).tolist()
