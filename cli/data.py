@@ -415,6 +415,85 @@ def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
 
 @main.command()
 @click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
+@click.option(
+    "--against",
+    multiple=True,
+    metavar="DIR",
+    help="A dataset (e.g. the held-out or evaluation set, same tokenizer) whose prompts must not be in DIR: "
+    "measures contaminated_prompts; repeatable.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (schemas/audit.schema.json).")
+@click.option(
+    "--fail-on",
+    default=None,
+    metavar="NAME>VALUE[,...]",
+    help="Exit 1 when a measure passes its bound, e.g. exact_duplicates>0,length_bias.fraction_chosen_longer>0.6 "
+    "(also >=, <, <=; names: the top-level counts and dotted paths into length_bias, degenerate_pairs, lengths, "
+    "multi_turn). A measure not measured fails its bound.",
+)
+@click.option(
+    "--threshold",
+    type=float,
+    default=0.8,
+    show_default=True,
+    metavar="J",
+    help="Jaccard similarity of two prompts' token n-gram sets from which they are near-duplicates.",
+)
+@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="Tokens per prompt n-gram.")
+@click.option(
+    "--last-k",
+    type=int,
+    default=3,
+    show_default=True,
+    metavar="K",
+    help="degenerate last_k_differ: completions equal but for at most their last K tokens.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    default=None,
+    metavar="DIR",
+    help="The datasets' own tokenizer (a vision dataset's processor directory), attestation checked: measures "
+    "degenerate whitespace_equal (which tokens decode to whitespace alone); without it that kind is not measured.",
+)
+def audit(dirs, against, as_json, fail_on, threshold, ngram, last_k, tokenizer_dir) -> None:
+    """Measure what a preference dataset teaches before training on it: exact_duplicates, conflicting_pairs
+    (chosen and rejected swapped), near_duplicate_prompts (MinHash over token n-grams), contaminated_prompts
+    (--against), length_bias, degenerate_pairs, the length distributions, the multi-turn share and the source mix,
+    overall and per source, read from the shards (memory-mapped) of one or more built datasets (pair indices run over
+    them in order). Text and vision datasets (a pair's images are part of its identity).
+
+    Exit 0; 1 when a --fail-on bound is passed (each named on stderr); 2 on a usage error or a dataset that cannot
+    be read. Each measure, why it matters for DPO and how to act on it (dpo-data filter): docs/audit.md.
+    """
+    from dpo_data.audit import audit as run_audit
+    from dpo_data.audit import format_audit
+    from dpo_data.audit.report import parse_bounds, passed_bounds
+
+    with user_errors():
+        bounds = parse_bounds(fail_on) if fail_on else []  # a usage error before the work
+        options = _audit_options(dirs, threshold, ngram, last_k, tokenizer_dir)
+        doc = run_audit(list(dirs), list(against), options, progress=True)
+    click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() if as_json else format_audit(doc))
+    passed = passed_bounds(doc, bounds)
+    for line in passed:
+        click.echo(f"fail-on: {line}", err=True)
+    if passed:
+        sys.exit(1)
+
+
+def _audit_options(dirs, threshold, ngram, last_k, tokenizer_dir):
+    """The audit's options; with --tokenizer, the ids that decode to whitespace (checked against the datasets)."""
+    from dpo_data.audit import AuditOptions
+    from dpo_data.audit.whitespace import whitespace_ids
+    from dpo_data.dataset.store import PairStore
+
+    whitespace = whitespace_ids(PairStore(list(dirs)), tokenizer_dir) if tokenizer_dir else None
+    return AuditOptions(threshold=threshold, ngram=ngram, last_k=last_k, whitespace=whitespace)
+
+
+@main.command()
+@click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
 @click.option("--batching", type=click.Choice(["pairs", "tokens"]), required=True, help="Batching mode.")
 @click.option("--world-size", type=int, required=True, metavar="W", help="Number of data-parallel ranks.")
 @click.option(

@@ -30,6 +30,8 @@ ALLOWED = {
     "dpo_data.dataset": {"dpo_data.dataset", *SHARED},
     "dpo_data.prepare": {"dpo_data.prepare", "dpo_data.dataset", *SHARED},
     "dpo_data.loading": {"dpo_data.loading", "dpo_data.dataset", *SHARED},
+    # the audit reads datasets, and its filter writes one as a build does
+    "dpo_data.audit": {"dpo_data.audit", "dpo_data.dataset", "dpo_data.prepare", *SHARED},
 }
 ALLOWED["dpo_report"] = {"dpo_report", "dpo_state"}
 ALLOWED["dpo_train"] = {"dpo_train", *SHARED, *(p for p in ALLOWED if "." in p)}
