@@ -68,9 +68,9 @@ from realistic_throughput import (
 LAYOUTS = {"separate": "separate", "shared": "shared_prompt"}
 PATHS = {
     "segments": ("separate", "shared"),
-    "sdpa": ("separate", "shared"),
     "flex": ("separate", "shared"),
     "varlen": ("separate",),  # torch's varlen_attn: cu_seqlens, no shared-prompt mask
+    "sdpa": ("separate", "shared"),
 }
 """The `model.attention` values measured and the layouts each serves: a new path is one entry."""
 ROW_ATTENTION = {"sdpa"}  # scores every (query, key) pair of the row; the others only those segments see
@@ -94,6 +94,8 @@ SHAPES = {  # Llama configs; the vocabulary is SmolLM2's tokenizer's, the head t
 }
 METHOD = re.compile(r"^(ours-(separate|shared)-([a-z_0-9]+)|trl-(default|b[0-9]+))-(live|precomputed)$")
 TARGETS = {"trl_fastest": 3.0, "mfu_useful": 0.40, "tokens_per_microbatch": 8192, "shared_over_separate": 1.08}
+MATMUL = {"cuda": ((4096, 8192, 16384), 10), "cpu": ((2048, 3072, 4096), 5), "tiny": ((512, 1024), 3)}
+"""The square matmuls (sizes, repeats) whose best rate is the peak: the smoke run's small, for its time."""
 ENV = {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -110,11 +112,12 @@ def parse(method: str) -> dict:
 
 
 def default_methods(sweep: tuple[int, ...]) -> list[str]:
-    """Segments and TRL's default first (the comparison a short run must not lose), then the other paths, the
-    precomputed reference on each layout's fastest path, and TRL's sweep."""
+    """In the order a deadline should cut them last to first: segments and TRL's default (the comparison a short
+    run must not lose), the other paths, TRL's sweep (largest batch first), then the precomputed reference on
+    each layout's fastest path."""
     live = [f"ours-{layout}-{path}-live" for path, layouts in PATHS.items() for layout in layouts]
-    precomputed = [f"ours-{layout}-fastest-precomputed" for layout in LAYOUTS]
-    return live[:2] + ["trl-default-live"] + live[2:] + precomputed + [f"trl-b{n}-live" for n in sweep]
+    trl = [f"trl-b{n}-live" for n in sorted(sweep, reverse=True)]
+    return live[:2] + ["trl-default-live"] + live[2:] + trl + [f"ours-{x}-fastest-precomputed" for x in LAYOUTS]
 
 
 # ---------------------------------------------------------------- the model and the run's setting
@@ -180,8 +183,7 @@ def child(method: str, args, info: dict) -> dict:
     if args.device == "cpu":
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     if method == "matmul":
-        sizes, repeats = ((4096, 8192, 16384), 10) if args.device == "cuda" else ((512, 1024), 3)
-        sizes = sizes if args.device == "cuda" or args.tiny else (2048, 3072, 4096)
+        sizes, repeats = MATMUL["tiny" if args.tiny and args.device == "cpu" else args.device]
         return matmul_peak(sizes, repeats, "bfloat16" if args.device == "cuda" else "float32", args.device)
     spec, started = parse(method), time.perf_counter()
     try:
