@@ -482,6 +482,61 @@ def audit(dirs, against, as_json, fail_on, threshold, ngram, last_k, tokenizer_d
         sys.exit(1)
 
 
+@main.command("filter")
+@click.argument("data_dir", metavar="DIR")
+@click.option(
+    "--drop",
+    required=True,
+    metavar="KIND[,KIND...]",
+    help="What to drop: exact_duplicates, conflicting_pairs, near_duplicate_prompts, contaminated_prompts (needs "
+    "--against), whitespace_equal (needs --tokenizer), prefix, last_k_differ, truncated (the audit's kinds).",
+)
+@click.option("--out", required=True, metavar="DIR", help="The filtered dataset's directory.")
+@click.option(
+    "--keep-first",
+    is_flag=True,
+    help="conflicting_pairs: keep each conflict's first pair and drop the pairs that swap it; without it both sides "
+    "go. Duplicates and near-duplicates always keep the first pair of their group.",
+)
+@click.option("--against", multiple=True, metavar="DIR", help="contaminated_prompts: the datasets; repeatable.")
+@click.option("--threshold", type=float, default=0.8, show_default=True, metavar="J", help="As for audit.")
+@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="As for audit.")
+@click.option("--last-k", type=int, default=3, show_default=True, metavar="K", help="As for audit.")
+@click.option("--tokenizer", "tokenizer_dir", default=None, metavar="DIR", help="As for audit (whitespace_equal).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it is a dataset (only once the filter succeeds).")
+def filter_command(
+    data_dir, drop, out, keep_first, against, threshold, ngram, last_k, tokenizer_dir, overwrite
+) -> None:
+    """Write the dataset DIR less the pairs of the kinds --drop names into --out: its shards written and attested
+    as a build's (one lock, a staging directory, an atomic swap), its manifest recording the parent's fingerprint
+    and the filter's options (lineage, part of its fingerprint, so a run's identity records it), every dropped pair
+    a record of --out/rejects.jsonl with its kind, its pair index in DIR and the pair it duplicates or conflicts
+    with. The same options give the same bytes. dpo-data verify checks it as a built dataset.
+
+    Exit 0; 1 when every pair would be dropped (nothing is committed); 2 on a usage error. docs/audit.md.
+    """
+    from dpo_data.audit.filter import FilterOptions, filter_dataset
+
+    with user_errors():
+        kinds = tuple(k.strip() for k in drop.split(",") if k.strip())
+        options = FilterOptions(
+            drop=kinds,
+            keep_first=keep_first,
+            against=tuple(against),
+            audit=_audit_options([data_dir], threshold, ngram, last_k, tokenizer_dir),
+        )
+        result = filter_dataset(data_dir, out, options, overwrite=overwrite, progress=True)
+    if result.error:
+        fail(f"{result.error}; nothing was committed", 1)
+    dropped = result.manifest["lineage"]["dropped"]
+    listing = ", ".join(f"{kind} {n}" for kind, n in dropped.items()) or "none"
+    click.echo(f"kept {result.pairs} pairs, dropped {sum(dropped.values())} ({listing})")
+    click.echo(
+        f"wrote {result.out} (parent {result.manifest['lineage']['parent']}, fingerprint "
+        f"{result.manifest['fingerprint']})"
+    )
+
+
 def _audit_options(dirs, threshold, ngram, last_k, tokenizer_dir):
     """The audit's options; with --tokenizer, the ids that decode to whitespace (checked against the datasets)."""
     from dpo_data.audit import AuditOptions

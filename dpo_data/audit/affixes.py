@@ -6,7 +6,7 @@ import numpy as np
 
 CAP = 512
 """The longest shared prefix or suffix looked for, in tokens."""
-MIN_PROMPTS = 16
+MIN_PROMPTS = 8
 """Fewer distinct prompts cannot tell a template's text from their own: no tokens are then set aside."""
 
 

@@ -34,14 +34,16 @@ def dataset_fingerprint(
     shards: list[dict],
     columns: dict | None = None,
     processor_fingerprint: str | None = None,
+    lineage: dict | None = None,
 ) -> str:
     """Content identity of a dataset: tokenizer, source names, every shard's hash, rows and source names (a vision
     dataset's shards hold its images' bytes, so their hashes cover every image), the column mapping (`--columns`)
-    when one was given, and a vision dataset's processor fingerprint.
+    when one was given, a vision dataset's processor fingerprint, and a filtered dataset's lineage (its parent's
+    fingerprint and the filter's options: `dpo-data filter`).
 
     Paths of inputs and the other build options are left out: two builds that wrote the same pairs with the
-    same tokenizer are the same dataset, wherever their inputs lay. The mapping and the processor enter only when
-    present, so a text build keeps the fingerprint it always had.
+    same tokenizer are the same dataset, wherever their inputs lay. The mapping, the processor and the lineage enter
+    only when present, so a text build keeps the fingerprint it always had.
     """
     content = {
         "format_version": MANIFEST_FORMAT_VERSION,
@@ -53,7 +55,18 @@ def dataset_fingerprint(
         content["columns"] = columns
     if processor_fingerprint is not None:
         content["processor"] = processor_fingerprint
+    if lineage is not None:
+        content["lineage"] = lineage
     return DIGEST_PREFIX + sha256_json(content)
+
+
+def manifest_fingerprint(m: dict) -> str:
+    """`dataset_fingerprint` of a manifest's own content."""
+    columns = m["producer"]["options"].get("columns")
+    processor = m["processor"]["fingerprint"] if "processor" in m else None
+    return dataset_fingerprint(
+        m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns, processor, m.get("lineage")
+    )
 
 
 @dataclass
@@ -110,9 +123,7 @@ def manifest_problems(m: dict) -> list[str]:
     from dpo_state.attestation import attestation_problems
 
     problems = attestation_problems(m["tokenizer"]) + processor_problems(m)
-    columns = m["producer"]["options"].get("columns")
-    processor = m["processor"]["fingerprint"] if "processor" in m else None
-    expected = dataset_fingerprint(m["tokenizer"]["fingerprint"], m["sources"], m["shards"], columns, processor)
+    expected = manifest_fingerprint(m)
     if expected != m["fingerprint"]:
         problems.append(f"fingerprint {m['fingerprint']} does not match its content ({expected})")
     problems += _template_problems(m)
@@ -136,7 +147,7 @@ def manifest_problems(m: dict) -> list[str]:
     for entry in m["inputs"]:
         if entry["pairs"] + entry["rejected"] != entry["rows_read"]:
             problems.append(f"input {entry['path']}: pairs + rejected != rows_read")
-        if "forms" in entry and sum(entry["forms"].values()) != entry["pairs"]:
+        if "forms" in entry and sum(entry["forms"].values()) != entry["pairs"]:  # a filtered dataset has none
             problems.append(f"input {entry['path']}: its pairs by row form (forms) do not add up to its pairs")
         over = [k for k, n in entry.get("ignored_columns", {}).items() if n > entry["rows_read"]]
         if over:

@@ -194,7 +194,8 @@ def _check_rejects(root: Path, m: dict) -> list[str]:
     name, rejects = m["rejects"]["file"], root / m["rejects"]["file"]
     if not rejects.is_file():
         return []
-    by_reason, by_source, by_file, lines = Counter(), Counter(), Counter(), 0
+    by_reason, by_source, by_file, lines, filtered = Counter(), Counter(), Counter(), 0, Counter()
+    lineage = m.get("lineage")
     with open(rejects, "rb") as f:
         for lines, line in enumerate(f, 1):
             try:
@@ -204,6 +205,8 @@ def _check_rejects(root: Path, m: dict) -> list[str]:
             by_reason[record["reason"]] += 1
             by_source[record["source"]] += 1
             by_file[record["file"]] += 1
+            if lineage is not None and record.get("parent") == lineage["parent"]:
+                filtered[record["reason"]] += 1
     if lines != m["rejects"]["count"]:
         return [f"{name}: {lines} records, manifest says {m['rejects']['count']}"]
     failures = [
@@ -216,6 +219,11 @@ def _check_rejects(root: Path, m: dict) -> list[str]:
         for entry in m["inputs"]
         if entry["rejected"] != by_file[entry["path"]]
     ]
+    if lineage is not None and dict(filtered) != lineage["dropped"]:
+        failures.append(
+            f"lineage.dropped: manifest says {lineage['dropped']}, {name} holds {dict(sorted(filtered.items()))} "
+            "records of pairs dropped from the parent"
+        )
     return failures
 
 
