@@ -456,12 +456,38 @@ def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
     help="The datasets' own tokenizer (a vision dataset's processor directory), attestation checked: measures "
     "degenerate whitespace_equal (which tokens decode to whitespace alone); without it that kind is not measured.",
 )
-def audit(dirs, against, as_json, fail_on, threshold, ngram, last_k, tokenizer_dir) -> None:
+@click.option(
+    "--html",
+    "html_out",
+    default=None,
+    metavar="OUT",
+    help="Also write an HTML page to OUT: the tables, the length distributions and the length bias per source drawn "
+    "(and the reference's margins); needs matplotlib (pip install 'dpo-toolkit[report]').",
+)
+@click.option(
+    "--reference",
+    default=None,
+    metavar="SIDECAR",
+    help="A precomputed reference sidecar of these datasets (dpo-train --precompute-reference): the reference's "
+    "implicit margins (chosen minus rejected log-prob) per source, and the pairs it most prefers reversed.",
+)
+@click.option(
+    "--reference-top",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    metavar="K",
+    help="With --reference: how many of the most reversed pairs to list, by pair index.",
+)
+def audit(
+    dirs, against, as_json, fail_on, threshold, ngram, last_k, tokenizer_dir, html_out, reference, reference_top
+) -> None:
     """Measure what a preference dataset teaches before training on it: exact_duplicates, conflicting_pairs
     (chosen and rejected swapped), near_duplicate_prompts (MinHash over token n-grams), contaminated_prompts
     (--against), length_bias, degenerate_pairs, the length distributions, the multi-turn share and the source mix,
     overall and per source, read from the shards (memory-mapped) of one or more built datasets (pair indices run over
-    them in order). Text and vision datasets (a pair's images are part of its identity).
+    them in order). Text and vision datasets (a pair's images are part of its identity). With --reference, the
+    reference model's margins and the pairs it prefers the other way round (label-noise candidates).
 
     Exit 0; 1 when a --fail-on bound is passed (each named on stderr); 2 on a usage error or a dataset that cannot
     be read. Each measure, why it matters for DPO and how to act on it (dpo-data filter): docs/audit.md.
@@ -472,8 +498,14 @@ def audit(dirs, against, as_json, fail_on, threshold, ngram, last_k, tokenizer_d
 
     with user_errors():
         bounds = parse_bounds(fail_on) if fail_on else []  # a usage error before the work
+        if html_out is not None:
+            from dpo_data.audit.html import pyplot, write_audit_html
+
+            pyplot()  # matplotlib missing is said before the work
         options = _audit_options(dirs, threshold, ngram, last_k, tokenizer_dir)
-        doc = run_audit(list(dirs), list(against), options, progress=True)
+        doc = run_audit(list(dirs), list(against), options, True, reference, reference_top)
+        if html_out is not None:
+            click.echo(f"wrote {write_audit_html(doc, html_out)}", err=True)
     click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() if as_json else format_audit(doc))
     passed = passed_bounds(doc, bounds)
     for line in passed:

@@ -26,9 +26,12 @@ def audit(
     against: list[str | Path] | None = None,
     options: AuditOptions | None = None,
     progress: bool = False,
+    reference: str | Path | None = None,
+    reference_top: int = 20,
 ) -> dict[str, Any]:
     """The audit document of datasets `dirs` (one store: pair indices run over them in order), contamination
-    measured against `against` (datasets of the same tokenizer), validated against its schema."""
+    measured against `against` (datasets of the same tokenizer), with `reference` (a precomputed reference sidecar
+    of `dirs`) its margins and the `reference_top` pairs it most prefers reversed; validated against its schema."""
     from dpo_state.schema import validate
 
     options = options or AuditOptions()
@@ -41,6 +44,12 @@ def audit(
             f"--against {', '.join(map(str, against))} was built with another tokenizer than the audited datasets; "
             "their token ids cannot be compared: rebuild it with the audited datasets' tokenizer"
         )
+    if reference is not None:  # checked before the passes over the shards
+        from dpo_data.audit.reference import reference_margins, reference_table
+
+        table = reference_table(store, Path(reference))
     doc = audit_document(store, find(store, other, options, progress), options, other)
+    if reference is not None:
+        doc["reference"] = reference_margins(store, reference, table, reference_top)
     validate(AUDIT_SCHEMA, doc, "the audit document")
     return doc

@@ -102,17 +102,19 @@ class Shared:
 def find(store: PairStore, against: PairStore | None, options: AuditOptions, progress: bool = False) -> Findings:
     """Every finding over `store`, contamination against `against` (None: not measured)."""
     scan = _scan(store, progress, "audit: hashing pairs")
-    shared = _shared(store, scan)
+    index = np.arange(store.num_pairs)
+    first_of_prompt = first_index_of(scan.prompt, scan.prompt)
+    shared = _shared(store, scan, first_of_prompt == index)
     other, other_shared = None, None
     if against is not None:
         other = _scan(against, progress, "audit: hashing --against pairs")
-        other_shared = _shared(against, other)
+        other_shared = _shared(
+            against, other, first_index_of(other.prompt, other.prompt) == np.arange(len(other.prompt))
+        )
     known = _known([shared] + ([other_shared] if other_shared else []))
-    index = np.arange(store.num_pairs)
     duplicate_of = first_index_of(scan.pair, scan.pair)
     distinct_sides = (scan.pair != scan.swapped).any(axis=1)
     conflicts_with = np.where(distinct_sides, first_index_of(scan.swapped, scan.pair), -1)
-    first_of_prompt = first_index_of(scan.prompt, scan.prompt)
     second = _second_pass(store, scan, first_of_prompt == index, shared, known, options, progress)
     near = _near_duplicates(second.signature, np.nonzero(first_of_prompt == index)[0], first_of_prompt, options)
     contaminated = np.full(store.num_pairs, -1, np.int64)
@@ -170,11 +172,13 @@ def _rows(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np
     return new, values[at]
 
 
-def _shared(store: PairStore, scan: _Scan) -> Shared:
+def _shared(store: PairStore, scan: _Scan, distinct: np.ndarray) -> Shared:
+    """Each source's shared runs, where it has enough distinct prompts (`distinct`: a prompt's first pair)."""
     none = np.zeros(0, np.int64)
     runs = {"front": [], "back": [], "end": []}
+    prompts = np.bincount(store.source_id[distinct], minlength=len(store.sources))
     for k in range(len(store.sources)):
-        enough = len(np.unique(scan.prompt[store.source_id == k], axis=0)) >= affixes.MIN_PROMPTS
+        enough = prompts[k] >= affixes.MIN_PROMPTS
         for side in runs:
             runs[side].append(scan.shared[side].get(k, none) if enough else none)
     return Shared(runs["front"], runs["back"], runs["end"])

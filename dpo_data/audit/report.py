@@ -10,6 +10,7 @@ import numpy as np
 
 from dpo_data.audit.findings import AuditOptions, Findings
 from dpo_data.audit.measures import measures, share
+from dpo_data.audit.reference import MARGIN_QUANTILES
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 
@@ -93,7 +94,31 @@ def format_audit(doc: dict[str, Any]) -> str:
         "sources                 pairs  share   dups  confl   near  contam  degen  chosen-longer",
         *(_source_line(name, s, doc["source_mix"][name]["share"]) for name, s in doc["sources"].items()),
     ]
+    if "reference" in doc:
+        lines += _reference_lines(doc["reference"])
     return "\n".join(lines)
+
+
+def _reference_lines(ref: dict) -> list[str]:
+    """The reference's margins (chosen minus rejected log-prob), per source, and the pairs it most prefers
+    reversed."""
+
+    def stats(m: dict) -> str:
+        if not m["pairs"]:
+            return "no pair scored"
+        return (
+            f"{m['pairs']} pairs, mean {m['mean']:.3f}, p10 {m['p10']:.3f}, p50 {m['p50']:.3f}, p90 {m['p90']:.3f}; "
+            f"rejected preferred in {m['fraction_negative']:.1%}"
+        )
+
+    lines = [f"reference margins        {stats(ref['margins'])} ({ref['sidecar']})"]
+    lines += [f"  {name:<20} {stats(m)}" for name, m in ref["sources"].items()]
+    if ref["reversed"]:
+        lines.append(
+            "most reversed (pair: margin, source)  "
+            + ", ".join(f"{r['pair']}: {r['margin']:.3f} {r['source']}" for r in ref["reversed"])
+        )
+    return lines
 
 
 def _source_line(name: str, s: dict, fraction: float) -> str:
@@ -127,13 +152,17 @@ def bound_names() -> list[str]:
         *(f"lengths.{part}.{q}" for part in ("prompt", "chosen", "rejected", "pair") for q in quantiles),
         "multi_turn.pairs",
         "multi_turn.share",
+        *(f"reference.margins.{k}" for k in ("mean", *(f"p{q}" for q in MARGIN_QUANTILES), "fraction_negative")),
     ]
 
 
 def _allowed() -> str:
     """The names, short: the lengths' as one pattern."""
-    names = [n for n in bound_names() if not n.startswith("lengths.")]
-    return ", ".join(names) + ", lengths.{prompt,chosen,rejected,pair}.{min,p10,p25,p50,p75,p90,p99,max,mean}"
+    names = [n for n in bound_names() if not n.startswith(("lengths.", "reference."))]
+    return (
+        ", ".join(names) + ", lengths.{prompt,chosen,rejected,pair}.{min,p10,p25,p50,p75,p90,p99,max,mean}, "
+        "reference.margins.{mean,p1,p10,p50,p90,p99,fraction_negative} (with --reference)"
+    )
 
 
 def parse_bounds(text: str) -> list[tuple[str, str, float]]:
@@ -163,7 +192,7 @@ def passed_bounds(doc: dict[str, Any], bounds: list[tuple[str, str, float]]) -> 
     for name, op, value in bounds:
         got: Any = doc
         for key in name.split("."):
-            got = got[key]
+            got = got.get(key) if isinstance(got, dict) else None
         if got is None:
             failed.append(f"{name} was not measured (bound: {name}{op}{value:g}); see docs/audit.md")
         elif _OPERATORS[op](got, value):
