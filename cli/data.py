@@ -429,7 +429,7 @@ def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
     metavar="NAME>VALUE[,...]",
     help="Exit 1 when a measure passes its bound, e.g. exact_duplicates>0,length_bias.fraction_chosen_longer>0.6 "
     "(also >=, <, <=; names: the top-level counts and dotted paths into length_bias, degenerate_pairs, lengths, "
-    "multi_turn). A measure not measured fails its bound.",
+    "multi_turn, reference.margins). A measure not measured fails its bound.",
 )
 @click.option(
     "--threshold",
@@ -531,10 +531,25 @@ def audit(
     "go. Duplicates and near-duplicates always keep the first pair of their group.",
 )
 @click.option("--against", multiple=True, metavar="DIR", help="contaminated_prompts: the datasets; repeatable.")
-@click.option("--threshold", type=float, default=0.8, show_default=True, metavar="J", help="As for audit.")
-@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="As for audit.")
-@click.option("--last-k", type=int, default=3, show_default=True, metavar="K", help="As for audit.")
-@click.option("--tokenizer", "tokenizer_dir", default=None, metavar="DIR", help="As for audit (whitespace_equal).")
+@click.option(
+    "--threshold",
+    type=float,
+    default=0.8,
+    show_default=True,
+    metavar="J",
+    help="near_duplicate_prompts, contaminated_prompts: the Jaccard similarity from which prompts near (as audit).",
+)
+@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="Tokens per prompt n-gram.")
+@click.option(
+    "--last-k", type=int, default=3, show_default=True, metavar="K", help="last_k_differ: the tokens that may differ."
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    default=None,
+    metavar="DIR",
+    help="whitespace_equal: the dataset's own tokenizer (attestation checked), as for audit.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it is a dataset (only once the filter succeeds).")
 def filter_command(
     data_dir, drop, out, keep_first, against, threshold, ngram, last_k, tokenizer_dir, overwrite
