@@ -46,6 +46,7 @@ def inspect_dataset(data_dir: str | Path) -> dict[str, Any]:
         "rejects_by_reason": m["rejects"]["by_reason"],
         "shards": len(m["shards"]),
         **vision,
+        **({"lineage": m["lineage"]} if "lineage" in m else {}),
     }
 
 
@@ -77,6 +78,10 @@ def format_inspection(info: dict[str, Any]) -> str:
             f"{images['bytes']} bytes",
             f"processor    {info['processor_fingerprint']}",
         ]
+    if "lineage" in info:  # a dpo-data filter output: what it was filtered from, and what went
+        lineage = info["lineage"]
+        dropped = ", ".join(f"{k} {n}" for k, n in lineage["dropped"].items()) or "nothing"
+        lines.insert(3, f"filtered     from {lineage['parent']} (dropped {dropped}; docs/audit.md)")
     if info["truncated_prompts"]:
         lines.insert(
             5,

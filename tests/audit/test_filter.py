@@ -172,3 +172,11 @@ def test_the_lineage_is_part_of_the_fingerprint(planted, run_cli, tmp_path):
         )
     a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
     assert a["shards"] == b["shards"] and a["fingerprint"] != b["fingerprint"]
+
+
+def test_inspect_names_what_a_filtered_dataset_came_from(filtered, planted, run_cli):
+    parent = read_manifest(planted.base)["fingerprint"]
+    assert f"filtered     from {parent} (dropped conflicting_pairs 2, contaminated_prompts 2" in (
+        data_here(run_cli, "inspect", filtered).stdout
+    )
+    assert json.loads(data_here(run_cli, "inspect", filtered, "--json").stdout)["lineage"]["parent"] == parent
