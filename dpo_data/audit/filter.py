@@ -19,10 +19,11 @@ from dpo_data.audit.findings import DEGENERATE_KINDS, AuditOptions, Findings, fi
 from dpo_data.dataset.manifest import REJECTS_NAME, ImageTally, dataset_fingerprint, read_manifest, write_manifest
 from dpo_data.dataset.shards import PARTS, PairBlock, ShardWriter, as_numpy, open_shard
 from dpo_data.dataset.store import PairStore
-from dpo_data.dataset.verify import reject_record
+from dpo_data.dataset.verify import reject_record, shard_problems
 from dpo_data.errors import DataError
 from dpo_data.prepare.output import OutputLock, check_inputs_outside, commit_staged
 from dpo_data.prepare.tally import BuildResult, Tally, manifest_document
+from dpo_data.progress import Stage
 
 KINDS = ("exact_duplicates", "conflicting_pairs", "near_duplicate_prompts", "contaminated_prompts", *DEGENERATE_KINDS)
 """What --drop names; a pair of several kinds is recorded under the first in this order."""
@@ -55,13 +56,16 @@ def filter_dataset(
     started = time.perf_counter()
     out = Path(out)
     store = PairStore([data_dir])
+    problems = shard_problems([data_dir])  # the child is attested: its parent's bytes must be the attested ones
+    if problems:
+        raise DataError(f"{problems[0]}; the filter reads only an intact dataset: run dpo-data verify {data_dir}")
     against = PairStore(list(options.against)) if options.against else None
     found = find(store, against, options.audit, progress)
     kind, of = dropped(found, options)
     check_inputs_outside(out, [str(data_dir), *options.against])
     with OutputLock(out):
         result = commit_staged(
-            out, overwrite, lambda staging: _write(staging, Path(data_dir), store, kind, of, options, against)
+            out, overwrite, lambda staging: _write(staging, Path(data_dir), store, kind, of, options, against, progress)
         )
     result.seconds = time.perf_counter() - started
     return result
@@ -94,19 +98,21 @@ def dropped(found: Findings, options: FilterOptions) -> tuple[np.ndarray, np.nda
     return kind, of
 
 
-def _write(staging, data_dir, store, kind, of, options, against) -> BuildResult:
+def _write(staging, data_dir, store, kind, of, options, against, progress) -> BuildResult:
     parent = read_manifest(data_dir)
     tally = _tally(parent, store.vision)
     writer = ShardWriter(staging, store.vision)
     records = []
-    for shard in parent["shards"]:
-        table = open_shard(data_dir / shard["path"])
-        rows = np.arange(shard["first_pair_index"], shard["first_pair_index"] + shard["rows"])
-        keep = kind[rows] < 0
-        block, sources = _block(table.filter(pa.array(keep)), shard["sources"])
-        writer.add(block, sources, int(shard["path"].rsplit("-", 1)[1].split(".")[0]))
-        _count(tally, block, sources)
-        records += _records(parent, table, shard, rows[~keep], kind, of)
+    with Stage("filter: writing the kept pairs", total=len(parent["shards"]), enabled=progress, unit="shards") as shown:
+        for shard in parent["shards"]:
+            table = open_shard(data_dir / shard["path"])
+            rows = np.arange(shard["first_pair_index"], shard["first_pair_index"] + shard["rows"])
+            keep = kind[rows] < 0
+            block, sources = _block(table.filter(pa.array(keep)), shard["sources"])
+            writer.add(block, sources, int(shard["path"].rsplit("-", 1)[1].split(".")[0]))
+            _count(tally, block, sources)
+            records += _records(parent, table, shard, rows[~keep], kind, of)
+            shown.advance()
     shards = writer.close()
     for shard in shards:
         for name in shard.sources:
@@ -233,12 +239,19 @@ def _write_rejects(staging: Path, data_dir: Path, parent: dict, records: list[tu
         tally.inputs[i]["rejected"] += 1
     ours = ((key, orjson.dumps(record) + b"\n") for key, record in records)
     with open(data_dir / REJECTS_NAME, "rb") as theirs, open(staging / REJECTS_NAME, "wb") as f:
-        f.writelines(line for _, line in heapq.merge(_keyed(theirs, index), ours, key=lambda item: item[0]))
+        keyed = _keyed(theirs, index, data_dir / REJECTS_NAME)
+        f.writelines(line for _, line in heapq.merge(keyed, ours, key=lambda item: item[0]))
 
 
-def _keyed(lines: Iterator[bytes], index: dict[str, int]) -> Iterator[tuple[tuple[int, int], bytes]]:
-    for line in lines:
-        record = reject_record(line)
+def _keyed(lines: Iterator[bytes], index: dict[str, int], path: Path) -> Iterator[tuple[tuple[int, int], bytes]]:
+    """The parent's reject lines keyed by (input, row); a line that is no record of one of its inputs is named."""
+    for number, line in enumerate(lines, 1):
+        try:
+            record = reject_record(line)
+            if record["file"] not in index:
+                raise DataError(f"file {record['file']!r} is not an input of the dataset")
+        except DataError as e:
+            raise DataError(f"{path} line {number}: {e}; run dpo-data verify on the dataset") from None
         yield (index[record["file"]], record.get("line", record.get("row"))), line
 
 

@@ -180,3 +180,23 @@ def test_inspect_names_what_a_filtered_dataset_came_from(filtered, planted, run_
         data_here(run_cli, "inspect", filtered).stdout
     )
     assert json.loads(data_here(run_cli, "inspect", filtered, "--json").stdout)["lineage"]["parent"] == parent
+
+
+def test_a_damaged_parent_is_refused_by_name_not_filtered(planted, tmp_path):
+    """A shard whose bytes are not the attested ones, or a rejects line naming no input, stops the filter with one
+    error line (exit 2) before anything is written: its output would attest what the parent no longer is."""
+    import shutil
+
+    parent = tmp_path / "parent"
+    shutil.copytree(planted.base, parent)
+    shard = next((parent / "shards").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 1
+    shard.write_bytes(bytes(data))
+    done = data_cli("filter", parent, "--drop", "exact_duplicates", "--out", tmp_path / "x", code=2)
+    assert done.stderr.startswith(f"error: dataset {parent}: {shard.relative_to(parent)}: sha256")
+    assert "Traceback" not in done.stderr and not (tmp_path / "x").exists()
+    shutil.copy(planted.base / shard.relative_to(parent), shard)
+    (parent / "rejects.jsonl").write_text('{"file": "elsewhere.jsonl", "line": 1, "source": "s", "reason": "x"}\n')
+    done = data_cli("filter", parent, "--drop", "exact_duplicates", "--out", tmp_path / "x", code=2)
+    assert "rejects.jsonl line 1: file 'elsewhere.jsonl' is not an input of the dataset" in done.stderr
