@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from dpo_state.schema import schema_problems
+from dpo_data.audit import AUDIT_FORMAT_VERSION
+from dpo_state.schema import load_schema, schema_problems
 from tests.harness import data_cli, data_here
 
 
@@ -14,6 +15,12 @@ def test_audit_json_is_one_schema_valid_document_with_the_planted_counts(planted
     )
     doc = json.loads(done.stdout)
     assert schema_problems("audit", doc) == []
+    assert (
+        doc["format_version"] == AUDIT_FORMAT_VERSION == load_schema("audit")["properties"]["format_version"]["const"]
+    )
+    assert schema_problems("audit", {**doc, "extra": 1}) and schema_problems(  # the schema holds the shape
+        "audit", {**doc, "sources": {"base": {**doc["sources"]["base"], "source_mix": {}}}}
+    )
     assert (doc["exact_duplicates"], doc["conflicting_pairs"], doc["contaminated_prompts"]) == (2, 2, 2)
     assert doc["degenerate_pairs"]["whitespace_equal"] == 4 and doc["options"]["whitespace_measured"]
     assert "audit: hashing pairs" in done.stderr  # the progress line
