@@ -16,11 +16,12 @@ over the whole padded row for TRL).
     .venv/bin/python benchmarks/realistic_throughput.py [--steps 1] [--warmup 0] [--pairs 400] [--repeats 1]
         [--methods ours-separate-live ours-shared-live trl-b8-live trl-b1-live ...] [--work DIR] [--json PATH]
 
-trl-b8 is TRL's default batch (8 pairs per micro-batch, one micro-batch per step), trl-b1 its fastest valid
-setting on CPU (1 pair per micro-batch x 8 accumulation steps; padding_free is disabled in TRL 1.16 and needs
-FlashAttention). Each method's result is also saved under WORK/results; `--summarize --work DIR` rebuilds the
-tables from them (after an interrupted run, or to add a method run alone with `--child METHOD`). A step takes
-5-10 minutes per method on 2 cores.
+trl-b8 is TRL's default batch (8 pairs per micro-batch, one micro-batch per step), trl-b1 1 pair per micro-batch x 8
+accumulation steps; both with TRL's default gradient_checkpointing (on), which recomputes the policy's forward in
+its backward. trl-b1-...-nogc turns it off: TRL's fastest valid setting on CPU, as ours runs without activation
+checkpointing here (padding_free is disabled in TRL 1.16 and needs FlashAttention). Each method's result is also
+saved under WORK/results; `--summarize --work DIR` rebuilds the tables from them (after an interrupted run, or to
+add a method run alone with `--child METHOD`). A step takes 5-10 minutes per method on 2 cores.
 """
 
 from __future__ import annotations
@@ -54,14 +55,18 @@ METHODS = (
     "trl-b1-live",
     "trl-b8-precomputed",
     "trl-b1-precomputed",
+    "trl-b1-live-nogc",
+    "trl-b1-precomputed-nogc",
 )
+"""trl-...-nogc: TRL with gradient_checkpointing off (its DPOConfig turns it on by default; ours runs without
+activation checkpointing here, so TRL's fastest valid setting is without it too)."""
 DEFAULT_METHODS = (
     "ours-separate-live",
     "ours-shared-live",
     "trl-b8-live",
-    "trl-b1-live",
+    "trl-b1-live-nogc",
     "ours-shared-precomputed",
-    "trl-b1-precomputed",
+    "trl-b1-precomputed-nogc",
 )
 WORDS = (
     "the of and to in is that it for on with as was be by this are or from at an have not but what all were when "
@@ -551,9 +556,11 @@ def child(method: str, work: Path, steps: int, warmup: int, info: dict) -> dict:
         return matmul_peak()
     if method.startswith("profile-"):
         return run_profile(info, work, steps, method.split("-", 1)[1])
+    method, nogc = method.removesuffix("-nogc"), method.endswith("-nogc")
     precomputed = method.endswith("precomputed")
     if method.startswith("trl"):
-        return run_trl(info, work, steps, warmup, int(method.split("-")[1][1:]), precomputed)
+        speed = {"gradient_checkpointing": False} if nogc else None  # TRL's DPOConfig turns it on by default
+        return run_trl(info, work, steps, warmup, int(method.split("-")[1][1:]), precomputed, speed=speed)
     layout = "shared_prompt" if "-shared-" in method else "separate"
     return run_ours(info, work, steps, warmup, layout, precomputed)
 
@@ -599,8 +606,10 @@ def summarize(info: dict, results: dict, peak: float, steps: int, warmup: int) -
         if "failed" in r:
             table[method] = {"failed": r["failed"], "reason": r.get("reason")}
             continue
-        live = method.endswith("-live")
+        live = method.removesuffix("-nogc").endswith("-live")
         passes = 4 if live else 3  # policy forward + backward (3 forwards' worth), + reference forward when live
+        # hardware only: TRL's default gradient_checkpointing recomputes the policy's forward in its backward
+        recompute = 1 if method.startswith("trl") and not method.endswith("-nogc") else 0
         score_pairs = None
         if method.startswith("ours"):
             geo = [g for g in (shared if "-shared-" in method else sep) if g["step"] >= warmup]
@@ -621,11 +630,11 @@ def summarize(info: dict, results: dict, peak: float, steps: int, warmup: int) -
             "useful_tokens_per_pair": useful["tokens"] / n,
             "peak_rss_mib": r["peak_rss_mib"],
             "useful_tflop_per_pair": passes * useful_fwd / n / 1e12,
-            "hardware_tflop_per_pair": passes * hard_fwd / n / 1e12,
+            "hardware_tflop_per_pair": (passes + recompute) * hard_fwd / n / 1e12,
             "useful_gflops": passes * useful_fwd / seconds / 1e9,
-            "hardware_gflops": passes * hard_fwd / seconds / 1e9,
+            "hardware_gflops": (passes + recompute) * hard_fwd / seconds / 1e9,
             "mfu_useful": passes * useful_fwd / seconds / peak,
-            "mfu_hardware": passes * hard_fwd / seconds / peak,
+            "mfu_hardware": (passes + recompute) * hard_fwd / seconds / peak,
             "losses": r["losses"],
         }
         if method.startswith("ours"):
@@ -639,8 +648,8 @@ def summarize(info: dict, results: dict, peak: float, steps: int, warmup: int) -
 
     for ref in ("live", "precomputed"):
         for ours in ("separate", "shared"):
-            for trl in ("b8", "b1"):
-                ratio(f"ours-{ours}-{ref}", f"trl-{trl}-{ref}")
+            for trl in ("b8", "b1", "b1-nogc"):
+                ratio(f"ours-{ours}-{ref}", f"trl-{trl.split('-')[0]}-{ref}{trl[2:]}")
         ratio(f"ours-shared-{ref}", f"ours-separate-{ref}")
         ratio(f"ours-shared-{ref}", f"ours-separate-{ref}", "tokens_per_pair")
         for trl in ("b8", "b1"):
