@@ -203,6 +203,9 @@ def main(
         other = precompute_reference or overwrite or only_planned
         sys.exit(_translate(config, from_trl, list(overrides), processes, other))
     nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id)  # the command line's flags first
+    for flag, given in (("--overwrite", overwrite), ("--only-planned", only_planned)):
+        if given and not precompute_reference:
+            fail(f"{flag} only applies to --precompute-reference; drop it")
     raw = _config_file(config)  # before torch loads (seconds) or torchrun starts a process per rank
     _dependencies()
     _inputs(raw, overrides, precompute_reference)
@@ -235,9 +238,6 @@ def main(
         if code:
             click.echo(f"error: a rank failed (exit {code}); its error is printed above", err=True)
         sys.exit(code)
-    for flag, given in (("--overwrite", overwrite), ("--only-planned", only_planned)):
-        if given and not precompute_reference:
-            fail(f"{flag} only applies to --precompute-reference; drop it")
     sys.exit(_run_rank(config, list(overrides), precompute_reference, quiet, overwrite, only_planned))
 
 

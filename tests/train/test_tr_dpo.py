@@ -157,6 +157,7 @@ def test_the_cli_refuses_tr_dpo_with_a_precomputed_reference_before_anything_sta
 ):
     config = tiny_config(small_dataset, smollm2_dir, tmp_path / "out")
     config["reference"] = {"mode": "precomputed", "path": str(tmp_path / "sidecar"), "sync_ref_model": True}
+    (tmp_path / "sidecar").mkdir()  # there, so that the rule is what refuses (a missing one is named first)
     result = train_here(run_cli, write_yaml(tmp_path / "c.yaml", config), code=2)
     assert result.stderr.startswith("error: reference.sync_ref_model is true, but reference.mode is precomputed: ")
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
