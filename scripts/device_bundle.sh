@@ -7,7 +7,7 @@
 #
 #   bash scripts/device_bundle.sh               # then, on the device, scripts/device_run.sh (its header: the calls)
 #
-# Python 3.12 and manylinux x86_64 are the device's (docs/benchmarks.md, "The device check"); DEVICE_PYTHON
+# Python 3.12 and manylinux x86_64 are the device's (docs/benchmarks/device.md, "The device check"); DEVICE_PYTHON
 # changes the version (e.g. 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
