@@ -173,8 +173,8 @@ def taken(model: Any, requested: str, place: Any, layout: str) -> str:
         why = "auto: CUDA in bf16, flash-attn installed, the separate layout"
     elif name == "segments" and place.device.type == "cpu":
         why = (
-            "auto on the CPU: one sdpa call per segment; flex trains through its unfused math there, about 60x "
-            "slower in attention (docs/benchmarks.md)"
+            "auto on the CPU: one sdpa call per segment; flex trains through its unfused math there, which "
+            "holds each layer's [heads, row, row] scores"
         )
     elif name == "segments":
         why = (
