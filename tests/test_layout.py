@@ -243,6 +243,36 @@ def test_the_room_rule_walk_catches_a_forbidden_import(tmp_path):
     ]
 
 
+ATTENTION_SETTERS = {
+    "dpo_train/attention/features.py",  # attention_as: the one swap, for every check and truth
+    "dpo_train/model/policy.py",  # loading: the path the run takes
+    "dpo_train/attention/choice.py",  # fit_model under auto: the segment path instead of one that cannot express
+    "dpo_train/attention/probe.py",  # the probe's own fallback to a path it checked exact
+}
+
+
+def _sets_attention(path: Path) -> bool:
+    """Whether the module assigns transformers' `_attn_implementation` anywhere."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and part.attr == "_attn_implementation":
+                    return True
+    return False
+
+
+def test_the_attention_implementation_is_swapped_in_one_place():
+    """A swap and restore of `_attn_implementation` is `attention_as` (issue 58): written by hand it was written six
+    times, and a forgotten restore leaves the run on another path. Besides it, only the loader, auto's choice and
+    the probe's fallback set the run's path."""
+    setters = {str(path.relative_to(ROOT)) for path in (ROOT / "dpo_train").rglob("*.py") if _sets_attention(path)}
+    assert setters <= ATTENTION_SETTERS, sorted(setters - ATTENTION_SETTERS)
+    assert _sets_attention(ROOT / "dpo_train" / "attention" / "features.py")  # the walk sees an assignment
+
+
 def test_every_package_directory_ships():
     """A package directory missing from pyproject's list would be absent from an installed wheel."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,17 +159,28 @@ def _layer_of(name: str) -> int:
     return int(next(p for p in parts if p.isdigit()))
 
 
+@contextmanager
+def attention_as(config: Any, implementation: str | None) -> Iterator[None]:
+    """Meanwhile, the model of `config` (a decoder's `text_config`, or a model's) runs attention `implementation`
+    (None: as it is), and afterwards what it ran before: the one swap of transformers' `_attn_implementation` that
+    the start-up checks, the truths and the alone check make."""
+    saved = config._attn_implementation
+    if implementation is not None:
+        config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
 def computes_router_loss(model: Any) -> bool:
     """Whether the model returns a router load-balancing loss (`aux_loss`) when asked for router logits: a
     two-token forward without gradients, in eval mode. Some mixture-of-experts models have the config key
     but no such loss (Llama 4, GLM-4-MoE, dots1, Hunyuan-MoE, EXAONE-MoE): TRL adds nothing for them either."""
-    config, device = model_config(model), next(model.parameters()).device
-    saved, training = config._attn_implementation, model.training
-    config._attn_implementation = "eager"  # runs alone, without the row a packed path needs
-    try:
-        with torch.no_grad():
+    device, training = next(model.parameters()).device, model.training
+    try:  # eager: the forward runs alone, without the row a packed path needs
+        with attention_as(model_config(model), "eager"), torch.no_grad():
             out = model.eval()(input_ids=torch.ones(1, 2, dtype=torch.long, device=device), output_router_logits=True)
     finally:
-        config._attn_implementation = saved
         model.train(training)
     return getattr(out, "aux_loss", None) is not None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from dpo_data.progress import say
 from dpo_train.attention.compiled import Checked
-from dpo_train.attention.features import text_config, wrapped
+from dpo_train.attention.features import attention_as, text_config, wrapped
 from dpo_train.attention.recompute import autocast_state
 
 
@@ -275,18 +275,15 @@ def check_head(model: Any, layout: str = "separate") -> str | None:
     batch = pack(probe_pairs(model), pad_to_multiple_of=8)
     sums = []
     config, training = text_config(model), model.training  # a vision-language model: its decoder's
-    saved = config._attn_implementation
-    config._attn_implementation = checkable(saved)
     model.eval()
     try:
-        with torch.no_grad():
+        with attention_as(config, checkable(config._attn_implementation)), torch.no_grad():
             for budget in (None, 5 * COPIES * head.weight.shape[0] * 4):
                 mark(model, budget)
                 out = pair_logps(model, batch)
                 sums.append(torch.stack([out.chosen, out.rejected]).double())
     finally:
         mark(model, None)
-        config._attn_implementation = saved
         model.train(training)
     own, chunked = sums
     error = float(((chunked - own).abs() / own.abs().clamp(min=1e-6)).max())

@@ -14,7 +14,7 @@ from dpo_data.dataset.store import PairIds
 from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
 from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature, varlen
-from dpo_train.attention.features import kind_attention, layer_kinds, model_config, text_config
+from dpo_train.attention.features import attention_as, kind_attention, layer_kinds, model_config, text_config
 from dpo_train.errors import ConfigError, ModelError
 
 TOLERANCE = 1e-5
@@ -68,11 +68,8 @@ def eager_attention(model: Any) -> Iterator[None]:
     from dpo_train.attention.unpacked import eager_wrong
 
     config = text_config(model)
-    saved, config._attn_implementation = config._attn_implementation, "sdpa" if eager_wrong(config) else "eager"
-    try:
+    with attention_as(config, "sdpa" if eager_wrong(config) else "eager"):
         yield
-    finally:
-        config._attn_implementation = saved
 
 
 def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
@@ -239,17 +236,15 @@ def scored_as(model: Any, batch: dict[str, Any], name: str | None) -> torch.Tens
     from dpo_train.attention import unpacked
     from dpo_train.attention.logps import pair_logps
 
-    config = text_config(model)
-    saved, marked = config._attn_implementation, unpacked.runs_unpacked(model)
+    marked = unpacked.runs_unpacked(model)
+    path = None if name is None else unpacked.default_attention(model) if name == "unpacked" else _PATHS[name]
     try:
         if name is not None:
-            config._attn_implementation = unpacked.default_attention(model) if name == "unpacked" else _PATHS[name]
             model.dpo_unpacked = name == "unpacked"
-        with torch.no_grad():
+        with attention_as(text_config(model), path), torch.no_grad():
             out = pair_logps(model, batch)
         return torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
     finally:
-        config._attn_implementation = saved
         model.dpo_unpacked = marked
 
 

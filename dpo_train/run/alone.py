@@ -10,7 +10,7 @@ import torch
 
 from dpo_data.loading.microbatch import segment_sums, segments_to_pairs
 from dpo_train.attention import unpacked
-from dpo_train.attention.features import text_config
+from dpo_train.attention.features import attention_as, text_config
 from dpo_train.attention.logps import targets
 from dpo_train.attention.probe import paths_for, scored_as
 from dpo_train.errors import ParityError
@@ -29,14 +29,13 @@ CAUSES = (
 def as_loaded(model: Any, settings: bool = True) -> Iterator[None]:
     """Meanwhile, the model as a user loads it: evaluation mode, the attention transformers gives its class by
     default (`unpacked.default_attention`), and (with `settings`) every value `disable_dropout` zeroed as loaded."""
-    training, config = model.training, text_config(model)
-    saved, config._attn_implementation = config._attn_implementation, unpacked.default_attention(model)
+    training = model.training
     model.eval()
     try:
-        with dropout_as_loaded(model) if settings else nullcontext():
-            yield
+        with attention_as(text_config(model), unpacked.default_attention(model)):
+            with dropout_as_loaded(model) if settings else nullcontext():
+                yield
     finally:
-        config._attn_implementation = saved
         model.train(training)
 
 

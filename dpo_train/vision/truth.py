@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpo_train.attention.features import model_config, text_config
+from dpo_train.attention.features import attention_as, model_config, text_config
 from dpo_train.vision.families import family_of
 
 
@@ -17,11 +17,9 @@ def eager_unpacked_vision(model: Any, pairs: list[Any], grad: bool = False) -> t
     `mm_token_type_ids`, as the processor returns them), through the decoder's eager attention with no mask.
     `grad`: keep the graph (to compare gradients), else none."""
     family = family_of(model_config(model))
-    config = text_config(model)
-    saved, config._attn_implementation = config._attn_implementation, "eager"
     device = next(model.parameters()).device
     image_token = model_config(model).image_token_id
-    try:
+    with attention_as(text_config(model), "eager"):
         with torch.set_grad_enabled(grad):
             rows = []
             for pair in pairs:
@@ -38,5 +36,3 @@ def eager_unpacked_vision(model: Any, pairs: list[Any], grad: bool = False) -> t
                     sides.append(picked.sum())
                 rows.append(torch.stack(sides))
             return torch.stack(rows)
-    finally:
-        config._attn_implementation = saved
