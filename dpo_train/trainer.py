@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +46,8 @@ from dpo_train.step import (
     SortScores,
     add_pairs,
     agree,
+    build_optimizer,
+    build_schedule,
     early_stopping_watch,
     gradient_norm,
     local_nonfinite,
@@ -95,8 +96,8 @@ class Trainer:
                 steps = config.train.max_steps
                 table.check_covers(run.loader.stream.schedule.pairs_in(steps), steps)
         self.policy, self.model = policy, wrap(policy, config.distributed.strategy, world, place)
-        self.optimizer = _optimizer(policy, config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
+        self.optimizer = build_optimizer(policy.parameters(), config.optim)
+        self.scheduler = build_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.vocab_rows = embedding_rows(policy)
         self.state = TrainState(early_stopping=early_stopping_watch(config.eval))
         self.skipped_steps = 0
@@ -414,15 +415,6 @@ def _stopped(watch: EarlyStopping | None) -> bool:
     return bool(watch and watch.stopped)
 
 
-def _optimizer(policy, config: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters only (under LoRA, the adapters: frozen base weights get
-    no optimizer state)."""
-    o, params = config.optim, [p for p in policy.parameters() if p.requires_grad]
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-
-
 def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
     """Say once, when a run set by max_steps goes past train.epochs of the data, that max_steps decides."""
     said = rank != 0
@@ -438,16 +430,3 @@ def _epochs_note(config: TrainConfig, rank: int) -> Callable[[int], None]:
             )
 
     return note
-
-
-def _schedule(config: TrainConfig):
-    total, kind = config.train.max_steps, config.optim.scheduler
-    warmup = config.optim.warmup_for(total)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[kind]
-
-    return factor

@@ -1,5 +1,5 @@
 """The step room: one step's arithmetic: the loss family, the step objective, metrics, the non-finite vote,
-the gradient norm's check, AOT's sorts and early stopping."""
+the gradient norm's check, AOT's sorts, early stopping, and the optimizer and schedule that apply it."""
 
 from dpo_train.front import front
 
@@ -13,6 +13,7 @@ __all__, __getattr__ = front(
         "metrics": ("add_pairs", "new_sums", "step_record"),
         "nonfinite": ("agree", "local_nonfinite", "step_sources"),
         "objective": ("microbatch_loss", "router_aux_coef"),
+        "optim": ("SCHEDULES", "build_optimizer", "build_schedule"),
         "sort": ("SortScores", "set_partners", "sorted_types", "step_partners", "unmoved_rng"),
     },
 )

@@ -825,3 +825,21 @@ def test_the_tr_dpo_keys_join_the_reference_identity_only_when_on():
         "ref_model_mixup_alpha": 0.5,
         "ref_model_sync_steps": 8,
     }
+
+
+def test_one_table_of_schedules_for_the_schema_the_trl_translation_and_the_docs():
+    """`dpo_train.step.optim.SCHEDULES` is the schedules' one table: the schema's enum is its keys, the TRL
+    translation maps onto them, and the config's docstring names each."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    from dpo_train.config.sections import OptimConfig
+    from dpo_train.config.trl_names import SCHEDULERS
+    from dpo_train.step.optim import SCHEDULES
+
+    schema = json.loads((Path(__file__).parents[2] / "schemas" / "train-config.schema.json").read_text())
+    assert schema["properties"]["optim"]["properties"]["scheduler"]["enum"] == list(SCHEDULES)
+    assert set(SCHEDULERS.values()) <= set(SCHEDULES)
+    assert OptimConfig().scheduler in SCHEDULES
+    assert all(name in inspect.getsource(OptimConfig) for name in SCHEDULES)
