@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from dpo_data.progress import say
 from dpo_train.attention.features import LayerAttention, call_attention
-from dpo_train.attention.segments import RowSegments
+from dpo_train.attention.segments import RowSegments, require_segments
 from dpo_train.attention.temperature import by_position, tuned
 from dpo_train.errors import ModelError
 
@@ -148,12 +148,7 @@ def flex_segment_attention(
     softcap as a score_mod, grouped-query heads as they are, sinks from the log-sum-exp (`_with_sinks`), Llama 4's
     temperature tuning on the queries first. q, k, v are padded to the row's bucket and the output cut back.
     [B, H, S, D] in, [B, S, H, D] out."""
-    if row_segments is None:
-        raise ModelError(
-            f"{type(module).__name__} was called without the row's segments: its layers do not pass the model's "
-            "keyword arguments on to their attention, so model.attention flex cannot run this model; use "
-            "model.attention auto (whose start-up probe takes a path it checked) or sdpa or eager"
-        )
+    require_segments(module, row_segments, "flex")
     layer, sinks = call_attention(module, "flex", kwargs)
     if dropout:
         raise ModelError(

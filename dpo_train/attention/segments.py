@@ -174,6 +174,18 @@ def row_segments(batch: dict[str, Any]) -> RowSegments:
     return RowSegments(tuple(bounds), tuple(context), tuple(first_position))
 
 
+def require_segments(module: Any, row_segments: RowSegments | None, path: str) -> RowSegments:
+    """The row's segments a packed path (`path`: segments, flex, varlen) needs, or its refusal by name: a model
+    whose layers do not pass the model's keyword arguments on to their attention never hands them over."""
+    if row_segments is None:
+        raise ModelError(
+            f"{type(module).__name__} was called without the row's segments: its layers do not pass the model's "
+            f"keyword arguments on to their attention, so model.attention {path} cannot run this model; use "
+            "model.attention auto (whose start-up probe takes a path it checked) or sdpa or eager"
+        )
+    return row_segments
+
+
 def segment_attention(
     module: Any,
     query: torch.Tensor,
@@ -190,12 +202,7 @@ def segment_attention(
     and sinks applied on the unpacked sequence's positions (`dpo_train.attention.kernel.attend`). The
     work is the sum of the segments' squares, not the row's square, and nothing of the size of the
     row's square exists, nor of a long segment's (MASK_LIMIT). [B, H, S, D] in, [B, S, H, D] out."""
-    if row_segments is None:
-        raise ModelError(
-            f"{type(module).__name__} was called without the row's segments: its layers do not pass the model's "
-            "keyword arguments on to their attention, so model.attention segments cannot run this model; use "
-            "model.attention auto (whose start-up probe takes a path it checked) or sdpa or eager"
-        )
+    require_segments(module, row_segments, "segments")
     layer, sinks = call_attention(module, "segments", kwargs)
     if tuned(module):
         query = by_position(module, query, row_segments.positions(query.device))

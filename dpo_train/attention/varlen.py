@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dpo_train.attention.features import call_attention
-from dpo_train.attention.segments import RowSegments
+from dpo_train.attention.segments import RowSegments, require_segments
 from dpo_train.attention.temperature import by_position, tuned
 from dpo_train.errors import ModelError
 
@@ -75,11 +75,7 @@ def varlen_attention(
 def _check(module: Any, query: torch.Tensor, layer: Any, sinks: Any, dropout: float, segments: Any) -> None:
     """What the kernel cannot express, refused by name where the model's layers ask for it."""
     name = type(module).__name__
-    if segments is None:
-        raise ModelError(
-            f"{name} was called without the row's segments: its layers do not pass the model's keyword arguments on "
-            "to their attention, so model.attention varlen cannot run this model; use model.attention auto"
-        )
+    require_segments(module, segments, "varlen")
     missing = [
         feature
         for feature, present in (
