@@ -413,6 +413,43 @@ def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
                 click.echo(("\n" if k else "") + format_pair(doc))
 
 
+def _comparison_options(command):
+    """How `audit` and `filter` compare pairs (`dpo_data.audit.AuditOptions`, whose defaults these are): one set of
+    options for both, so a filter drops what the audit with the same options counted."""
+    options = [
+        click.option(
+            "--threshold",
+            type=float,
+            default=0.8,
+            show_default=True,
+            metavar="J",
+            help="Jaccard similarity of two prompts' token n-gram sets from which they are near-duplicates "
+            "(near_duplicate_prompts, contaminated_prompts).",
+        ),
+        click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="Tokens per prompt n-gram."),
+        click.option(
+            "--last-k",
+            type=int,
+            default=3,
+            show_default=True,
+            metavar="K",
+            help="degenerate last_k_differ: completions equal but for at most their last K tokens.",
+        ),
+        click.option(
+            "--tokenizer",
+            "tokenizer_dir",
+            default=None,
+            metavar="DIR",
+            help="The datasets' own tokenizer (a vision dataset's processor directory), attestation checked: for "
+            "degenerate whitespace_equal (which tokens decode to whitespace alone); without it that kind is not "
+            "measured.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR...]")
 @click.option(
@@ -431,31 +468,7 @@ def show(data_dir, tokenizer_dir, pair, source, limit, as_json) -> None:
     "(also >=, <, <=; names: the top-level counts and dotted paths into length_bias, degenerate_pairs, lengths, "
     "multi_turn, reference.margins). A measure not measured fails its bound.",
 )
-@click.option(
-    "--threshold",
-    type=float,
-    default=0.8,
-    show_default=True,
-    metavar="J",
-    help="Jaccard similarity of two prompts' token n-gram sets from which they are near-duplicates.",
-)
-@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="Tokens per prompt n-gram.")
-@click.option(
-    "--last-k",
-    type=int,
-    default=3,
-    show_default=True,
-    metavar="K",
-    help="degenerate last_k_differ: completions equal but for at most their last K tokens.",
-)
-@click.option(
-    "--tokenizer",
-    "tokenizer_dir",
-    default=None,
-    metavar="DIR",
-    help="The datasets' own tokenizer (a vision dataset's processor directory), attestation checked: measures "
-    "degenerate whitespace_equal (which tokens decode to whitespace alone); without it that kind is not measured.",
-)
+@_comparison_options
 @click.option(
     "--html",
     "html_out",
@@ -531,25 +544,7 @@ def audit(
     "go. Duplicates and near-duplicates always keep the first pair of their group.",
 )
 @click.option("--against", multiple=True, metavar="DIR", help="contaminated_prompts: the datasets; repeatable.")
-@click.option(
-    "--threshold",
-    type=float,
-    default=0.8,
-    show_default=True,
-    metavar="J",
-    help="near_duplicate_prompts, contaminated_prompts: the Jaccard similarity from which prompts near (as audit).",
-)
-@click.option("--ngram", type=int, default=3, show_default=True, metavar="N", help="Tokens per prompt n-gram.")
-@click.option(
-    "--last-k", type=int, default=3, show_default=True, metavar="K", help="last_k_differ: the tokens that may differ."
-)
-@click.option(
-    "--tokenizer",
-    "tokenizer_dir",
-    default=None,
-    metavar="DIR",
-    help="whitespace_equal: the dataset's own tokenizer (attestation checked), as for audit.",
-)
+@_comparison_options
 @click.option("--overwrite", is_flag=True, help="Replace --out if it is a dataset (only once the filter succeeds).")
 def filter_command(
     data_dir, drop, out, keep_first, against, threshold, ngram, last_k, tokenizer_dir, overwrite
