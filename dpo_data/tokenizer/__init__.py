@@ -3,40 +3,11 @@ where the light reader reproduces its rules (light.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dpo_data.tokenizer.check import UnloadableTokenizer, template_problem, unloadable, why_unloadable
-
-GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-"""The generic fast tokenizer's names in tokenizer_config.json (transformers 5 and 4)."""
-
-PLAIN_MODEL_TYPES = frozenset(
-    {
-        "cohere",
-        "deepseek_v3",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "gpt2",
-        "gpt_neox",
-        "granite",
-        "llama",
-        "mistral",
-        "mixtral",
-        "olmo2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "smollm3",
-        "starcoder2",
-    }
-)
-"""Model types whose directory AutoTokenizer loads with the class tokenizer_config.json names: none is among
-the types transformers overrides (`MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`, which holds qwen2 and phi3;
-tests/data/test_tokenizer_load.py checks the installed version)."""
+from dpo_data.tokenizer.generic import document, takes_generic_class
 
 
 def load_tokenizer(directory: str | Path, *, savable: bool = False) -> Any:
@@ -70,7 +41,7 @@ def _fastest(directory: str | Path) -> Any:
     light = read_light(directory)
     if light is not None:
         return light
-    if takes_generic_class(_document(directory, "tokenizer_config.json"), _document(directory, "config.json")):
+    if takes_generic_class(document(directory, "tokenizer_config.json"), document(directory, "config.json")):
         if (Path(directory) / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
 
@@ -82,29 +53,3 @@ def _auto(directory: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
-
-
-def takes_generic_class(tokenizer_config: dict | None, model_config: dict | None) -> bool:
-    """Whether AutoTokenizer's choice is the generic class: named so, no remote code, and no model config (a
-    tokenizer saved alone) or one whose type transformers does not redirect to a class of its own."""
-    if not isinstance(tokenizer_config, dict):
-        return False
-    if model_config is None:  # AutoTokenizer falls back to an empty config: the named class decides
-        model_config = {"model_type": "llama"}
-    if not isinstance(model_config, dict):
-        return False
-    remote = "auto_map" in tokenizer_config or "auto_map" in model_config
-    return (
-        tokenizer_config.get("tokenizer_class") in GENERIC_CLASSES
-        and not remote
-        and model_config.get("model_type") in PLAIN_MODEL_TYPES
-        and "model_name" not in model_config
-    )
-
-
-def _document(directory: str | Path, name: str) -> Any:
-    """A JSON file of the directory, or None when absent or unreadable (AutoTokenizer then says why)."""
-    try:
-        return json.loads((Path(directory) / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

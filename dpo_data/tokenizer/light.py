@@ -29,6 +29,7 @@ import orjson
 
 from dpo_data.tokenizer.chat import chat_environment, jinja_supported, render, without_none
 from dpo_data.tokenizer.check import SPECIAL_TOKEN_NAMES
+from dpo_data.tokenizer.generic import takes_generic_class
 
 TRANSFORMERS_MAJOR = "5"
 """The transformers major version whose loading rules this module reproduces; another is left to transformers."""
@@ -208,8 +209,6 @@ class LightTokenizer:
 
 def _read(directory: Path) -> LightTokenizer:
     """The light tokenizer of `directory`; Refused naming what it does not reproduce."""
-    from dpo_data.tokenizer import takes_generic_class
-
     _check_versions()
     config, model = _json(directory / "tokenizer_config.json"), _json(directory / "config.json", missing=None)
     if not takes_generic_class(config, model):

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from dpo_data.tokenizer import PLAIN_MODEL_TYPES, load_tokenizer, takes_generic_class
+from dpo_data.tokenizer import load_tokenizer
+from dpo_data.tokenizer.generic import PLAIN_MODEL_TYPES, takes_generic_class
 from dpo_data.tokenizer.light import LightTokenizer
 from dpo_state.attestation import tokenizer_attestation
 from tests.data.test_tool_calls import TOOL_TEMPLATE, with_template
