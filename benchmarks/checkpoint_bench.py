@@ -42,6 +42,7 @@ MODEL = {
 
 def _trainer(data: str, out: Path):
     from dpo_data.loading.loader import DPOLoader
+    from dpo_data.loading.microbatch import is_last
     from dpo_train.config.loading import load_config
 
     config = load_config(
@@ -60,7 +61,7 @@ def _trainer(data: str, out: Path):
     while True:  # one optimizer step, so the optimizer has its moments
         batch = next(it)
         trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):
             break
     trainer.step()
     return trainer, loader

@@ -166,11 +166,13 @@ def cpu_trainer(config: Any, store: Any, out: Path | None = None) -> Any:
 def timed_steps(trainer: Any, loader: Any, steps: int) -> tuple[list[float], list[dict]]:
     """Feed `loader`'s micro-batches to `trainer` for 1 + `steps` optimizer steps: each step's wall seconds
     (the first one, with its warm-up, included) and every micro-batch fed."""
+    from dpo_data import is_last
+
     times, batches, started = [], [], time.perf_counter()
     for batch in loader:
         batches.append(batch)
         trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):
             trainer.step()
             times.append(time.perf_counter() - started)
             started = time.perf_counter()

@@ -21,6 +21,8 @@ _PUBLIC = {
     "DPOLoader": "dpo_data.loading.loader",
     "LoaderConfig": "dpo_data.loading.config",
     "PlannerState": "dpo_data.loading.steps",
+    "MicroBatch": "dpo_data.loading.microbatch",
+    "is_last": "dpo_data.loading.microbatch",
     "pack_microbatch": "dpo_data.loading.microbatch",
     "pack_shared_prompt": "dpo_data.loading.microbatch",
     "pair_sums": "dpo_data.loading.microbatch",

@@ -15,7 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from dpo_data import IGNORE_INDEX, DPOLoader, LoaderConfig, pair_sums
+from dpo_data import IGNORE_INDEX, DPOLoader, LoaderConfig, is_last, pair_sums
 
 
 def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def main() -> None:
             loss = -F.logsigmoid(margins).sum() / batch["step_pairs"]  # a share of the step mean
             loss.backward()
             step_loss += loss.item()
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):  # the step's last micro-batch on this rank
             optimizer.step()
             optimizer.zero_grad()
             print(f"step {done}: loss {step_loss:.4f} over {batch['step_pairs']} pairs")

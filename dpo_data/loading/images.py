@@ -9,6 +9,7 @@ from typing import Any
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.images import ImageError, decode_row, image_sha256
+from dpo_data.loading.microbatch import PackedRow
 from dpo_data.loading.vision import Family, VisionPair, pack_vision, vision_family
 
 
@@ -67,7 +68,7 @@ class ImageSource:
         pictures = [image for _, image in decoded]
         return VisionPair(store.pair(index), _processed(processor, vision_family(config), pictures))
 
-    def pack(self, store: PairStore, indices: list[int], layout: str, pad_to_multiple_of: int | None) -> dict:
+    def pack(self, store: PairStore, indices: list[int], layout: str, pad_to_multiple_of: int | None) -> PackedRow:
         """The packed vision micro-batch of pairs `indices` (`pack_vision`), for the model of `directory`."""
         _, config = self.prepared
         return pack_vision([self.pair(store, i) for i in indices], config, layout, pad_to_multiple_of)

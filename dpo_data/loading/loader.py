@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.config import LoaderConfig
-from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_data.loading.microbatch import MicroBatch, PackedRow, is_last, pack_microbatch, pack_shared_prompt
 from dpo_data.loading.steps import PlannerState, StepPlan, StepPlanner
 from dpo_state.schema import schema_problems
 from dpo_state.state import ELASTIC_KEYS
@@ -98,10 +98,10 @@ class StreamIterator:
         self.plan: StepPlan | None = None
         self.after: PlannerState | None = None
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[MicroBatch]:
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> MicroBatch:
         while True:
             if self.stream.max_epochs is not None and self.state.epoch >= self.stream.max_epochs:
                 raise StopIteration
@@ -118,7 +118,7 @@ class StreamIterator:
             if (self.seq - 1) % self.num_workers == self.worker:
                 return self._build(self.plan, mine, k)
 
-    def _build(self, plan: StepPlan, mine: list[list[int]], k: int) -> dict:
+    def _build(self, plan: StepPlan, mine: list[list[int]], k: int) -> MicroBatch:
         try:
             batch = pack_pairs(
                 self.stream.store,
@@ -131,7 +131,8 @@ class StreamIterator:
             return {FAILED: str(e)}
         store = self.stream.store
         step_pairs = [i for rank in plan.ranks for mb in rank for i in mb]
-        batch.update(
+        return MicroBatch(
+            **batch,
             epoch=plan.epoch,
             step=plan.step,
             microbatch=k,
@@ -139,7 +140,6 @@ class StreamIterator:
             step_pairs=len(step_pairs),
             step_chosen_tokens=int(store.chosen_len[step_pairs].sum()),
         )
-        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.state.to_dict(), "microbatch": self.microbatch, "seq": self.seq}
@@ -155,7 +155,7 @@ FAILED = "data_error"
 
 def pack_pairs(
     store: PairStore, indices: list[int], layout: str, pad_to_multiple_of: int | None, images: Any = None
-) -> dict[str, Any]:
+) -> PackedRow:
     """The packed micro-batch of pairs `indices` of `store` in `layout`: text pairs by `pack_microbatch` or
     `pack_shared_prompt`, a vision store's with their images by `images` (an `ImageSource`)."""
     if images is not None:
@@ -234,11 +234,11 @@ class DPOLoader:
                 multiprocessing_context=context,
             )
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[MicroBatch]:
         for batch in self.loader:
             if FAILED in batch:
                 raise DataError(batch[FAILED])
-            last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
+            last = is_last(batch)
             self._next = {
                 "epoch": batch["epoch"],
                 "step": batch["step"] + last,

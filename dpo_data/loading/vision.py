@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dpo_data.errors import DataError
-from dpo_data.loading.microbatch import CHOSEN, PROMPT, REJECTED, pack_microbatch, pack_shared_prompt
+from dpo_data.loading.microbatch import CHOSEN, PROMPT, REJECTED, PackedRow, pack_microbatch, pack_shared_prompt
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class VisionPair:
 
 def pack_vision(
     pairs: list[VisionPair], config: Any, layout: str = "separate", pad_to_multiple_of: int | None = None
-) -> dict[str, Any]:
+) -> PackedRow:
     """The packed micro-batch of `pairs` for a model of `config`: `pack_microbatch` (separate) or
     `pack_shared_prompt` (shared_prompt) of their ids, plus
 

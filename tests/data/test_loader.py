@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -15,7 +16,7 @@ from dpo_data.dataset.store import PairIds, PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.loader import DPOLoader
-from dpo_data.loading.microbatch import IGNORE_INDEX, pack_microbatch
+from dpo_data.loading.microbatch import IGNORE_INDEX, MicroBatch, pack_microbatch
 from dpo_data.loading.order import epoch_order, permutation
 from dpo_data.loading.steps import PlannerState, StepPlanner
 from tests.harness import run_process
@@ -341,6 +342,20 @@ def test_every_rank_runs_the_same_number_of_microbatches_each_step(sample_datase
             assert b["microbatches_in_step"] >= 1
         counts.append(per_step)
     assert counts[0] == counts[1] == counts[2]  # collectives line up; short ranks get empty micro-batches
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared_prompt"])
+def test_the_loader_yields_the_keys_microbatch_defines(sample_dataset, layout):
+    """`MicroBatch` is the one definition of a micro-batch's keys: each text micro-batch holds every required key
+    and no key it does not define, a separate row none of the optional ones (those are the shared-prompt layout's
+    and the images': over vision rows too, tests/vision/test_vision_loader.py), so the two cannot drift apart."""
+    required, optional = MicroBatch.__required_keys__, MicroBatch.__optional_keys__
+    loader = DPOLoader([sample_dataset], LoaderConfig(**PAIRS, layout=layout), max_epochs=1, pad_to_multiple_of=8)
+    for batch in itertools.islice(loader, 3):
+        keys = set(batch)
+        assert keys - required <= optional, f"the loader yields keys MicroBatch lacks: {keys - required - optional}"
+        assert required <= keys, f"the loader yields no {required - keys}, which MicroBatch requires"
+        assert bool(keys - required) == (layout == "shared_prompt")  # a separate row holds no optional key
 
 
 def test_shared_prompt_layout_stores_the_prompt_once_and_says_what_attends_to_it():

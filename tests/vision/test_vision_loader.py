@@ -15,6 +15,7 @@ from PIL import Image
 from dpo_data import DPOLoader, LoaderConfig, contract_problems
 from dpo_data.dataset.store import PairStore
 from dpo_data.errors import DataError
+from dpo_data.loading.microbatch import MicroBatch
 from dpo_data.loading.vision import FAMILIES, VisionPair, pack_vision
 from tests.vision.pairs import ROWS
 from tests.vision.tiny_vlm import load_processor, sample_images
@@ -81,6 +82,21 @@ def test_each_microbatch_carries_its_pairs_own_images(family, layout, vlm_dirs, 
         seen += batch["pair_index"].tolist()
     assert sorted(seen) == list(range(store.num_pairs))
     assert any(int(b) for b in store.segment_tokens(np.arange(store.num_pairs), layout))
+
+
+def test_the_optional_microbatch_keys_are_the_layouts_and_the_images(vlm_dirs, vision_datasets):
+    """`MicroBatch` defines no key the loader never yields: over both families and both layouts, vision micro-batches
+    hold every required key, and the keys beyond them are exactly its optional ones (text rows:
+    tests/data/test_loader.py)."""
+    required, optional, extra = MicroBatch.__required_keys__, MicroBatch.__optional_keys__, set()
+    for family in sorted(FAMILIES):
+        for layout in LAYOUTS:
+            loader = DPOLoader([vision_datasets[family]], config(layout), max_epochs=1, processor=vlm_dirs[family])
+            for batch in loader:
+                assert required <= set(batch), f"the loader yields no {required - set(batch)}"
+                extra |= set(batch) - required
+    assert extra - optional == set(), "the loader yields keys MicroBatch lacks"
+    assert optional - extra == set(), "MicroBatch defines keys the loader never yields"
 
 
 def _config(model_dir):
