@@ -1,7 +1,9 @@
-"""`hf://datasets/OWNER/NAME[@REVISION]/GLOB` inputs: a Hub dataset repo's files, through huggingface_hub's cache."""
+"""The Hugging Face Hub: `hf://datasets/OWNER/NAME[@REVISION]/GLOB` inputs (a Hub dataset repo's files, through
+huggingface_hub's cache), what is a Hub repo id, and what the local cache holds without the network."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path, PurePosixPath
 
 from dpo_data.errors import DataError
@@ -78,3 +80,58 @@ def _parts(spec: str) -> tuple[str, str, str | None, str]:
             "a GLOB names files inside the dataset repo, relative to its root (e.g. data/train-*.parquet)"
         )
     return owner, name, revision or None, pattern
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""A Hugging Face repo id, NAME or OWNER/NAME: what transformers and datasets read a name as when no local path of
+that name exists."""
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
+"""Names that are files, never a Hub id."""
+
+
+def is_hub_id(value: str) -> bool:
+    """A name that can only be a Hub repo id when no such local path exists (not /abs, ./rel, ../x, x.jsonl)."""
+    return HUB_ID.fullmatch(value) is not None and ".." not in value and not value.endswith(DATA_SUFFIXES)
+
+
+def hub_cache() -> str:
+    """Where huggingface_hub keeps its cache (HF_HUB_CACHE), for messages."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def cached_snapshot(repo_id: str, repo_type: str, needs: str = "") -> str | None:
+    """The directory of `repo_id`'s snapshot in the local Hugging Face cache (its main revision), found without
+    the network, holding `needs`; None when the cache has none."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError, HFValidationError, OSError: all "not in the cache"
+        return None
+    return local if not needs or (Path(local) / needs).is_file() else None
+
+
+def build_input(name: str, split: str) -> str:
+    """What `dpo-data build` reads for a dataset name as load_dataset takes one (TRL's dataset_name): a local path
+    as it is, a Hub dataset's split as hf://datasets/NAME/GLOB, the GLOB matching that split's files in the local
+    cache, else the layout the Hub's push_to_hub writes (data/SPLIT-*)."""
+    if Path(name).expanduser().exists() or not is_hub_id(name):
+        return name
+    return f"{HUB_PREFIX}{name}/{_split_glob(name, split)}"
+
+
+def _split_glob(name: str, split: str) -> str:
+    """The GLOB of `split`'s files (SPLIT-*.EXT, or the one file) in one folder of the cached snapshot; without
+    a snapshot, or with the split's files spread out, data/SPLIT-*."""
+    local = cached_snapshot(name, "dataset")
+    files = [path for path in sorted(Path(local).rglob(f"{split}[-.]*")) if path.is_file()] if local else []
+    kinds = {(path.parent.relative_to(local).as_posix(), path.suffix) for path in files}
+    if len(kinds) != 1:
+        return f"data/{split}-*"
+    if len(files) == 1:
+        return files[0].relative_to(local).as_posix()
+    folder, suffix = kinds.pop()
+    return f"{'' if folder == '.' else folder + '/'}{split}-*{suffix}"

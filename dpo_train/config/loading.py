@@ -19,7 +19,7 @@ from dpo_train.config.sections import (
     TrainConfig,
 )
 from dpo_train.config.strict_yaml import non_finite, read_yaml_file
-from dpo_train.config.trl_names import hint
+from dpo_train.config.trl_table import hint
 from dpo_train.errors import ConfigError
 
 INT64 = (-(2**63), 2**63 - 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from dpo_train.config.schema import interval
 from dpo_train.config.sections import (
     EvalConfig,
     ReferenceConfig,
@@ -221,10 +222,11 @@ def _per_token_problems(loss: LossConfig) -> list[str]:
     """ld_alpha null or in [0, 1], use_weighting a bool, and WPO's weights never meet sft: TRL weights its SFT
     term per pair, and ours is the step's NLL per chosen token, which no pair's weight can scale exactly."""
     problems = []
-    alpha = loss.ld_alpha
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+    alpha, allowed = loss.ld_alpha, interval("loss.ld_alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha not in allowed):
         problems.append(
-            f"loss.ld_alpha is {alpha!r}; allowed: null (plain sums) or a number in [0, 1] (TRL's ld_alpha); set it so"
+            f"loss.ld_alpha is {alpha!r}; allowed: null (plain sums) or a number in {allowed} (TRL's ld_alpha); "
+            "set it so"
         )
     if not isinstance(loss.use_weighting, bool):
         problems.append(f"loss.use_weighting is {loss.use_weighting!r}; allowed: true or false; set it to one of them")
@@ -347,23 +349,23 @@ def _sync_rules(config: TrainConfig) -> list[str]:
 
 
 def _sync_value_problems(ref: ReferenceConfig) -> list[str]:
-    """The schema's ranges, for a config built in code (load_config has checked them already)."""
+    """The schema's ranges (read from it), for a config built in code (load_config has checked them already)."""
     problems = []
     if not isinstance(ref.sync_ref_model, bool):
         problems.append(
             f"reference.sync_ref_model is {ref.sync_ref_model!r}; allowed: true or false; set it to one of them"
         )
-    alpha = ref.ref_model_mixup_alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+    alpha, shares = ref.ref_model_mixup_alpha, interval("reference.ref_model_mixup_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha not in shares:
         problems.append(
-            f"reference.ref_model_mixup_alpha is {alpha!r}; allowed: a number in [0, 1] (the policy's share in "
+            f"reference.ref_model_mixup_alpha is {alpha!r}; allowed: a number in {shares} (the policy's share in "
             "each move); set it so"
         )
-    steps = ref.ref_model_sync_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1_000_000_000:
+    steps, counts = ref.ref_model_sync_steps, interval("reference.ref_model_sync_steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps not in counts:
         problems.append(
-            f"reference.ref_model_sync_steps is {steps!r}; allowed: an integer in [1, 1_000_000_000] (optimizer "
-            "steps between moves); set it so"
+            f"reference.ref_model_sync_steps is {steps!r}; allowed: an integer in [{counts.low:_}, {counts.high:_}] "
+            "(optimizer steps between moves); set it so"
         )
     return problems
 

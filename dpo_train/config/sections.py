@@ -7,22 +7,54 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dpo_data.loading.config import LoaderConfig
-from dpo_train.step.loss import LossConfig
+from dpo_data.loading.config import BATCHING_MODES, LAYOUTS, MAX_WORKERS, LoaderConfig
+from dpo_train.config.keys import INT64_MAX, key
+from dpo_train.step.early_stopping import LOWER_IS_BETTER, RENAMED
+from dpo_train.step.loss import F_DIVERGENCES, LOSSES, LossConfig
+from dpo_train.step.optim import SCHEDULES
 
 CONFIG_SCHEMA = "train-config"
 CONFIG_FORMAT_VERSION = 1
+
+ATTENTIONS = ("auto", "segments", "flex", "varlen", "sdpa", "eager", "flash_attention_2", "unpacked")
+"""model.attention's choices (ModelConfig.attention says what each is)."""
+SEED = {"type": "integer", "minimum": 0, "maximum": INT64_MAX}
+"""A seed's schema: 64 bits, as torch and numpy take them."""
+LORA = {
+    "r": {"type": "integer", "minimum": 1, "maximum": 65536, "description": "adapter rank"},
+    "alpha": {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "maximum": 1000000,
+        "description": "updates are scaled by alpha / r",
+    },
+    "dropout": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+    "target_modules": {
+        "oneOf": [
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"const": "all-linear"},
+        ]
+    },
+}
+"""model.lora's keys (a mapping handed to PEFT, not a section of its own)."""
+WEIGHTS = {"items": {"type": "number", "minimum": 0, "maximum": 1000}}
+"""A list of weights >= 0 (data.weights, loss.weights)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None
     """A local Hugging Face causal LM directory."""
-    init: dict | None = None
+    init: dict | None = key(
+        None,
+        additionalProperties=False,
+        required=["config"],
+        properties={"config": {"type": ["string", "object"]}, "seed": SEED},
+    )
     """Random initialization instead of `path`: {config: FILE_OR_MAPPING, seed: 0} (for tests)."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
-    attention: str = "auto"
+    attention: str = key("auto", enum=ATTENTIONS)
     """auto (flash_attention_2 on CUDA in bf16 when flash-attn is installed, the layout is separate and the
     model needs no chunked attention or sinks, else segments) | segments (attention once per packed
     segment, no row-by-row mask; every window, chunk, softcap and sink applied) | flex (FlexAttention: the row in
@@ -35,12 +67,20 @@ class ModelConfig:
     padding; auto picks it, saying so, for a model with convolution, linear-attention or Mamba layers, or
     ALiBi). A path that cannot express the model's attention is refused by name (docs/train-config.md,
     "Supported architectures")."""
-    lora: dict | None = None
+    lora: dict | None = key(
+        None,
+        additionalProperties=False,
+        required=["r"],
+        description="LoRA adapters through PEFT; null: full fine-tuning",
+        properties=LORA,
+    )
     """LoRA adapters through PEFT: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
     (alpha defaults to 2 r, dropout to 0, target_modules to all-linear). Only the adapters train; the
     live reference is the same model with its adapters disabled. null: full fine-tuning. On a vision-language
     model the adapters go on its language model only."""
-    train_vision_tower: bool = False
+    train_vision_tower: bool = key(
+        False, description="vision-language models: false keeps the vision tower frozen; true trains it (not with lora)"
+    )
     """Vision-language models (docs/vision.md): false keeps the vision tower (its image encoder) frozen, as it
     was loaded; true trains it with the language model (full fine-tuning only: not with model.lora)."""
 
@@ -53,17 +93,21 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ReferenceConfig:
-    mode: str = "live"
+    mode: str = key("live", enum=("live", "precomputed", "none"))
     """live (a frozen copy) | precomputed (a sidecar of reference log-probs) | none (reference-free losses)."""
     path: str | None = None
     """precomputed: the sidecar directory."""
-    sync_ref_model: bool = False
+    sync_ref_model: bool = key(
+        False, description="TR-DPO (TRL's): the live reference moves toward the policy; docs/objective.md"
+    )
     """TR-DPO (TRL's): after every `ref_model_sync_steps`-th optimizer step the live reference moves toward the
     policy, ref = (1 - ref_model_mixup_alpha) ref + ref_model_mixup_alpha policy. Needs reference.mode live,
     a loss that reads a reference, and full fine-tuning (no model.lora)."""
-    ref_model_mixup_alpha: float = 0.6
+    ref_model_mixup_alpha: float = key(0.6, minimum=0, maximum=1, description="TR-DPO: the policy's share in each move")
     """TR-DPO: the policy's share in each move, in [0, 1] (TRL's default)."""
-    ref_model_sync_steps: int = 512
+    ref_model_sync_steps: int = key(
+        512, minimum=1, maximum=1_000_000_000, description="TR-DPO: optimizer steps between moves"
+    )
     """TR-DPO: move after every this many optimizer steps, counted from 1 (TRL's default)."""
 
 
@@ -89,18 +133,21 @@ class DataConfig:
     """The `data:` section: dataset directories, how their shards are checked before use, and the loader's
     keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/train/test_config.py checks the two agree)."""
 
-    path: str | list[str] = ""
+    path: str | list[str] = key(
+        "", oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]
+    )
     """A dataset directory written by `dpo-data build`, or a list of them (a mixture, with `weights`)."""
-    verify: str = "full"
+    verify: str = key("full", enum=("full", "size"))
     """full (size and sha256 of every shard, the default) | size."""
-    batching: str = _LOADER.batching
-    pairs_per_step: int | None = _LOADER.pairs_per_step
-    max_tokens_per_microbatch: int = _LOADER.max_tokens_per_microbatch
-    microbatches_per_step: int = _LOADER.microbatches_per_step
-    num_workers: int = _LOADER.num_workers
-    seed: int = _LOADER.seed
-    weights: list[float] | None = None
-    layout: str = _LOADER.layout
+    batching: str = key(_LOADER.batching, enum=BATCHING_MODES)
+    # null is LoaderConfig's own (its tokens batching built in code); a config always gives a number
+    pairs_per_step: int | None = key(_LOADER.pairs_per_step, type="integer", minimum=1, maximum=1_000_000)
+    max_tokens_per_microbatch: int = key(_LOADER.max_tokens_per_microbatch, minimum=1, maximum=100_000_000)
+    microbatches_per_step: int = key(_LOADER.microbatches_per_step, minimum=1, maximum=1_000_000)
+    num_workers: int = key(_LOADER.num_workers, minimum=0, maximum=MAX_WORKERS)
+    seed: int = key(_LOADER.seed, minimum=0, maximum=INT64_MAX)
+    weights: list[float] | None = key(None, **WEIGHTS)
+    layout: str = key(_LOADER.layout, enum=LAYOUTS)
 
     @property
     def paths(self) -> list[str]:
@@ -116,19 +163,29 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: str = key("adamw", enum=("adamw", "sgd"))
     """adamw | sgd (plain SGD: its parameters follow the gradient linearly, which the invariance tests use)."""
-    lr: float = 1.0e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: float = key(1.0e-5, exclusiveMinimum=0, maximum=100)
+    betas: list[float] = key(
+        factory=lambda: [0.9, 0.999],
+        items={"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+        minItems=2,
+        maxItems=2,
+    )
     """adamw: the moment decay rates."""
-    eps: float = 1.0e-8
+    eps: float = key(1.0e-8, minimum=1e-30, maximum=1)
     """adamw: added to the root of the second moment."""
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    scheduler: str = "constant"
+    weight_decay: float = key(0.0, minimum=0, maximum=10)
+    max_grad_norm: float = key(1.0, minimum=0, maximum=1_000_000_000_000, description="0: no clipping")
+    scheduler: str = key("constant", enum=tuple(SCHEDULES))
     """constant | linear | cosine."""
-    warmup_steps: int = 0
-    warmup_ratio: float | None = None
+    warmup_steps: int = key(0, minimum=0, maximum=1_000_000_000)
+    warmup_ratio: float | None = key(
+        None,
+        minimum=0,
+        maximum=1,
+        description="warm-up as a share of the run's steps: ceil(ratio x train.max_steps)",
+    )
     """Warm-up as a share of the run's steps, as TRL's `warmup_ratio`: ceil(ratio x train.max_steps) steps, the
     total known once the loader has planned the epochs (`max_steps: null`); null: `warmup_steps`. Setting
     both is refused."""
@@ -143,15 +200,15 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainSection:
     output_dir: str = "runs/train"
-    max_steps: int | None = 10
+    max_steps: int | None = key(10, minimum=1, maximum=1_000_000_000)
     """Optimizer steps to train; wins over `epochs` when set (as TRL's). null: train `epochs` whole epochs."""
-    epochs: int = 1
+    epochs: int = key(1, minimum=1, maximum=1_000_000)
     """Epochs of the data when `max_steps` is null; with `max_steps` set, the run goes past them (and says so)."""
-    save_every: int = 0
-    keep_last: int = 3
-    log_every: int = 1
-    seed: int = 0
-    resume: str = "auto"
+    save_every: int = key(0, minimum=0, maximum=1_000_000_000)
+    keep_last: int = key(3, minimum=1, maximum=1_000_000)
+    log_every: int = key(1, minimum=1, maximum=1_000_000_000)
+    seed: int = key(0, minimum=0, maximum=INT64_MAX)
+    resume: str = key("auto", minLength=1)
     """auto (the newest committed checkpoint that verifies, else a fresh start) | never | PATH of a checkpoint."""
     resume_strict: bool = False
     """auto: fail on a committed checkpoint that does not verify, instead of reporting and skipping it."""
@@ -163,21 +220,21 @@ class TrainSection:
     (docs/checkpoints.md, "Read back")."""
     weights_from: str | None = None
     """Start a new run from a checkpoint's model weights alone (they also become the reference)."""
-    precision: str = "auto"
+    precision: str = key("auto", enum=("auto", "fp32", "bf16"))
     """auto (bf16 autocast where the device supports it, fp32 on CPU) | fp32 | bf16."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
-    logits_budget_mib: int | None = 1024
+    logits_budget_mib: int | None = key(1024, minimum=1, maximum=1_048_576)
     """The memory the vocabulary head's logits may take in one forward and backward: past it, the head runs in
     chunks of scored positions, each chunk's logits recomputed in backward (dpo_train/attention/head.py); within
     it, the model's own head, unchanged. 1024 by default (docs/benchmarks.md, long pairs: never slower than the
     whole head on SmolLM2, 3 GiB lighter at 2k tokens); null: always the model's own head."""
-    compiled_head: bool | str = "auto"
+    compiled_head: bool | str = key("auto", enum=("auto", True, False))
     """The chunked head's per-chunk arithmetic compiled by torch.compile: auto (on CUDA; eager on the CPU, where
     inductor's C++ build costs more than it saves) | true (any device) | false. Each process checks the compiled
     form's first chunk against the eager one and keeps the eager one, with a note, if it fails to build or
     differs (dpo_train/attention/compiled.py)."""
-    mlp_tile_tokens: int | str | None = "auto"
+    mlp_tile_tokens: int | str | None = key("auto", minimum=1, maximum=1_048_576, pattern="^auto$")
     """Run each decoder layer's MLP over tiles of this many positions, each tile recomputed in backward, so that a
     long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py). The
     same numbers (a start-up check refuses an MLP that mixes positions); with activation checkpointing no more
@@ -207,19 +264,19 @@ class TrainSection:
     alone check"). It sees what policy and reference share (a length-dependent rope, a config value the run
     changed), which the parity guard cannot. Costs about one more reference forward of the first step's pairs.
     Also checks the first micro-batches of --precompute-reference."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: str = key("stop", enum=("stop", "skip_step"))
     """A step whose loss, log-probs or gradient norm is NaN or infinite on any rank: stop (every rank exits 1
     before the optimizer step; nothing is committed or exported) | skip_step (log it, count it, and leave
     the optimizer and scheduler as they were)."""
-    export: str = "adapter"
+    export: str = key("adapter", enum=("adapter", "merged", "both"))
     """With model.lora, what OUTPUT/final/ holds: adapter (a PEFT adapter directory) | merged (a plain HF
     model with the adapters merged in) | both (the adapter in final/, the merged model in final-merged/).
     Without model.lora, final/ is always the whole model."""
-    export_dtype: str = "model"
+    export_dtype: str = key("model", enum=("fp32", "bf16", "model"))
     """The dtype of the exported weights: model (the model's own dtype as loaded: its config's dtype,
     fp32 without one) | fp32 | bf16; a tensor from_pretrained keeps in fp32 at that dtype (a MoE router) stays
     fp32. Training keeps fp32 master weights whatever this says."""
-    report_to: list = field(default_factory=list)
+    report_to: list = key(factory=list, items={"enum": ["tensorboard", "wandb"]}, uniqueItems=True)
     """Where the step metrics also go, besides OUTPUT/metrics.jsonl, written by rank 0: tensorboard (event
     files under OUTPUT/tensorboard/; needs the `report` extra) and/or wandb (a W&B run, set up by the WANDB_*
     environment variables; needs the `wandb` extra)."""
@@ -227,11 +284,18 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    strategy: str = "fsdp"
+    strategy: str = key("fsdp", enum=("fsdp", "ddp"))
     """fsdp (FSDP2 fully_shard) | ddp."""
-    device: str = "auto"
+    device: str = key("auto", enum=("auto", "cpu", "cuda", "npu"))
     """auto (cuda, else npu through torch-npu when installed, else cpu) | cpu | cuda | npu."""
-    sequence_parallel: dict | None = None
+    sequence_parallel: dict | None = key(
+        None,
+        additionalProperties=False,
+        properties={
+            "ulysses": {"type": "integer", "minimum": 1, "maximum": 65536},
+            "context": {"type": "integer", "minimum": 1, "maximum": 65536},
+        },
+    )
     """Split each packed row over ulysses x context ranks: {ulysses: U, context: C} (each defaults to 1).
     The world is dp x C x U; each group of U x C ranks shares one row, pairs stay whole (docs/objective.md)."""
 
@@ -246,17 +310,53 @@ class DistributedConfig:
 class EvalConfig:
     path: str | None = None
     """A built held-out dataset: preference accuracy before training and after (OUTPUT/eval.jsonl)."""
-    every: int = 0
+    every: int = key(0, minimum=0, maximum=1_000_000_000)
     """Also evaluate every N optimizer steps (0: only before and after)."""
-    early_stopping_metric: str | None = None
+    early_stopping_metric: str | None = key(
+        None,
+        enum=(None, *LOWER_IS_BETTER, *RENAMED),
+        description="margin: an earlier release's name, refused by the rules with what it became",
+    )
     """Stop the run when this eval.jsonl metric (loss, nll, accuracy, rewards/margins, logratio_margin,
     logp_accuracy) has not improved for `early_stopping_patience` evaluations (dpo_train/step/early_stopping.py);
     null: never. `margin`, an earlier release's name, is refused with what it became."""
-    early_stopping_patience: int = 3
+    early_stopping_patience: int = key(3, minimum=1, maximum=1_000_000_000)
     """Evaluations in a row without a gain that end the run (HF's `early_stopping_patience`)."""
-    early_stopping_threshold: float = 0.0
+    early_stopping_threshold: float = key(0.0, minimum=0, maximum=1_000_000)
     """A gain is more than this (HF's `early_stopping_threshold`), in the metric's units."""
 
+
+LOSS_KEYS = {
+    "type": {
+        "if": {"type": "string"},
+        "then": {"$ref": "#/$defs/loss_type"},
+        "else": {"minItems": 1, "items": {"$ref": "#/$defs/loss_type"}},
+        "description": "one loss type, or a non-empty list of them combined with loss.weights; docs/objective.md",
+    },
+    "weights": WEIGHTS,
+    "beta": {"exclusiveMinimum": 0, "maximum": 1000},
+    "label_smoothing": {
+        "minimum": 0,
+        "exclusiveMaximum": 1,
+        "description": "each type's own range is config_problems' (LOSSES)",
+    },
+    "nll_weight": {"minimum": 0, "maximum": 1000},
+    "target_margin": {"minimum": -1000, "maximum": 1000},
+    "alpha": {"minimum": -1000, "maximum": 1000, "description": "alphapo's reward shape (TRL's alpha)"},
+    "discopop_tau": {"exclusiveMinimum": 0, "maximum": 1000},
+    "f_divergence_type": {
+        "enum": tuple(F_DIVERGENCES),
+        "description": "the names of F_DIVERGENCES in dpo_train/step/loss.py",
+    },
+    "f_alpha_divergence_coef": {"minimum": -1000, "maximum": 1000},
+    "ld_alpha": {"minimum": 0, "maximum": 1, "description": "LD-DPO (TRL's ld_alpha); docs/objective.md"},
+    "use_weighting": {"description": "WPO pair weights (TRL's use_weighting); docs/objective.md"},
+    "router_aux_coef": {"minimum": 0, "maximum": 1000},
+}
+"""The schema keywords of the `loss` keys (what `key(...)` says of the other sections' fields): LossConfig is the
+step room's, which imports nothing of the config, so they are stated here, beside the sections."""
+LOSS_TYPES = {"enum": list(LOSSES), "description": "the names of LOSSES in dpo_train/step/loss.py; docs/objective.md"}
+"""loss.type's names (the schema's $defs/loss_type)."""
 
 SECTIONS = {
     "model": ModelConfig,

@@ -1,4 +1,4 @@
-"""The translation of a flat TRL YAML config through TRL's names (`trl_names.TABLE`) into this toolkit's
+"""The translation of a flat TRL YAML config through TRL's names (`trl_table.TABLE`) into this toolkit's
 sections, checked by loading it."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from dpo_train.config.loading import load_config, suggest
 from dpo_train.config.overrides import apply_override
 from dpo_train.config.sections import SECTIONS
 from dpo_train.config.strict_yaml import read_yaml_file
-from dpo_train.config.trl_names import TABLE, UNSET, Context, Untranslatable, boolean, refuse, shown
+from dpo_train.config.trl_convert import Context
+from dpo_train.config.trl_readers import Untranslatable, boolean, refuse, shown
+from dpo_train.config.trl_table import TABLE, UNSET
 from dpo_train.errors import ConfigError
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path, PurePath
 
 from dpo_data.dataset.manifest import read_manifest
+from dpo_data.prepare.hub import is_hub_id
 from dpo_state.files import read_json
 from dpo_train.config.sections import ModelConfig
-from dpo_train.config.trl_names import is_hub_id
 from dpo_train.model.bundled import HUB_ID, LICENSE, is_bundled
 
 _LICENCE_KEYS = ("license", "license_name", "license_link")

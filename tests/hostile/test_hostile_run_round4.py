@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dpo_train.config.trl import translate
-from dpo_train.config.trl_names import TABLE
+from dpo_train.config.trl_table import TABLE
 from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, run_process, state_here, tiny_trainer, train_here, write_yaml
 from tests.report.test_report import _metrics_line

@@ -835,7 +835,7 @@ def test_one_table_of_schedules_for_the_schema_the_trl_translation_and_the_docs(
     from pathlib import Path
 
     from dpo_train.config.sections import OptimConfig
-    from dpo_train.config.trl_names import SCHEDULERS
+    from dpo_train.config.trl_convert import SCHEDULERS
     from dpo_train.step.optim import SCHEDULES
 
     schema = json.loads((Path(__file__).parents[2] / "schemas" / "train-config.schema.json").read_text())
