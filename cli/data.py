@@ -190,7 +190,7 @@ def build(
         given = {"max_image_pixels": max_image_pixels, "max_row_image_pixels": max_row_image_pixels}
         for name, value in given.items():
             if processor_dir is None and _given(name):  # even at its default: a text build has no images
-                from dpo_data.prepare.build import pixels_without_processor
+                from dpo_data.prepare.options import pixels_without_processor
 
                 raise pixels_without_processor(value, name)
         chosen_part = resolve_part(part)

@@ -464,7 +464,7 @@ def _keyed(
 
 def _options(recorded: dict) -> tuple:
     """The `BuildOptions` the parts were built with (for the refusal checks), and the recorded override template."""
-    from dpo_data.prepare.build import BuildOptions
+    from dpo_data.prepare.options import BuildOptions
 
     template = recorded.get("chat_template")
     given = {k: v for k, v in recorded.items() if k != "chat_template"}

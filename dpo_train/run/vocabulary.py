@@ -121,7 +121,7 @@ def rebuild_commands(stores: dict[str, PairStore], tokenizer: str) -> str:
 
 def rebuild_command(directory: str, tokenizer: str) -> str:
     """The `dpo-data build` command that rebuilds the dataset in `directory` with `tokenizer`, shell-quoted."""
-    from dpo_data.prepare.build import BuildOptions
+    from dpo_data.prepare.options import BuildOptions
 
     m = read_manifest(directory)
     options = m["producer"]["options"]

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpo_data.prepare.build import BuildOptions, _init_worker, _process_chunk
+from dpo_data.prepare.chunk import init_worker, process_chunk
 from dpo_data.prepare.inputs import InputFile
+from dpo_data.prepare.options import BuildOptions
 from dpo_data.prepare.rows import RowReject, normalize_row
 
 text = st.text(max_size=20)
@@ -51,13 +52,13 @@ def test_normalize_returns_a_pair_or_raises_a_documented_reject(row):
 
 @pytest.fixture(scope="module")
 def worker(tokenizer):
-    _init_worker(tokenizer, BuildOptions(max_length=64), [InputFile("x.jsonl", "jsonl", "x")])
+    init_worker(tokenizer, BuildOptions(max_length=64), [InputFile("x.jsonl", "jsonl", "x")])
 
 
 @given(st.lists(st.one_of(st.binary(max_size=60), rows.map(lambda r: json.dumps(r).encode())), min_size=1, max_size=8))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_line_becomes_exactly_one_pair_or_one_reject(worker, lines):
-    result = _process_chunk((0, [(0, n, n - 1, line) for n, line in enumerate(lines, start=1)]))
+    result = process_chunk((0, [(0, n, n - 1, line) for n, line in enumerate(lines, start=1)]))
     rejected = [record["line"] for _, record in result.rejects]
     kept = result.block.input_row.tolist()
     assert sorted(rejected + kept) == list(range(1, len(lines) + 1))  # each line exactly once

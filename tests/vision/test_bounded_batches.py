@@ -83,12 +83,12 @@ def vision_build(inputs: Path, qwen25vl, out: Path, **options) -> Path:
 @pytest.fixture(scope="module")
 def built(inputs, qwen25vl, tmp_path_factory) -> dict:
     """The dataset of pairs.jsonl built in this process with the small budget, and how far Python allocations rose
-    while its rows were read, encoded and written: from the encoders' set-up (`_init_worker`, which allocates more
+    while its rows were read, encoded and written: from the encoders' set-up (`init_worker`, which allocates more
     than that for a while) to the build's end (`_build_into`). A first build, of plain.jsonl, warms up imports
     and first calls, which allocate for good."""
     from dpo_data.prepare import build as module
 
-    starts, rises, build_into, init_worker = [], [], module._build_into, module._init_worker
+    starts, rises, build_into, init_worker = [], [], module._build_into, module.init_worker
 
     def set_up(*args, **kwargs):
         init_worker(*args, **kwargs)
@@ -104,7 +104,7 @@ def built(inputs, qwen25vl, tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(shards, "RECORD_BATCH_IMAGE_BYTES", BUDGET)
         patch.setattr(module, "_build_into", measured)
-        patch.setattr(module, "_init_worker", set_up)
+        patch.setattr(module, "init_worker", set_up)
         tracemalloc.start()
         try:
             for k, name in enumerate(("plain", "pairs")):
