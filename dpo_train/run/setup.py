@@ -11,32 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpo_data.dataset.manifest import template_origin
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
-from dpo_data.loading.images import ImageSource
 from dpo_data.loading.loader import DPOLoader
-from dpo_state.attestation import attestation_mismatch
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
-from dpo_train.config.rules import check_config
 from dpo_train.config.sections import TrainConfig
-from dpo_train.errors import ConfigError
-from dpo_train.model.policy import check_model_paths
-from dpo_train.parallel.device import Placement, init_distributed, placement
-from dpo_train.run.agreement import check_ranks_agree
+from dpo_train.parallel.device import Placement
+from dpo_train.run.dataset_checks import check_datasets, named
 from dpo_train.run.directory import check_output_dir, check_shared, run_lock, start_run_dir
-from dpo_train.run.environment import set_run_environment
-from dpo_train.run.inputs import check_inputs
-from dpo_train.run.preflight import (
-    apply_dataset_template,
-    check_data,
-    check_sees_images,
-    check_tokenizer,
-    check_vocabulary,
-    load_run_tokenizer,
-)
+from dpo_train.run.preflight import check_sees_images, check_vocabulary
 from dpo_train.run.progress import datasets, stage
 from dpo_train.run.sinks import check_report_to, check_sinks
+from dpo_train.run.start import placed
 
 
 @dataclass(frozen=True)
@@ -71,15 +57,15 @@ class Run:
     def check_model(self, model: Any) -> None:
         """Refuse a model that cannot embed every token id of the run's datasets, or that cannot see the images
         a vision dataset holds."""
-        check_vocabulary(model, _named(self.data, self.held_out))
-        check_sees_images(model, _named(self.data, self.held_out))
+        check_vocabulary(model, named(self.data, self.held_out))
+        check_sees_images(model, named(self.data, self.held_out))
 
 
 @contextlib.contextmanager
 def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
     """The run `dpo-train` trains: set up, its output directory started and locked for the whole run (rank 0),
     its sinks checked, the loader's plan read and every dataset checked."""
-    config, place, rank, world, mesh, tokenizer = _placed(config, progress)
+    config, place, rank, world, mesh, tokenizer = placed(config, progress)
     check_report_to(config.train.report_to)
     out = check_output_dir(config)
     shown = progress and rank == 0
@@ -98,17 +84,17 @@ def training_run(config: TrainConfig, progress: bool = True) -> Iterator[Run]:
             )
             config = _with_total_steps(config, loader)
             held_out = PairStore([config.eval.path]) if config.eval.path else None
-            _check_datasets(config, tokenizer, rank, world, loader.stream.store, held_out)
+            check_datasets(config, tokenizer, rank, world, loader.stream.store, held_out)
         yield Run(config, place, rank, world, mesh, loader.stream.store, held_out, tokenizer, out, loader, shown)
 
 
 def precompute_run(config: TrainConfig, progress: bool = True) -> Run:
     """The run `--precompute-reference` scores: set up, with data.path checked (it writes no run directory)."""
-    config, place, rank, world, mesh, tokenizer = _placed(config, progress, precompute=True)
+    config, place, rank, world, mesh, tokenizer = placed(config, progress, precompute=True)
     shown = progress and rank == 0
     with stage("datasets", shown, datasets=datasets(len(config.data.paths))):
         data = PairStore(config.data.paths)
-        _check_datasets(config, tokenizer, rank, world, data, None)
+        check_datasets(config, tokenizer, rank, world, data, None)
     return Run(config, place, rank, world, mesh, data, tokenizer=tokenizer, shown=shown)
 
 
@@ -119,25 +105,6 @@ def local_run(
     process group joined (a `world` > 1 is the caller's), no directory locked, no dataset checked; the caller
     answers for those. Its mesh is the config's, as `training_run` builds it."""
     return Run(config, place, rank, world, run_mesh(config, rank, world), data, out=out)
-
-
-def _placed(
-    config: TrainConfig, progress: bool, precompute: bool = False
-) -> tuple[TrainConfig, Placement, int, int, SequenceMesh, Any]:
-    """Check the config, its input directories and the model paths, place this rank, join the process group
-    torchrun describes, check that every rank runs the same code and releases, and load the run's tokenizer: where
-    every run starts (its process environment first, before anything large is allocated or any model loads, and
-    before the output directory is created)."""
-    set_run_environment()
-    check_config(config)
-    check_inputs(config.resolved(), precompute)
-    check_model_paths(config.model)
-    place = placement(config.distributed.device, config.train.precision)
-    rank, world = init_distributed(place)
-    check_ranks_agree(config, world)
-    with stage("tokenizer", progress and rank == 0 and bool(config.model.tokenizer or config.model.path)):
-        tokenizer = load_run_tokenizer(config)
-    return config, place, rank, world, run_mesh(config, rank, world), tokenizer
 
 
 def _count(config: TrainConfig) -> str:
@@ -156,39 +123,3 @@ def _with_total_steps(config: TrainConfig, loader: DPOLoader) -> TrainConfig:
         return config
     total = loader.stream.schedule.steps_in(config.train.epochs)
     return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=total))
-
-
-def _check_datasets(
-    config: TrainConfig, tokenizer: Any, rank: int, world: int, data: PairStore, held_out: PairStore | None
-) -> None:
-    """Refuse a dataset whose shards differ from their manifests, built with another tokenizer than the run's,
-    or than the run's other dataset (a random init has no tokenizer to compare); a vision dataset built with
-    another processor than the model's (`dpo_data.loading.images.ImageSource`, which loads it once)."""
-    for key, store in _named(data, held_out).items():
-        if store.tokenizer_fingerprint != data.tokenizer_fingerprint:
-            raise ConfigError(_two_tokenizers(key, store, "data.path", data))
-        check_data({key: store}, config.data.verify, rank, world)
-        if store.vision:  # its processor's attestation holds the tokenizer's: compared by the loader's ImageSource
-            ImageSource(config.model.processor, store)
-            continue
-        apply_dataset_template(tokenizer, config, key, store, rank)
-        check_tokenizer(tokenizer, config, {key: store})
-
-
-def _named(data: PairStore, held_out: PairStore | None) -> dict[str, PairStore]:
-    """Config key -> its store, as errors name them."""
-    return {"data.path": data, **({"eval.path": held_out} if held_out is not None else {})}
-
-
-def _two_tokenizers(key: str, store: PairStore, first_key: str, first: PairStore) -> str:
-    mismatch = attestation_mismatch(
-        first.tokenizer_attestation,
-        store.tokenizer_attestation,
-        f"{key} {', '.join(store.dirs)} was built with a tokenizer that",
-        f"{first_key} {', '.join(first.dirs)}",
-    )
-    return (
-        f"{mismatch}; {key}: {template_origin(store.chat_template)}, {first_key}: "
-        f"{template_origin(first.chat_template)}. Fix: build both with the same tokenizer and the same "
-        "--chat-template (or none)"
-    )
