@@ -22,14 +22,16 @@ from pathlib import Path
 import harness
 from parity_guard import _rows
 
+from dpo_train.logps.scoring import Scoring
+
 
 def measure(data: str, repeats: int) -> dict:
     import torch
 
     from dpo_data.dataset.store import PairStore
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.bundled import materialize_smollm2
     from dpo_train.model.policy import load_policy
     from dpo_train.run.alone import check_alone
@@ -44,11 +46,11 @@ def measure(data: str, repeats: int) -> dict:
     with torch.no_grad():
         for _ in range(repeats):
             started = time.perf_counter()
-            outs = [pair_logps(model, batch) for batch in batches]
+            outs = [pair_logps(model, batch, Scoring()) for batch in batches]
             packed.append(time.perf_counter() - started)
             started = time.perf_counter()
             for batch, out in zip(batches, outs, strict=True):
-                check_alone(model, (out.chosen, out.rejected), batch, facts, False)
+                check_alone(model, (out.chosen, out.rejected), batch, facts, False, Scoring())
             alone.append(time.perf_counter() - started)
     return {
         "microbatches": len(batches),

@@ -1,7 +1,7 @@
 """The attention path's cost on a full-attention model: this checkout against another one, same rows, same run.
 
 SmolLM2-135M-Instruct (Llama) on CPU, fp32: 8 packed rows of 12 pairs of the bundled sample, each through
-`dpo_train.attention.logps.pair_logps` forward and backward with the attention `dpo-train` picks (`auto`), 3 passes,
+`dpo_train.logps.pairs.pair_logps` forward and backward with the attention `dpo-train` picks (`auto`), 3 passes,
 the median reported. Each (checkout, layout) runs in a fresh process, interleaved `--repeats` times, so a
 slower machine hour hits both alike; the ratio this / other is what to read. Made to check that the
 per-layer window, chunk, softcap and sink handling of `dpo_train/attention` costs a Llama nothing:
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import harness
 
+from dpo_train.logps.scoring import Scoring
+
 
 def child(root: str, layout: str, data: str) -> float:
     """Seconds for 8 rows forward and backward (median of 3 passes), with `root`'s dpo_train (the parent puts
@@ -30,8 +32,8 @@ def child(root: str, layout: str, data: str) -> float:
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 
     try:  # dpo_train in rooms (issue 34)
-        from dpo_train.attention.logps import pair_logps
         from dpo_train.config.sections import ModelConfig
+        from dpo_train.logps.pairs import pair_logps
         from dpo_train.model.bundled import materialize_smollm2
         from dpo_train.model.policy import load_policy, prepare_for_training
     except ModuleNotFoundError:  # before them
@@ -60,7 +62,7 @@ def child(root: str, layout: str, data: str) -> float:
     for _ in range(3):
         started = time.perf_counter()
         for batch in rows:
-            out = pair_logps(model, batch)
+            out = pair_logps(model, batch, Scoring())
             (out.chosen.sum() - out.rejected.sum()).backward()
         times.append(time.perf_counter() - started)
     return statistics.median(times)

@@ -22,6 +22,8 @@ import time
 
 import harness
 
+from dpo_train.logps.scoring import Scoring
+
 NEVER = 2**62
 """A MASK_LIMIT no segment reaches: the whole mask, as before it."""
 
@@ -35,8 +37,8 @@ def measure(model_type: str, layout: str, length: int, limit: int | None) -> dic
     from dpo_data.dataset.store import PairIds
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
     from tests.architectures.zoo import model_spec
@@ -46,14 +48,14 @@ def measure(model_type: str, layout: str, length: int, limit: int | None) -> dic
     spec = {**model_spec(model_type), "max_position_embeddings": 65536, "sliding_window": 1024, "vocab_size": 1000}
     model = load_model(
         ModelConfig(init={"config": spec, "seed": 0}), "segments", placement("cpu", "fp32"), None, layout
-    )
+    )[0]
     rng = np.random.default_rng(0)
     ids = lambda k: rng.integers(3, 990, size=k).astype(np.int32)  # noqa: E731
     batch = (pack_microbatch if layout == "separate" else pack_shared_prompt)(
         [PairIds(0, 0, ids(256), ids(length), ids(length))], 16
     )
     before, start = harness.peak_rss_mib(), time.perf_counter()
-    out = pair_logps(model, batch)
+    out = pair_logps(model, batch, Scoring())
     (out.chosen - out.rejected).sum().backward()
     seconds = time.perf_counter() - start
     return {

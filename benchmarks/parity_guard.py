@@ -20,14 +20,16 @@ from pathlib import Path
 
 import harness
 
+from dpo_train.logps.scoring import Scoring
+
 
 def measure(data: str, repeats: int) -> dict:
     import torch
 
     from dpo_data.dataset.store import PairStore
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.bundled import materialize_smollm2
     from dpo_train.model.policy import disable_dropout, load_policy
     from dpo_train.reference.guard import check_parity, reordered
@@ -44,11 +46,11 @@ def measure(data: str, repeats: int) -> dict:
     with torch.no_grad():
         for _ in range(repeats):
             started = time.perf_counter()
-            outs = [pair_logps(model, batch) for batch in batches]
+            outs = [pair_logps(model, batch, Scoring()) for batch in batches]
             plain.append(time.perf_counter() - started)
             started = time.perf_counter()
             for batch, policy in zip(batches, outs, strict=True):
-                ref = pair_logps(model, reordered(batch)).scored
+                ref = pair_logps(model, reordered(batch), Scoring()).scored
                 check_parity(policy.scored, ref, batch, facts)
             guarded.append(time.perf_counter() - started)
     tokens = sum(int(b["input_ids"].shape[1]) for b in batches)

@@ -42,7 +42,7 @@ def _patch(training: harness.RssSampler) -> None:
     trainer.Trainer.step = measured_step
     if os.environ.get("RANK_PEAK_PATCH") == "replicated-reference":
         # where the trainer's build_reference calls it
-        choice.frozen_reference = lambda policy, strategy, world: frozen_copy(policy)
+        choice.frozen_reference = lambda policy, strategy, world, tiles: frozen_copy(policy)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from pathlib import Path
 import harness
 from trl_peer import HYPER, PAIRS_PER_STEP, trl_trainer
 
+from dpo_train.logps.scoring import Scoring
+
 CAP = 4096  # the generator keeps every pair's separate row (2 prompts + both completions) within this
 MEMORY_LIMIT = 17 << 30  # address space of each child: a trainer that needs more fails cleanly instead of
 # pushing a shared machine into the OOM killer
@@ -464,7 +466,7 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
     from dpo_data import LoaderConfig
     from dpo_data.loading.loader import DPOLoader
     from dpo_train.attention.choice import attention_for
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.parallel.device import placement
 
     attention = attention_for("auto", placement("cpu", "fp32"), layout=layout)  # what dpo-train picks
@@ -492,8 +494,8 @@ def run_profile(info: dict, work: Path, steps: int, layout: str) -> dict:
 
     def one():
         with torch.no_grad():
-            ref = clock("reference forward", lambda: pair_logps(reference, batch))
-        pol = clock("policy forward", lambda: pair_logps(policy, batch))
+            ref = clock("reference forward", lambda: pair_logps(reference, batch, Scoring()))
+        pol = clock("policy forward", lambda: pair_logps(policy, batch, Scoring()))
         logits = HYPER["beta"] * ((pol.chosen - ref.chosen) - (pol.rejected - ref.rejected))
         loss = -torch.nn.functional.logsigmoid(logits).sum() / PAIRS_PER_STEP
         clock("policy backward", lambda: loss.backward())

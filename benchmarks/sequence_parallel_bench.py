@@ -2,7 +2,7 @@
 
 One pair (prompt 3072, chosen 512, rejected 512 tokens: a 7168-token row) on a tiny random Llama (hidden
 64, 4 heads, 4 key/value heads, 2 layers, the SmolLM2 vocabulary of 49152), one policy forward and
-backward through `dpo_train.attention.logps.pair_logps`, as the trainer runs it, for U = 1 (one process, the
+backward through `dpo_train.logps.pairs.pair_logps`, as the trainer runs it, for U = 1 (one process, the
 ordinary sdpa path), Ulysses U = 2 and 4, and context C = 2 and 4. Per rank:
 - saved for backward: the bytes of the distinct tensor storages autograd keeps for the backward pass
   (exact and deterministic: the activation memory);
@@ -26,6 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import harness
+
+from dpo_train.logps.scoring import Scoring
 
 MODEL = {
     "model_type": "llama",
@@ -69,8 +71,8 @@ def _worker(
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention import segments
     from dpo_train.attention.choice import attention_for
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.attention.sequence_parallel import sequence_mesh
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.parallel.device import placement
 
     torch.set_num_threads(1)  # ranks share the cores; one process gets the same one thread
@@ -106,7 +108,7 @@ def _worker(
     sampler = harness.RssSampler(0.002, on=True)
     started = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = pair_logps(model, batch, mesh)
+        out = pair_logps(model, batch, Scoring(), mesh)
     (out.chosen - out.rejected).sum().backward()
     seconds = time.perf_counter() - started
     peak = sampler.stop()

@@ -20,16 +20,16 @@ import harness
 
 
 def measure(repeats: int) -> dict:
-    from dpo_train.attention.probe import probe
-    from dpo_train.attention.tiled_mlp import free_mlps, mlps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.probe import probe
+    from dpo_train.logps.tiled_mlp import free_mlps, mlps
     from dpo_train.model.bundled import materialize_smollm2
     from dpo_train.model.load import load_model
     from dpo_train.model.policy import prepare_for_training
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(path=str(materialize_smollm2()))
-    model = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")
+    model = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")[0]
     prepare_for_training(model, activation_checkpointing=True)
     times: dict[str, list[float]] = {"probe": [], "count": []}
     for round_ in range(repeats):

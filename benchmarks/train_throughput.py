@@ -21,6 +21,8 @@ from pathlib import Path
 import harness
 from trl_peer import HYPER, PAIRS_PER_STEP, train_timed, trl_trainer
 
+from dpo_train.logps.scoring import Scoring
+
 METHODS = ("ours-precomputed", "ours-live", "trl-precomputed", "trl")
 MICRO = 4
 
@@ -123,13 +125,13 @@ def ours_first_microbatch_logps(model: str, data: str, steps: int) -> dict:
 
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
 
     store = PairStore([data])
     first = _step_pairs(data, steps)[0][:MICRO]
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
-        out = pair_logps(policy, pack_microbatch([store.pair(i) for i in first]))
+        out = pair_logps(policy, pack_microbatch([store.pair(i) for i in first]), Scoring())
     return {"chosen": out.chosen.tolist(), "rejected": out.rejected.tolist()}
 
 

@@ -2,7 +2,7 @@
 
 A tiny random model (hidden 256, 4 layers, vocab 4096, fp32, CPU), 4 micro-batches of 8 pairs of random
 lengths (prompts 16-128 tokens, completions 8-128), each forward and backward through
-`dpo_train.attention.logps.pair_logps`, 3 passes, the median reported. Cases, each in a fresh process:
+`dpo_train.logps.pairs.pair_logps`, 3 passes, the median reported. Cases, each in a fresh process:
 
 - `lfm2 unpacked`: LFM2 (conv, attention, conv, attention) on the unpacked path, as `model.attention: auto` runs it;
 - `lfm2 trl-padded`: the same model and rows as TRL 1.16's DPOTrainer forwards them (`concatenated_forward`:
@@ -22,6 +22,8 @@ import json
 import statistics
 
 import harness
+
+from dpo_train.logps.scoring import Scoring
 
 SIZE = dict(
     vocab_size=4096,
@@ -59,8 +61,8 @@ def child(model_type: str, case: str) -> dict:
     import torch
 
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
@@ -68,7 +70,7 @@ def child(model_type: str, case: str) -> dict:
     torch.set_num_threads(2)
     spec = ModelConfig(init={"config": {"model_type": model_type, **SIZE, **LAYERS[model_type]}, "seed": 0})
     attention = {"unpacked": "unpacked", "packed": "auto", "trl-padded": "unpacked"}[case]
-    model = load_model(spec, attention, placement("cpu", "fp32"), None, "separate").train()
+    model = load_model(spec, attention, placement("cpu", "fp32"), None, "separate")[0].train()
     batches = [pack_microbatch(mb) for mb in rows()]
     micro = rows()
 
@@ -96,7 +98,7 @@ def child(model_type: str, case: str) -> dict:
             if case == "trl-padded":
                 loss = trl_padded(pairs)
             else:
-                out = pair_logps(model, batch)
+                out = pair_logps(model, batch, Scoring())
                 loss = out.chosen.sum() + out.rejected.sum()
             loss.backward()
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpo_train.logps import Scoring
 from dpo_train.reference import Scores, score_pairs
 from dpo_train.run import Run
 from dpo_train.step import LossConfig, SortScores, pair_losses, set_partners, sorted_types
@@ -28,11 +29,11 @@ class Evaluator:
     objective over the held-out pairs (`held_out_metrics`), pair_loss its pair part, nll the NLL per chosen token.
     """
 
-    def __init__(self, run: Run, initial: Any):
+    def __init__(self, run: Run, initial: Any, scoring: Scoring):
         """`run.held_out`: the pairs; `run` (kept as `setting`: `run` is this class's verb) also gives the
         placement's autocast, the sequence mesh, the data layout, the loss, and whether each scoring is shown
-        as a stage (`run.shown`)."""
-        self.setting, self.store, self.loss = run, run.held_out, run.config.loss
+        as a stage (`run.shown`); `scoring`: the run's (`Scoring`), the initial policy's and the policy's alike."""
+        self.setting, self.store, self.loss, self.scoring = run, run.held_out, run.config.loss, scoring
         store = self.store
         self.budget = max(  # the largest held-out pair always fits: evaluation never skips one
             run.config.data.max_tokens_per_microbatch,
@@ -42,7 +43,7 @@ class Evaluator:
 
     def _score(self, model: Any, weighting: bool, stage: str) -> Scores:
         shown = stage if self.setting.shown else None
-        return score_pairs(model, self.store, self.setting, self.budget, weighting, shown)
+        return score_pairs(model, self.scoring, self.store, self.setting, self.budget, weighting, shown)
 
     def run(self, model: Any, step: int) -> dict:
         """The eval.jsonl record of `model` after `step` optimizer steps (step 0: the reference itself)."""

@@ -38,15 +38,15 @@ def precompute_reference(
     store, place, layout = run.data, run.place, config.data.layout
     # the trainer's own policy, checkpointing included: `train.mlp_tile_tokens: auto` then tiles the same MLPs
     checkpointed = config.train.activation_checkpointing
-    model, weights = load_initial_policy(config, place, run.mesh, checkpointed, shown=run.shown)
+    model, weights, scoring = load_initial_policy(config, place, run.mesh, checkpointed, shown=run.shown)
     run.check_model(model)
     model.to(place.device)
     steps, pairs = _planned(run) if only_planned else (None, None)
     what = "every training pair" if steps is None else f"the {len(pairs)} pairs of the run's {steps} steps"
     shown = f"precompute: the reference scores {what}" if run.shown else None
     budget = config.data.max_tokens_per_microbatch
-    check = precompute_check(model, run) if alone_applies(config, model) else None
-    scores = score_pairs(model, store, run, budget, progress=shown, pairs=pairs, check=check)
+    check = precompute_check(model, run, scoring) if alone_applies(config, model) else None
+    scores = score_pairs(model, scoring, store, run, budget, progress=shown, pairs=pairs, check=check)
     path = Path(config.reference.path)
     if run.rank == 0:
         seconds = time.perf_counter() - started

@@ -13,7 +13,7 @@ from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
 from dpo_data.progress import Stage, say
 from dpo_state.faults import step_fault
-from dpo_train.attention import check_same_row, pair_logps, row_inputs, tile_of
+from dpo_train.attention import check_same_row, row_inputs
 from dpo_train.checkpoint import (
     Checkpointable,
     Checkpoints,
@@ -27,6 +27,7 @@ from dpo_train.config import TrainConfig
 from dpo_train.errors import ExportError, GradNormError, NonFiniteError
 from dpo_train.evaluation import Evaluator
 from dpo_train.export import export, run_facts
+from dpo_train.logps import pair_logps
 from dpo_train.model import apply_lora, embedding_rows, reached_by_every_rank
 from dpo_train.parallel import all_reduce, no_sync, wrap
 from dpo_train.reference import build_reference
@@ -78,18 +79,22 @@ class Trainer:
         self.mesh, self.sources = run.mesh, store.sources
         torch.manual_seed(config.train.seed)
         # the initial policy: the reference's weights, as --precompute-reference builds them
-        policy, self.weights = load_initial_policy(
+        policy, self.weights, self.scoring = load_initial_policy(
             config, place, self.mesh, config.train.activation_checkpointing, run.shown
         )
         arch = type(policy).__name__
         self.router_aux_coef = router_aux_coef(
-            config.loss.router_aux_coef, policy, policy.config._attn_implementation, self.mesh.active
+            config.loss.router_aux_coef,
+            policy,
+            policy.config._attn_implementation,
+            self.mesh.active,
+            self.scoring.unpacked,
         )
         if config.model.lora:
             policy = apply_lora(policy, config.model.lora)
         policy.to(place.device)
         with stage("reference", run.shown):
-            self.reference = build_reference(run, policy, self.weights)
+            self.reference = build_reference(run, policy, self.weights, self.scoring)  # scored as the policy
             table = self.reference.table
             if table is not None and table.steps is not None and run.loader is not None:
                 # a sidecar of planned steps only: every pair this run's steps read must be in it, before any step
@@ -153,7 +158,7 @@ class Trainer:
         """What a checkpoint of this run records and a resume must share (`checkpoint.identity`)."""
         reference = self.weights, self.reference.sidecar_sha256
         parts = self.run, self.policy, self.optimizer, self.scheduler, reference, self.router_aux_coef
-        return run_identity(*parts, mlp_tile=tile_of(self.policy))
+        return run_identity(*parts, mlp_tile=self.scoring.mlp_tile)
 
     def microbatch(self, batch: dict) -> None:
         """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward
@@ -190,13 +195,13 @@ class Trainer:
             self._join(batch)
             return None
         ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
-        policy = pair_logps(self.model, batch, self.mesh, ld_alpha=self.config.loss.ld_alpha)
+        policy = pair_logps(self.model, batch, self.scoring, self.mesh, ld_alpha=self.config.loss.ld_alpha)
         return SortScores(batch["pair_index"], *policy.scored, ref_chosen, ref_rejected)
 
     def _join(self, batch: dict):
         """A micro-batch without pairs: the reference's and the policy's forwards over its padding row, so that
         this rank joins every collective the others' forwards issue; the policy's output."""
-        inputs = row_inputs(batch, self.mesh, self.model)[0]
+        inputs = row_inputs(batch, self.mesh, self.model, self.scoring.unpacked)[0]
         self.reference.join(inputs, self.world)
         return self.model(**inputs)
 
@@ -216,9 +221,8 @@ class Trainer:
             # the reference first: under LoRA it is the policy's own modules, run without autograd
             ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
             loss = self.config.loss
-            policy = pair_logps(
-                self.model, batch, self.mesh, bool(self.router_aux_coef), loss.ld_alpha, loss.use_weighting
-            )
+            aux = bool(self.router_aux_coef)
+            policy = pair_logps(self.model, batch, self.scoring, self.mesh, aux, loss.ld_alpha, loss.use_weighting)
             self.reference.check_initial(policy, (ref_chosen, ref_rejected), batch, self.state.step, self.facts)
             self._alone(batch, policy)
             terms = pair_losses(
@@ -251,7 +255,7 @@ class Trainer:
         facts = {**self.facts, "precision": self.place.precision, "where": "step 1"}
         sharded = self.config.distributed.strategy == "fsdp" and self.world > 1
         got = (policy.chosen, policy.rejected) if policy is not None else ()
-        check_alone(self.policy, got, batch, facts, sharded)
+        check_alone(self.policy, got, batch, facts, sharded, self.scoring)
 
     def _check_clip_norm(self, reported: float, independent: float) -> None:
         """The first step's norm from clip_grad_norm_ against the gradients' own, checked once: a library that
@@ -341,7 +345,7 @@ def _run(run: Run) -> Path:
     run.check_model(trainer.policy)
     checkpoints = Checkpoints(run, trainer.checkpointable(loader), trainer.identity())
     # the held-out baseline is scored now, before a resume loads a moved (TR-DPO) reference into `initial`
-    evaluator = Evaluator(run, trainer.reference.initial) if run.held_out else None
+    evaluator = Evaluator(run, trainer.reference.initial, trainer.scoring) if run.held_out else None
     _resume(checkpoints, run)
     fault, epochs_note = step_fault(rank), _epochs_note(config, rank)
     with (

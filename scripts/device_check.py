@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from dpo_train.logps.scoring import Scoring
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -78,8 +80,8 @@ def check_logps(model_dir: str, data: str, device: str, requested: str = "auto")
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
     from dpo_train.attention.choice import attention_for
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.policy import load_policy, prepare_for_training
     from dpo_train.parallel.device import placement
 
@@ -93,9 +95,9 @@ def check_logps(model_dir: str, data: str, device: str, requested: str = "auto")
     fast_model = load_policy(ModelConfig(path=model_dir), attention)
     prepare_for_training(fast_model)
     with torch.no_grad():
-        exact = pair_logps(exact_model.to(place.device), batch)
+        exact = pair_logps(exact_model.to(place.device), batch, Scoring())
         with place.autocast():
-            low = pair_logps(fast_model.to(place.device), batch)
+            low = pair_logps(fast_model.to(place.device), batch, Scoring())
     tokens = torch.cat([exact.chosen_tokens, exact.rejected_tokens])
     diff = (torch.cat([low.chosen, low.rejected]) - torch.cat([exact.chosen, exact.rejected])).abs() / tokens
     worst = float(diff.max())
@@ -127,16 +129,16 @@ FLEX_ZOO = ("llama", "mistral", "gemma2", "llama4_text", "gpt_oss")
 def _flex_exact(model_type: str, device: str) -> dict:
     """One zoo architecture on model.attention flex on `device` in fp32: the worst relative error of a pair's
     log-prob and of the gradient of a weighted sum of them, against eager unpacked, over both layouts."""
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.probe import eager_unpacked
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
+    from dpo_train.logps.probe import eager_unpacked
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
     from tests.architectures.test_architectures import LAYOUTS
     from tests.architectures.zoo import model_spec, pairs
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
-    model = load_model(spec, "flex", placement(device, "fp32"), None, "separate").to(device).eval()
+    model = load_model(spec, "flex", placement(device, "fp32"), None, "separate")[0].to(device).eval()
     weights = torch.linspace(-1.0, 1.0, 2 * len(pairs()), dtype=torch.float64).reshape(-1, 2)
 
     def scored(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +151,7 @@ def _flex_exact(model_type: str, device: str) -> dict:
     worst = 0.0
     for build in LAYOUTS.values():
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in build(pairs(), 16).items()}
-        out = pair_logps(model, batch)
+        out = pair_logps(model, batch, Scoring())
         logps, grad = scored(torch.stack([out.chosen, out.rejected], 1))
         worst = max(worst, float(((logps - truth).abs() / truth.abs()).max()))
         worst = max(worst, float((grad - truth_grad).norm() / truth_grad.norm()))
@@ -171,7 +173,7 @@ def check_head(device: str, rows: int = 2048, chunk: int = 512, softcap: float |
     on the CPU, fp32, SmolLM2's vocabulary and width with Gemma's softcap (or `softcap`): log-probs, log sum p^2 and
     the gradients of the hidden states and the weight; and seconds per forward and backward on the device, eager and
     compiled (after the compiled one's first, building, call)."""
-    from dpo_train.attention import compiled, head
+    from dpo_train.logps import head
 
     g = torch.Generator().manual_seed(0)
     width, vocab = 576, 49152
@@ -179,10 +181,9 @@ def check_head(device: str, rows: int = 2048, chunk: int = 512, softcap: float |
     labels, weights = torch.randint(0, vocab, (rows,), generator=g), torch.rand(rows, generator=g) + 0.5
 
     def run(where: str, mode: bool) -> list[torch.Tensor]:
-        compiled.choose(mode)
         w = weight.to(where, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates across runs
         h = hidden.to(where, copy=True).requires_grad_()
-        picked, square = head.target_logps(h, head.Head(w, softcap=softcap), labels.to(where), chunk)
+        picked, square = head.target_logps(h, head.Head(w, softcap=softcap), labels.to(where), chunk, compiled=mode)
         (picked * weights.to(where)).sum().backward()
         _sync(where)
         return [t.detach().to("cpu", copy=True) for t in (picked, square, h.grad, w.grad)]
@@ -194,19 +195,15 @@ def check_head(device: str, rows: int = 2048, chunk: int = 512, softcap: float |
             run(device, mode)
         return round((time.perf_counter() - started) / 3, 4)
 
-    try:
-        truth, started = run("cpu", False), time.perf_counter()
-        got, first = run(device, True), round(time.perf_counter() - started, 2)  # the build and the check
-        names = ("logps", "log_sum_p2", "grad_hidden", "grad_weight")
-        errors = {
-            n: float((a.double() - b.double()).abs().max() / b.double().abs().max())
-            for n, a, b in zip(names, got, truth)
-        }
-        states = {"forward": head.CHUNK_LOGPS.state.get(device), "backward": head.CHUNK_GRAD.state.get(device)}
-        why = {**head.CHUNK_LOGPS.why, **head.CHUNK_GRAD.why}
-        timing = {"first_compiled_s": first, "eager_s": seconds(False), "compiled_s": seconds(True)}
-    finally:
-        compiled.choose("auto")
+    truth, started = run("cpu", False), time.perf_counter()
+    got, first = run(device, True), round(time.perf_counter() - started, 2)  # the build and the check
+    names = ("logps", "log_sum_p2", "grad_hidden", "grad_weight")
+    errors = {
+        n: float((a.double() - b.double()).abs().max() / b.double().abs().max()) for n, a, b in zip(names, got, truth)
+    }
+    states = {"forward": head.CHUNK_LOGPS.state.get(device), "backward": head.CHUNK_GRAD.state.get(device)}
+    why = {**head.CHUNK_LOGPS.why, **head.CHUNK_GRAD.why}
+    timing = {"first_compiled_s": first, "eager_s": seconds(False), "compiled_s": seconds(True)}
     ok = all(e <= 1e-4 for e in errors.values()) and set(states.values()) == {"checked"}
     return {"ok": ok, "relative_errors": errors, "compiled": states, "dropped_because": why, **timing}
 
@@ -217,9 +214,9 @@ def check_tiles(model_dir: str, data: str, device: str, tile: int = 64) -> dict:
     backward, and in bf16 autocast the dtypes of the first MLP's projection in the backward's recompute."""
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.tiled_mlp import tile_mlps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.pairs import pair_logps
+    from dpo_train.logps.tiled_mlp import tile_mlps
     from dpo_train.model.policy import load_policy, prepare_for_training
 
     store = PairStore([data])
@@ -236,7 +233,7 @@ def check_tiles(model_dir: str, data: str, device: str, tile: int = 64) -> dict:
         mlp.register_forward_pre_hook(lambda module, args: positions.__setitem__(0, positions[0] + args[0].shape[-2]))
         mlp.gate_proj.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-            out = pair_logps(model, batch)
+            out = pair_logps(model, batch, Scoring())
         forward = len(dtypes)
         (out.chosen.sum() - 0.5 * out.rejected.sum()).backward()
         logps = torch.cat([out.chosen, out.rejected]).detach().double().cpu()

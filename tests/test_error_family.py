@@ -62,6 +62,7 @@ def test_a_template_error_is_still_a_row_reject(tokenizer):
 def test_a_pair_over_the_budget_is_the_same_data_error_in_the_loader_and_in_scoring(sample_dataset):
     from dpo_data import DPOLoader, LoaderConfig, PairStore
     from dpo_train.config.loading import load_config
+    from dpo_train.logps import Scoring
     from dpo_train.parallel.device import placement
     from dpo_train.reference.scoring import score_pairs
     from dpo_train.run.setup import local_run
@@ -72,7 +73,7 @@ def test_a_pair_over_the_budget_is_the_same_data_error_in_the_loader_and_in_scor
     assert int(store.segment_tokens(np.arange(store.num_pairs)).max()) > 16
     with pytest.raises(DataError, match=r"more than the micro-batch budget 16.*never skipped or cut"):
         run = local_run(load_config({"data": {"path": str(sample_dataset)}}), placement("cpu", "fp32"), store)
-        score_pairs(model=None, store=store, run=run, max_tokens=16)
+        score_pairs(model=None, scoring=Scoring(), store=store, run=run, max_tokens=16)
 
 
 @pytest.mark.parametrize(

@@ -79,28 +79,33 @@ def test_dependencies_point_one_way(part):
 EVERY_ROOM = {"errors", "front"}
 # dpo_train's rooms and what each may use of the rest of dpo_train (another room, or EVERY_ROOM), lowest first:
 # the ranks' plumbing knows nothing of models or losses; how a row is attended knows nothing of steps,
-# configs or checkpoints; the step's arithmetic knows no config; the reference is built from the config and the
-# attention, never from the loop, its checkpoints or its logs; no room imports the top floor (TOP_FLOOR).
+# configs or checkpoints, nor of what a forward returns; what a forward returns and costs (logps) knows how a row
+# is attended and no config (a `Scoring` of plain values is passed in); the step's arithmetic knows no config;
+# the reference is built from the config, the attention and the logps, never from the loop, its checkpoints or its
+# logs; no room imports the top floor (TOP_FLOOR).
 ROOMS = {
     "parallel": {*EVERY_ROOM},
     "attention": {*EVERY_ROOM, "parallel"},
+    "logps": {*EVERY_ROOM, "parallel", "attention"},
     "step": {*EVERY_ROOM, "parallel", "attention"},
     "config": {*EVERY_ROOM, "step"},
-    "model": {*EVERY_ROOM, "config", "attention", "vision"},  # a vision-language model's family, tower, LoRA scope
-    "reference": {*EVERY_ROOM, "config", "parallel", "attention"},
+    # a vision-language model's family, tower, LoRA scope; the probe's pairs for the dropout check
+    "model": {*EVERY_ROOM, "config", "attention", "logps", "vision"},
+    "reference": {*EVERY_ROOM, "config", "parallel", "attention", "logps"},
     "checkpoint": {*EVERY_ROOM, "config", "step", "parallel", "model", "reference"},
     "export": {*EVERY_ROOM, "config", "model", "parallel"},
-    "run": {*EVERY_ROOM, "config", "parallel", "attention", "model", "reference", "checkpoint", "vision"},
-    "vision": {*EVERY_ROOM, "attention"},  # packed vision-language rows, scored through the attention room
+    "run": {*EVERY_ROOM, "config", "parallel", "attention", "logps", "model", "reference", "checkpoint", "vision"},
+    "vision": {*EVERY_ROOM, "attention", "logps"},  # packed vision-language rows, scored through the logps room
 }
 # The top floor: the entry points (`trainer.train`, `precompute.precompute`), the held-out evaluation the trainer
 # and its tests call, and EVERY_ROOM, which every room shares and which imports nothing of dpo_train.
 TOP_FLOOR = {"__init__", "trainer", "evaluation", "precompute", *EVERY_ROOM}
 ENTRY_FLOOR = ("trainer", "precompute", "evaluation")
 """The top floor's modules that enter rooms: only through a room's front door (`from dpo_train.ROOM import name`)."""
-TRAINER_FAN_OUT = 11
+TRAINER_FAN_OUT = 12
 """At most this many modules of dpo_train imported by the trainer: 33 before rooms (25 rooms and flat modules),
-30 in 11 rooms after them and before the front doors, 11 since (9 fronts, errors, evaluation)."""
+30 in 11 rooms after them and before the front doors, 11 since (9 fronts, errors, evaluation), 12 once the logps
+room left the attention room (issue 58: `pair_logps` from its own front door)."""
 
 
 def dpo_train_uses(path: Path) -> set[str]:
@@ -247,7 +252,7 @@ ATTENTION_SETTERS = {
     "dpo_train/attention/features.py",  # attention_as: the one swap, for every check and truth
     "dpo_train/model/policy.py",  # loading: the path the run takes
     "dpo_train/attention/choice.py",  # fit_model under auto: the segment path instead of one that cannot express
-    "dpo_train/attention/probe.py",  # the probe's own fallback to a path it checked exact
+    "dpo_train/logps/probe.py",  # the probe's own fallback to a path it checked exact
 }
 
 
@@ -395,3 +400,118 @@ def test_every_schema_is_a_valid_draft_2020_12_schema():
 
     names = [p.name.removesuffix(".schema.json") for p in (ROOT / "schemas").glob("*.schema.json")]
     assert names and all(load_schema(n)["$schema"].endswith("2020-12/schema") for n in names)
+
+
+def global_statements(root: Path) -> list[str]:
+    """`path:line` of every `global` statement in the modules under `root`."""
+    return [
+        f"{path.relative_to(root.parent).as_posix()}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Global)
+    ]
+
+
+def test_no_module_global_is_set_in_dpo_train():
+    """A config value reaches the code that uses it as an argument or a field of an object built at start-up
+    (issue 58: train.compiled_head was a module global set by `compiled.choose`), never by a module global a
+    function rebinds; dpo_data's progress bar, outside dpo_train, keeps its own."""
+    assert global_statements(ROOT / "dpo_train") == []
+
+
+STORES_ALLOWED = {
+    # file: (what it sets, why); anything else that sets an attribute on another object than `self` is refused
+    "dpo_train/attention/choice.py": ({"config._attn_implementation"}, "auto's choice of path (ATTENTION_SETTERS)"),
+    "dpo_train/attention/features.py": ({"config._attn_implementation"}, "attention_as, the one swap"),
+    "dpo_train/logps/probe.py": (
+        {"config._attn_implementation", "text_config(model)._attn_implementation"},
+        "the probe's fallback to a path it checked exact, and its own swaps (ATTENTION_SETTERS)",
+    ),
+    "dpo_train/model/policy.py": (
+        {"hf_config._attn_implementation", "module.p", "setattr(module)", "setattr(config)", "setattr(owner)"},
+        "a model fix: the loader's path; dropout and router thresholds zeroed, and given back as loaded",
+    ),
+    "dpo_train/attention/rope.py": (
+        {"module.dpo_lengths", "module.dpo_fresh", "module.forward", "setattr(module)"},
+        "one forward's runtime state on a rotary module (its sequences' lengths, its fresh state), not config",
+    ),
+    "dpo_train/logps/head.py": (
+        {"self.module.forward"},
+        "HeadInput: the output embedding keeps its input for one forward, its class's forward back on exit",
+    ),
+    "dpo_train/logps/tiled_mlp.py": (
+        {"module.__class__", "kept.ctx", "kept.hidden"},
+        "an MLP's class made its tiled subclass (the tile is the class's: `Scoring.tiles` says which); _Kept",
+    ),
+    "dpo_train/reference/live.py": ({"layer._disable_adapters"}, "AdaptersDisabled: LoRA off for one forward"),
+    "dpo_train/attention/flex.py": (
+        {"torch._dynamo.config.recompile_limit", "module._validate_device"},
+        "torch's own settings: the compiler's recompile limit, FlexAttention's CPU-training refusal lifted",
+    ),
+    "dpo_train/model/bundled.py": (
+        {"model.config.quantization_config", "model.hf_quantizer", "model.is_quantized"},
+        "a dequantized GGUF model's stale quantization flags, before it is saved once",
+    ),
+    "dpo_train/export/final.py": (
+        {"processor.chat_template", "model.config.dtype"},
+        "what the exported files say (the template, the dtype), on the objects being saved",
+    ),
+    "dpo_train/run/preflight.py": ({"tokenizer.chat_template"}, "the tokenizer's template, checked before a run"),
+    "dpo_train/checkpoint/save.py": ({"threading.excepthook"}, "the process's thread hook around a save"),
+    "dpo_train/run/sinks.py": ({"threading.excepthook"}, "the process's thread hook around the run's sinks"),
+    "dpo_train/trainer.py": ({"self.state.step"}, "the trainer's own TrainState"),
+}
+
+
+def attribute_stores(root: Path) -> dict[str, set[str]]:
+    """file -> what its code sets (or deletes) on an object other than `self`, `cls` or autograd's `ctx`:
+    `base.attr` for an assignment, `setattr(base)` for setattr or delattr (whatever the name)."""
+    out: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                node.targets
+                if isinstance(node, (ast.Assign, ast.Delete))
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for target in targets:
+                for part in ast.walk(target):
+                    stored = isinstance(part, ast.Attribute) and isinstance(part.ctx, (ast.Store, ast.Del))
+                    if stored and ast.unparse(part.value) not in ("self", "cls", "ctx"):
+                        found.add(f"{ast.unparse(part.value)}.{part.attr}")
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if call and node.func.id in ("setattr", "delattr") and node.args:
+                found.add(f"setattr({ast.unparse(node.args[0])})")
+        if found:
+            out[path.relative_to(root.parent).as_posix()] = found
+    return out
+
+
+def test_no_config_value_is_marked_on_a_module():
+    """Issue 58: the logits budget was marked on the nn.Module (`head.mark`) and had to be copied by hand onto the
+    reference (forgotten once: the FSDP2 reference scored with another head); the unpacked path was
+    `model.dpo_unpacked`, the MLP tile an attribute of each MLP. Now one `Scoring` built at start-up carries them
+    to every forward. Setting an attribute on any object but `self` is refused unless STORES_ALLOWED names the
+    file, what it sets and why (a module is not told apart statically from any other object)."""
+    found = attribute_stores(ROOT / "dpo_train")
+    allowed = {path: stores for path, (stores, _why) in STORES_ALLOWED.items()}
+    extra = {f"{path}: {store}" for path, stores in found.items() for store in stores - allowed.get(path, set())}
+    assert extra == set()
+    stale = {path for path in STORES_ALLOWED if path not in found}
+    assert stale == set(), "allowed stores no longer made: drop them from STORES_ALLOWED"
+
+
+def test_the_store_and_global_walks_see_what_they_refuse(tmp_path):
+    """Both walks can fail: the old marks (a budget by setattr, the unpacked flag, a tile) and a global are seen."""
+    room = tmp_path / "dpo_train"
+    room.mkdir()
+    (room / "old.py").write_text(
+        "_mode = 'auto'\ndef mark(model, budget):\n    setattr(model, 'dpo_logits_budget', budget)\n"
+        "def unpack(model):\n    model.dpo_unpacked = True\n"
+        "def choose(mode):\n    global _mode\n    _mode = mode\n"
+    )
+    assert attribute_stores(room) == {"dpo_train/old.py": {"setattr(model)", "model.dpo_unpacked"}}
+    assert global_statements(room) == ["dpo_train/old.py:7"]

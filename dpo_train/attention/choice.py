@@ -103,14 +103,12 @@ def packing_refused(arch: str, why: str, requested: str, layout: str) -> ConfigE
 
 
 def fit_model(model: Any, requested: str, layout: str) -> str:
-    """Check that the path the model runs expresses every feature of its attention, and that packing
-    can keep its segments apart (a model it cannot is refused, naming auto and unpacked, unless it runs
-    unpacked); under auto a path that cannot is replaced by the segment attention. Returns the
-    implementation name the model then runs."""
+    """Check that the path a packed model runs expresses every feature of its attention, and that packing
+    can keep its segments apart (a model it cannot is refused, naming auto and unpacked; one loaded unpacked
+    runs its own attention over whole sequences and is never given here); under auto a path that cannot is
+    replaced by the segment attention. Returns the implementation name the model then runs."""
     config = text_config(model)  # a vision-language model: its decoder's (the vision tower runs its own)
     attention = config._attn_implementation
-    if unpacked.runs_unpacked(model):  # the model's own attention over whole sequences: nothing to express
-        return attention
     needs = model_attention(model)
     arch = type(model).__name__
     why = unpacked.reason(text_config(model)) or rope.shared_prompt_reason(text_config(model), layout)
@@ -163,10 +161,11 @@ NAMES = {
 """Implementation name -> what the user calls the path (`model.attention`'s value)."""
 
 
-def taken(model: Any, requested: str, place: Any, layout: str) -> str:
-    """The start-up line that says which attention path the run takes, and why."""
+def taken(model: Any, requested: str, place: Any, layout: str, unpacked_rows: bool) -> str:
+    """The start-up line that says which attention path the run takes (`unpacked_rows`: the model's rows run
+    unpacked, `Scoring.unpacked`), and why."""
     attention = text_config(model)._attn_implementation
-    name = "unpacked" if unpacked.runs_unpacked(model) else NAMES.get(attention, attention)
+    name = "unpacked" if unpacked_rows else NAMES.get(attention, attention)
     if requested != "auto":
         why = f"model.attention {requested}"
     elif name == "flash_attention_2":

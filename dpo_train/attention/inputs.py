@@ -10,7 +10,7 @@ from dpo_train.attention.masks import model_masks
 from dpo_train.attention.segments import ATTENTION as SEGMENT_ATTENTION
 from dpo_train.attention.segments import row_segments
 from dpo_train.attention.sequence_parallel import split_row
-from dpo_train.attention.unpacked import runs_unpacked, unpack
+from dpo_train.attention.unpacked import unpack
 from dpo_train.attention.varlen import ATTENTION as VARLEN_ATTENTION
 from dpo_train.errors import ModelError
 
@@ -39,12 +39,14 @@ def passed_inputs(batch: dict[str, Any], path: str | None = None) -> dict[str, A
     return found
 
 
-def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tuple[dict[str, Any], Any]:
+def row_inputs(
+    batch: dict[str, Any], mesh: Any = None, model: Any = None, unpacked: bool = False
+) -> tuple[dict[str, Any], Any]:
     """The model's keyword inputs for this rank's part of the row (all of it without sequence
     parallelism), and its sequence shard (None without sequence parallelism).
 
-    - unpacked (`dpo_train.attention.unpacked`, a model packing cannot serve): the row's sequences as
-      a right-padded batch with the model's own 2D attention mask, positions from 0;
+    - `unpacked` (`dpo_train.attention.unpacked`, a model packing cannot serve; the run's `Scoring.unpacked`): the
+      row's sequences as a right-padded batch with the model's own 2D attention mask, positions from 0;
     - segment attention, flex and varlen: the row's segments go along and no mask exists (flex makes its block
       masks, varlen its cu_seqlens);
     - flash_attention_2 (separate layout only): no mask; transformers derives the segments' cu_seqlens
@@ -56,7 +58,7 @@ def row_inputs(batch: dict[str, Any], mesh: Any = None, model: Any = None) -> tu
       detection: a 4D mask given once would carry no window into any layer, and some models (GPT-OSS)
       build their masks without `position_ids`, so their packed segments would see each other.
     """
-    if model is not None and runs_unpacked(model):  # never under sequence parallelism (refused at load)
+    if unpacked:  # never under sequence parallelism (refused at load)
         passed_inputs(batch, "unpacked")
         return dict(unpack(batch).inputs), None
     if mesh is not None and mesh.active:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dpo_data.progress import say
-from dpo_train.attention.features import ATTENTION_KINDS, layer_kinds, model_config, wrapped
+from dpo_train.attention.features import ATTENTION_KINDS, attention_as, layer_kinds, model_config, text_config
 
 ATTENTION = "unpacked"
 """`model.attention: unpacked` (and auto's choice for a model packing cannot serve)."""
@@ -47,6 +49,16 @@ def default_attention(model: Any) -> str:
     return "sdpa" if eager_wrong(model_config(loaded)) or type(loaded)._supports_sdpa else "eager"
 
 
+@contextmanager
+def eager_attention(model: Any) -> Iterator[None]:
+    """Meanwhile, the model's decoder runs transformers' eager attention, or its sdpa where eager is known not
+    to be the model (`eager_wrong`: Falcon with ALiBi); a vision-language model's tower keeps its own. A backward
+    that recomputes checkpointed layers needs it too."""
+    config = text_config(model)
+    with attention_as(config, "sdpa" if eager_wrong(config) else "eager"):
+        yield
+
+
 def reason(config: Any) -> str | None:
     """Why packing cannot keep this model's segments apart, in words, or None when it can."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -60,19 +72,6 @@ def reason(config: Any) -> str | None:
     if alibi(config):
         return "its ALiBi attention bias is built from the row's attention mask, not from the segments' positions"
     return None
-
-
-def runs_unpacked(model: Any) -> bool:
-    """Whether `pair_logps` unpacks this model's rows: `load_model` marked it so (`mark`), looked up through
-    DDP's `.module` and the LoRA reference's `.model` (PEFT forwards attributes itself). A model loaded
-    otherwise packs, and the packed paths' checks (`fit_model`, the start-up probe) refuse it where
-    packing leaks."""
-    return any(getattr(c, "dpo_unpacked", False) is True for c in wrapped(model))
-
-
-def mark(model: Any) -> None:
-    """Record on the module (never the config: it would be saved into config.json) that it runs unpacked."""
-    model.dpo_unpacked = True
 
 
 def note(model: Any, why: str) -> None:

@@ -226,17 +226,17 @@ class TrainSection:
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     logits_budget_mib: int | None = key(1024, minimum=1, maximum=1_048_576)
     """The memory the vocabulary head's logits may take in one forward and backward: past it, the head runs in
-    chunks of scored positions, each chunk's logits recomputed in backward (dpo_train/attention/head.py); within
+    chunks of scored positions, each chunk's logits recomputed in backward (dpo_train/logps/head.py); within
     it, the model's own head, unchanged. 1024 by default (docs/benchmarks.md, long pairs: never slower than the
     whole head on SmolLM2, 3 GiB lighter at 2k tokens); null: always the model's own head."""
     compiled_head: bool | str = key("auto", enum=("auto", True, False))
     """The chunked head's per-chunk arithmetic compiled by torch.compile: auto (on CUDA; eager on the CPU, where
     inductor's C++ build costs more than it saves) | true (any device) | false. Each process checks the compiled
     form's first chunk against the eager one and keeps the eager one, with a note, if it fails to build or
-    differs (dpo_train/attention/compiled.py)."""
+    differs (dpo_train/logps/compiled.py)."""
     mlp_tile_tokens: int | str | None = key("auto", minimum=1, maximum=1_048_576, pattern="^auto$")
     """Run each decoder layer's MLP over tiles of this many positions, each tile recomputed in backward, so that a
-    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/attention/tiled_mlp.py). The
+    long row holds one tile's MLP intermediates instead of the whole row's (dpo_train/logps/tiled_mlp.py). The
     same numbers (a start-up check refuses an MLP that mixes positions); with activation checkpointing no more
     compute where the MLP ends its layer, else one more MLP forward per step; a mixture of experts stays whole.
     auto (default): 4096 under activation checkpointing on the MLPs a start-up count finds free, else whole;

@@ -12,16 +12,17 @@ from dpo_train.errors import ConfigError
 from dpo_train.model.policy import init_config, is_vision_model, load_policy
 
 
-def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> Any:
-    """The policy loaded with the path `attention_for` picks, checked by `fit_model`. transformers'
-    own refusal of an attention (sdpa for Gemma2 or GPT-OSS) becomes a named ConfigError; under auto a
-    refused flash-attention falls back to the segment attention. A model packing cannot serve (its
-    config says why: `dpo_train.attention.unpacked.reason`) runs unpacked under auto, saying so once."""
+def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) -> tuple[Any, bool]:
+    """The policy loaded with the path `attention_for` picks, checked by `fit_model`, and whether its rows run
+    unpacked (the run's `Scoring.unpacked`). transformers' own refusal of an attention (sdpa for Gemma2 or
+    GPT-OSS) becomes a named ConfigError; under auto a refused flash-attention falls back to the segment
+    attention. A model packing cannot serve (its config says why: `dpo_train.attention.unpacked.reason`) runs
+    unpacked under auto, saying so once."""
     if spec.path and is_vision_model(spec.path):
         _check_vision_paths(spec.path, requested, mesh)
     arch, why = _unpacked_reason(spec, layout)
     if requested == unpacked.ATTENTION or why and requested == "auto":
-        return _with_rope(_load_unpacked(spec, mesh, arch, why))
+        return _with_rope(_load_unpacked(spec, mesh, arch, why)), True
     if why:  # before transformers' own refusal of sdpa (Bloom), which would name packed paths as the fix
         raise packing_refused(arch, why, requested, layout)
     attention = attention_for(requested, place, mesh, layout)
@@ -32,7 +33,7 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
     except Exception as e:  # noqa: BLE001 - a model class that cannot take this path: named, not a traceback
         if isinstance(e, KeyError) and requested == "auto":  # GPT-Neo: its own attention, no registry
             why = "its class does not go through transformers' attention registry, so no packing path reaches it"
-            return _with_rope(_load_unpacked(spec, mesh, arch, why))
+            return _with_rope(_load_unpacked(spec, mesh, arch, why)), True
         if "attention implementation" not in str(e):
             raise ConfigError(
                 f"model.attention {requested}: transformers cannot build this model with attention {attention} "
@@ -50,7 +51,7 @@ def load_model(spec: Any, requested: str, place: Any, mesh: Any, layout: str) ->
                 "model.attention auto, whose start-up probe takes a path it checked exact for the model"
             ) from None
     fit_model(model, requested, layout)
-    return _with_rope(model)
+    return _with_rope(model), False
 
 
 def _with_rope(model: Any) -> Any:
@@ -98,7 +99,7 @@ def _unpacked_reason(spec: Any, layout: str) -> tuple[str, str | None]:
 
 def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:
     """The policy with transformers' own attention (sdpa, or eager where transformers has no sdpa for
-    it), marked to run unpacked. Sequence parallelism splits one row over ranks, which a padded batch of
+    it), for its rows to run unpacked. Sequence parallelism splits one row over ranks, which a padded batch of
     whole sequences cannot follow: refused by name."""
     if mesh is not None and mesh.active:
         cause = f": {why}, so packing is off for it" if why else ""
@@ -113,6 +114,5 @@ def _load_unpacked(spec: Any, mesh: Any, arch: str, why: str | None) -> Any:
         if "attention implementation" not in str(e):
             raise
         model = load_policy(spec, "eager")  # Bloom, MPT: transformers has no sdpa for them
-    unpacked.mark(model)
     unpacked.note(model, why or "model.attention unpacked asked for it")
     return model

@@ -21,7 +21,7 @@ def check_settings(model: Any) -> list[str]:
     keys = sorted({key for _, key, _ in changed_settings(model)})
     if not keys:
         return []
-    from dpo_train.attention.probe import eager_unpacked, probe_pairs
+    from dpo_train.logps.probe import eager_unpacked, probe_pairs
 
     pairs, training = probe_pairs(model), model.training
     score = lambda: eager_unpacked(model, pairs)  # noqa: E731

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import TrainConfig
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.guard import check_parity, reordered
 from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into
@@ -43,6 +44,9 @@ class Reference:
     """TR-DPO: reference.ref_model_mixup_alpha, the policy's share in each move."""
     guard: bool = False
     """train.parity_guard: step 1's live reference scores each micro-batch reordered, and must equal the policy."""
+    scoring: Scoring = Scoring()
+    """How the live reference's rows are scored: the policy's own `Scoring` (`build_reference`), so the two run
+    the same head, the same path and the same tiles."""
 
     @property
     def moves(self) -> bool:
@@ -69,7 +73,11 @@ class Reference:
             return None, None
         with torch.no_grad():
             ref = pair_logps(
-                self.initial, reordered(batch) if self.guards(step) else batch, self.mesh, ld_alpha=self.ld_alpha
+                self.initial,
+                reordered(batch) if self.guards(step) else batch,
+                self.scoring,
+                self.mesh,
+                ld_alpha=self.ld_alpha,
             )
         return ref.scored
 
@@ -94,19 +102,21 @@ class Reference:
             check_parity(policy.scored, reference, batch, {**facts, "precision": self.place.precision})
 
 
-def build_reference(run: RunView, policy: Any, weights: str) -> Reference:
+def build_reference(run: RunView, policy: Any, weights: str, scoring: Scoring) -> Reference:
     """The run's reference, from the initial policy before it is wrapped (a live copy is sharded like it);
-    `weights`: the initial policy's fingerprint, which a precomputed table must be bound to."""
+    `weights`: the initial policy's fingerprint, which a precomputed table must be bound to; `scoring`: the
+    policy's, with which the live reference is built (its tiles) and scored."""
     config, place, world, mesh, store = run.config, run.place, run.world, run.mesh, run.data
     mode = reference_mode(config)
     initial = None
     if mode == "live" or config.eval.path:
         lora = config.model.lora
-        initial = AdaptersDisabled(policy) if lora else frozen_reference(policy, config.distributed.strategy, world)
+        strategy = config.distributed.strategy
+        initial = AdaptersDisabled(policy) if lora else frozen_reference(policy, strategy, world, scoring.tiles)
     table = None
     if mode == "precomputed":
         table = load_sidecar(config.reference.path, store, weights, place.precision, config.data.layout)
     sync = config.reference
     steps, alpha = (sync.ref_model_sync_steps, sync.ref_model_mixup_alpha) if sync.sync_ref_model else (0, 0.0)
     guard = config.train.parity_guard
-    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha, steps, alpha, guard)
+    return Reference(mode, place, mesh, initial, table, config.loss.ld_alpha, steps, alpha, guard, scoring)

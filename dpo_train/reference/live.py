@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from dpo_train.attention.head import budget_of, mark
-from dpo_train.attention.tiled_mlp import copy_tiles
+from dpo_train.logps.tiled_mlp import apply_tiles
 from dpo_train.parallel.sharding import shard
 
 
@@ -18,15 +17,16 @@ def frozen_copy(model: Any) -> Any:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
+def frozen_reference(policy: Any, strategy: str, world: int, tiles: tuple[tuple[str, int], ...]) -> Any:
     """The initial policy's weights, frozen, run without autograd.
 
     Under FSDP2 it is sharded like the policy, and built so that no rank ever holds a second whole
     copy: the same architecture is created on the meta device, sharded, allocated shard by shard on
     the policy's device, then filled from the (still unsharded) policy's state dict, each rank keeping
     its own shard. Buffers that are not in the state dict (rotary frequencies) are copied as they are.
-    Otherwise (one rank, or DDP, where every rank holds the whole model anyway) it is a plain copy.
-    Either way it scores through the chunked vocabulary head under the policy's logits budget.
+    Otherwise (one rank, or DDP, where every rank holds the whole model anyway) it is a plain copy. A copy runs
+    its MLPs as the policy's classes say; the sharded one is tiled as `tiles` says (`Scoring.tiles`, the policy's).
+    Either way the run scores it with the policy's `Scoring` (its logits budget, its path): nothing is copied.
     """
     if world == 1 or strategy != "fsdp":
         return frozen_copy(policy)
@@ -41,8 +41,7 @@ def frozen_reference(policy: Any, strategy: str, world: int) -> Any:
     set_model_state_dict(reference, policy.state_dict(), options=StateDictOptions(full_state_dict=True))
     for name, buffer in policy.named_buffers():
         reference.get_buffer(name).copy_(buffer)
-    mark(reference, budget_of(policy))  # its logits kept within the same budget (a copy carries it itself)
-    copy_tiles(policy, reference)  # and its MLPs as the policy runs them
+    apply_tiles(reference, tiles)  # its MLPs as the policy runs them
     return reference
 
 

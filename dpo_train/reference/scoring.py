@@ -16,7 +16,8 @@ from dpo_data.loading.images import ImageSource
 from dpo_data.loading.loader import pack_pairs
 from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
-from dpo_train.attention.logps import pair_logps
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 from dpo_train.parallel import collectives
 from dpo_train.reference.run_view import RunView
 
@@ -24,7 +25,7 @@ from dpo_train.reference.run_view import RunView
 @dataclass
 class Scores:
     """Per pair (by global pair index): summed completion log-probs and completion token counts; where asked
-    for, LD-DPO's sums and WPO's weights (dpo_train/attention/logps.py)."""
+    for, LD-DPO's sums and WPO's weights (dpo_train/logps/pairs.py)."""
 
     chosen: np.ndarray
     rejected: np.ndarray
@@ -41,6 +42,7 @@ class Scores:
 
 def score_pairs(
     model: Any,
+    scoring: Scoring,
     store: PairStore,
     run: RunView,
     max_tokens: int,
@@ -49,13 +51,13 @@ def score_pairs(
     pairs: np.ndarray | None = None,
     check: Any = None,
 ) -> Scores:
-    """Forward every pair of `store` once, packed in the run's `data.layout` into micro-batches of at most
-    `max_tokens`, under the run's autocast and sequence mesh; also LD-DPO's sums where the run's loss sets
-    `ld_alpha`, and with `weighting` WPO's weights (as `pair_logps` takes them). `progress`: the stage's name
-    to show it under (`Stage`, on the caller's rank 0), None: silent. `pairs`: only these global indices
-    are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0. `check(batch, out)`:
-    called on every rank's first micro-batch (`out` None for an empty one), as --precompute-reference checks
-    them against each sequence run alone (`dpo_train.run.alone`).
+    """Forward every pair of `store` once, scored as the run's `scoring` says, packed in the run's `data.layout`
+    into micro-batches of at most `max_tokens`, under the run's autocast and sequence mesh; also LD-DPO's sums
+    where the run's loss sets `ld_alpha`, and with `weighting` WPO's weights (as `pair_logps` takes them).
+    `progress`: the stage's name to show it under (`Stage`, on the caller's rank 0), None: silent. `pairs`: only
+    these global indices are scored; the others' log-probs (and LD sums, weights) are NaN, their token counts 0.
+    `check(batch, out)`: called on every rank's first micro-batch (`out` None for an empty one), as
+    --precompute-reference checks them against each sequence run alone (`dpo_train.run.alone`).
 
     With a process group, data-parallel rank r scores bins r, r + W, ... and one all-reduce assembles the
     result (each pair is written by exactly one rank: under sequence parallelism, by the group's rank
@@ -90,11 +92,11 @@ def score_pairs(
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with run.place.autocast():
             if not members:
-                model(**row_inputs(batch, mesh, model)[0])
+                model(**row_inputs(batch, mesh, model, scoring.unpacked)[0])
                 if first and check is not None:
                     check(batch, None)
                 return
-            out = pair_logps(model, batch, mesh, ld_alpha=ld_alpha, weighting=weighting)
+            out = pair_logps(model, batch, scoring, mesh, ld_alpha=ld_alpha, weighting=weighting)
             if first and check is not None:
                 check(batch, out)
         if not writes:

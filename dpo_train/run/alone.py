@@ -11,9 +11,10 @@ import torch
 from dpo_data.loading.microbatch import segment_sums, segments_to_pairs
 from dpo_train.attention import unpacked
 from dpo_train.attention.features import attention_as, text_config
-from dpo_train.attention.logps import targets
-from dpo_train.attention.probe import paths_for, scored_as
 from dpo_train.errors import ParityError
+from dpo_train.logps.pairs import targets
+from dpo_train.logps.probe import paths_for, scored_as
+from dpo_train.logps.scoring import Scoring
 from dpo_train.model.policy import changed_settings, dropout_as_loaded
 from dpo_train.parallel import collectives
 from dpo_train.reference.guard import TOLERANCE
@@ -79,9 +80,10 @@ def alone_applies(config: Any, model: Any) -> bool:
     return bool(config.train.alone_check) and tower_of(model) is None
 
 
-def precompute_check(model: Any, run: Any) -> Any:
+def precompute_check(model: Any, run: Any, scoring: Scoring) -> Any:
     """`score_pairs`' check of each rank's first micro-batch under --precompute-reference: its pairs' packed
-    log-probs against each sequence run alone (`check_alone`; the precompute's model is whole on every rank)."""
+    log-probs against each sequence run alone (`check_alone`; the precompute's model is whole on every rank),
+    `scoring`: the run's, as the pairs were scored."""
     config = run.config
     facts = {
         "arch": type(model).__name__,
@@ -93,18 +95,19 @@ def precompute_check(model: Any, run: Any) -> Any:
     }
 
     def check(batch: dict, out: Any) -> None:
-        check_alone(model, (out.chosen, out.rejected) if out is not None else (), batch, facts, False)
+        check_alone(model, (out.chosen, out.rejected) if out is not None else (), batch, facts, False, scoring)
 
     return check
 
 
-def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, sharded: bool) -> None:
+def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, sharded: bool, scoring: Scoring) -> None:
     """Refuse (ParityError, exit 2, before the optimizer steps) a micro-batch whose pairs' log-probs `got`
     ((chosen, rejected), as the run's packed forward scored them) differ from each sequence run alone through
     the model as loaded (`alone_logps`) beyond the parity guard's `TOLERANCE`. A difference is diagnosed on the
     same micro-batch (`_diagnosis`) unless the model is sharded over ranks (FSDP2: every rank would have to
     run the same forwards). `facts`: arch, precision, rank, attention, layout, and `where` ("step 1" or
-    "the reference precompute"). An empty micro-batch (`num_pairs` 0) only joins the other ranks' forwards."""
+    "the reference precompute"); `scoring`: the run's (`Scoring`), with which a diagnosis scores the micro-batch
+    again. An empty micro-batch (`num_pairs` 0) only joins the other ranks' forwards."""
     truth = alone_logps(model, batch)
     if not batch["num_pairs"]:  # an empty micro-batch only joined the other ranks' forwards
         return
@@ -114,7 +117,7 @@ def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, shar
     if not bool((off > 0).any()) and bool(torch.isfinite(have).all()):
         return
     slot, side = divmod(int(torch.nan_to_num(off, nan=float("inf")).argmax()), 2)
-    found = "run on one process for a diagnosis" if sharded else _diagnosis(model, batch, truth, facts)
+    found = "run on one process for a diagnosis" if sharded else _diagnosis(model, batch, truth, facts, scoring)
     attention = unpacked.default_attention(model)
     raise ParityError(
         f"{facts['where']}, micro-batch {batch.get('microbatch')} on rank {facts['rank']}: {facts['arch']} "
@@ -129,7 +132,7 @@ def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, shar
     )
 
 
-def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: dict) -> str:
+def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: dict, scoring: Scoring) -> str:
     """What differs, found on this micro-batch without autograd: the values the run zeroed, the training mode,
     or the packing; and the fix, only if one was checked here to give `truth`."""
     relative, absolute = TOLERANCE[facts["precision"]]
@@ -140,12 +143,12 @@ def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: di
     training = model.training
     try:
         model.eval()
-        if close(scored_as(model, batch, None)):
+        if close(scored_as(model, batch, None, scoring)):
             return (
                 "Found: evaluation mode scores these pairs packed as alone, the training forward does not (it "
                 "samples or behaves otherwise in training); no attention path fixes that"
             )
-        exact = [name for name in paths_for(model) if _runs_close(model, batch, name, close)]
+        exact = [name for name in paths_for(model) if _runs_close(model, batch, name, close, scoring)]
     finally:
         model.train(training)
     if exact:
@@ -154,8 +157,8 @@ def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: di
     return f"None of {tried} scores these pairs as alone: no path here trains it exactly"
 
 
-def _runs_close(model: Any, batch: dict[str, Any], name: str, close: Any) -> bool:
+def _runs_close(model: Any, batch: dict[str, Any], name: str, close: Any, scoring: Scoring) -> bool:
     try:
-        return close(scored_as(model, batch, name))
+        return close(scored_as(model, batch, name, scoring))
     except Exception:  # noqa: BLE001 - a path that cannot run the model is only not suggested
         return False

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dpo_data.progress import say
 from dpo_train.attention.choice import taken
-from dpo_train.attention.compiled import choose as choose_compiled
-from dpo_train.attention.head import check_head
-from dpo_train.attention.head import mark as mark_budget
-from dpo_train.attention.head import note as head_note
-from dpo_train.attention.probe import probe
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
-from dpo_train.attention.tiled_mlp import apply_setting
 from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
+from dpo_train.logps.head_check import check_head
+from dpo_train.logps.head_check import note as head_note
+from dpo_train.logps.probe import probe
+from dpo_train.logps.scoring import Scoring
+from dpo_train.logps.tiled_mlp import apply_setting, tiles_of
 from dpo_train.model.load import load_model
 from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
 from dpo_train.model.settings import check_settings
@@ -30,14 +30,15 @@ def load_initial_policy(
     mesh: SequenceMesh,
     activation_checkpointing: bool = False,
     shown: bool = False,
-) -> tuple[Any, str]:
-    """The model as step 1 starts from it, on the CPU, and its weights' fingerprint: loaded through the
-    attention path, `train.weights_from` applied, dropout off, a vision-language model's vision tower frozen
-    unless `model.train_vision_tower`, the packing probe passed. A sidecar
-    precomputed from anything else would be bound to other weights and refused by the run. `shown`: say
-    each stage (rank 0 unless --quiet)."""
+) -> tuple[Any, str, Scoring]:
+    """The model as step 1 starts from it, on the CPU, its weights' fingerprint, and how its rows are scored (the
+    `Scoring` every forward of the run is passed, the reference's too): loaded through the attention path,
+    `train.weights_from` applied, dropout off, a vision-language model's vision tower frozen unless
+    `model.train_vision_tower`, the packing probe passed, the chunked head checked where a logits budget is set.
+    A sidecar precomputed from anything else would be bound to other weights and refused by the run. `shown`:
+    say each stage (rank 0 unless --quiet)."""
     with stage("model", shown):
-        model = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
+        model, unpacked = load_model(config.model, config.model.attention, place, mesh, config.data.layout)
         check_heads(model.config, mesh.ulysses)
         if config.train.weights_from:
             load_weights(model, config.train.weights_from)
@@ -55,7 +56,7 @@ def load_initial_policy(
             freeze_vision_tower(model)
     if config.train.probe_packing:
         with stage("probe", shown):
-            probe(model, config.data.layout, config.model.attention)
+            unpacked = probe(model, config.data.layout, config.model.attention, unpacked).unpacked
         if shown and tower_of(model) is not None:
             say(
                 f"note: {type(model).__name__}: the start-up probe checked its decoder on packed text rows; rows "
@@ -63,13 +64,14 @@ def load_initial_policy(
                 "by tests/vision (docs/vision.md)"
             )
     if shown:
-        say(taken(model, config.model.attention, place, config.data.layout))
-    choose_compiled(config.train.compiled_head)
+        say(taken(model, config.model.attention, place, config.data.layout, unpacked))
+    scoring = Scoring(unpacked, None, config.train.compiled_head, tiles_of(model))
     budget, why = config.train.logits_budget_mib, None
     if budget is not None:
         with stage("head", shown):
-            why = check_head(model, config.data.layout)
+            why = check_head(model, scoring, config.data.layout)
     if why:
         head_note(model, why)
-    mark_budget(model, None if why or budget is None else budget * 2**20)
-    return model, weights_fingerprint(model)
+    if not why and budget is not None:
+        scoring = dataclasses.replace(scoring, logits_budget=budget * 2**20)
+    return model, weights_fingerprint(model), scoring

@@ -75,7 +75,7 @@ class LossConfig:
     use_weighting: bool = False
     """WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"), TRL's `use_weighting`:
     each pair's loss times w_c w_r, w = exp(mean over the completion's tokens of log p(token) - log sum_v
-    p(v)^2) under the policy, without gradient (dpo_train/attention/logps.py `wpo_weights`)."""
+    p(v)^2) under the policy, without gradient (dpo_train/logps/pairs.py `wpo_weights`)."""
     router_aux_coef: float | None = None
     """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
     load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's

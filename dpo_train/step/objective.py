@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from dpo_train.attention.features import computes_router_loss, text_config
-from dpo_train.attention.unpacked import runs_unpacked
 from dpo_train.errors import ConfigError
 
 
@@ -18,10 +17,13 @@ def _gradient_scale() -> float:
     return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
 
 
-def router_aux_coef(requested: float | None, model: Any, attention: str, sequence_parallel: bool) -> float:
+def router_aux_coef(
+    requested: float | None, model: Any, attention: str, sequence_parallel: bool, unpacked: bool
+) -> float:
     """The router load-balancing coefficient a run uses, as TRL resolves it: on for a mixture-of-experts
     model (its config has `output_router_logits`) with the config's `router_aux_loss_coef`, unless
-    `loss.router_aux_coef` says otherwise; refused where it cannot be computed exactly."""
+    `loss.router_aux_coef` says otherwise; refused where it cannot be computed exactly. `unpacked`: the model's
+    rows run unpacked (`Scoring.unpacked`), where sdpa and eager see a padding mask."""
     config = text_config(model)
     moe = hasattr(config, "output_router_logits") and computes_router_loss(model)
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if requested is None else float(requested)
@@ -38,7 +40,7 @@ def router_aux_coef(requested: float | None, model: Any, attention: str, sequenc
             "loss.router_aux_coef: the router load-balancing loss is a statistic of the whole row, and under "
             "distributed.sequence_parallel each rank sees a part of it; set loss.router_aux_coef: 0"
         )
-    if coef and attention in ("sdpa", "eager") and not runs_unpacked(model):  # unpacked: a padding mask
+    if coef and attention in ("sdpa", "eager") and not unpacked:  # unpacked: a padding mask
         raise ConfigError(
             f"loss.router_aux_coef with model.attention {attention}: transformers reads the attention mask "
             "as a [batch, tokens] padding mask for the load-balancing loss, and a packed row's mask is "

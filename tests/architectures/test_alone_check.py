@@ -12,6 +12,7 @@ import torch
 from dpo_data.loading.microbatch import pack_microbatch
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError, ParityError
+from dpo_train.logps.scoring import Scoring
 from tests.architectures.zoo import LONGROPE, ZOO, model_spec, pairs
 from tests.architectures.zoo import train_config as _config
 from tests.harness import join_gloo, spawn, train_here
@@ -61,7 +62,7 @@ def test_longrope_trains_exactly_and_the_alone_check_catches_it_undone(
 
 def test_the_probe_catches_the_rope_undone_at_any_threshold(monkeypatch):
     """The probe's rope check builds its row past the threshold, however long (4096 here, Phi-3-mini-128k's)."""
-    from dpo_train.attention.probe import probe
+    from dpo_train.logps.probe import probe
 
     spec = {**model_spec("phi3_longrope"), "original_max_position_embeddings": 4096}
     spec["rope_parameters"] = {**LONGROPE, "original_max_position_embeddings": 4096}
@@ -73,11 +74,16 @@ def test_the_probe_catches_the_rope_undone_at_any_threshold(monkeypatch):
         probe(model, "separate")
 
 
-def _load(spec: dict, attention: str = "auto", layout: str = "separate"):
+def _loaded(spec: dict, attention: str = "auto", layout: str = "separate") -> tuple:
+    """The model as `load_model` loads it, and whether its rows run unpacked."""
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     return load_model(ModelConfig(init={"config": spec, "seed": 0}), attention, placement("cpu", "fp32"), None, layout)
+
+
+def _load(spec: dict, attention: str = "auto", layout: str = "separate"):
+    return _loaded(spec, attention, layout)[0]
 
 
 def test_dynamic_ntk_trains_exactly_under_lora_and_the_check_runs_there(
@@ -110,22 +116,31 @@ def test_the_precompute_checks_its_first_micro_batches(tmp_path, small_dataset, 
 def test_the_diagnosis_names_a_fix_it_checked(monkeypatch):
     """A packing error only the packed paths make: the check names unpacked, which it ran on the micro-batch."""
     import dpo_train.attention.rope as rope
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.run.alone import check_alone
 
     model, batch = _load({**model_spec("phi3_longrope")}).eval(), pack_microbatch(pairs(), 16)
     packed_only = lambda batch, shard: batch["position_ids"].amax(-1, keepdim=True) + 1  # noqa: E731 - the row's
     monkeypatch.setattr(rope, "shard_lengths", packed_only)
     with torch.no_grad():
-        got = pair_logps(model, batch)
+        got = pair_logps(model, batch, Scoring())
     facts = {"arch": "Phi3ForCausalLM", "attention": "dpo_segments", "layout": "separate", "rank": 0}
     with pytest.raises(ParityError) as caught:
-        check_alone(model, (got.chosen, got.rejected), batch, {**facts, "precision": "fp32", "where": "step 1"}, False)
+        check_alone(
+            model,
+            (got.chosen, got.rejected),
+            batch,
+            {**facts, "precision": "fp32", "where": "step 1"},
+            False,
+            Scoring(),
+        )
     assert "Fix, checked on this micro-batch: model.attention unpacked" in str(caught.value)
     monkeypatch.undo()
     with torch.no_grad():
-        got = pair_logps(model, batch)
-    check_alone(model, (got.chosen, got.rejected), batch, {**facts, "precision": "fp32", "where": "step 1"}, False)
+        got = pair_logps(model, batch, Scoring())
+    check_alone(
+        model, (got.chosen, got.rejected), batch, {**facts, "precision": "fp32", "where": "step 1"}, False, Scoring()
+    )
 
 
 def test_phimoe_keeps_its_routing_threshold_and_is_refused_by_name(
@@ -170,13 +185,12 @@ def test_auto_takes_a_path_it_checked(model_type, taken, capsys):
     """StableLM passes no segments to its attention, GPT-Neo is outside the attention registry, Qwen2-MoE's
     sliding layers pass no window and its router loss rules out sdpa and eager: auto takes the first path the
     probe found exact, saying so; an explicit path that cannot run is refused naming only checked paths."""
-    from dpo_train.attention.probe import probe
-    from dpo_train.attention.unpacked import runs_unpacked
+    from dpo_train.logps.probe import probe
 
-    model = _load(model_spec(model_type))
-    probe(model, "separate", "auto")
+    model, unpacked = _loaded(model_spec(model_type))
+    found = probe(model, "separate", "auto", unpacked)
     if taken == "unpacked":
-        assert runs_unpacked(model)
+        assert found.unpacked
     else:
         assert model.config._attn_implementation == taken and "auto takes sdpa" in capsys.readouterr().err
     if model_type == "stablelm":
@@ -188,7 +202,7 @@ def _alone_worker(rank: int, world: int, port: int) -> None:
     """Two FSDP2 ranks, one micro-batch of three pairs and one of none: the empty rank joins every forward."""
     from dpo_data.loading.microbatch import pack_microbatch as pack
     from dpo_train.attention.inputs import row_inputs
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.parallel.sharding import shard
     from dpo_train.run.alone import alone_logps
 
@@ -199,7 +213,7 @@ def _alone_worker(rank: int, world: int, port: int) -> None:
     got = alone_logps(model, batch)
     with torch.no_grad():
         if rank == 0:
-            out = pair_logps(model, batch)
+            out = pair_logps(model, batch, Scoring())
             assert torch.allclose(got, torch.stack([out.chosen, out.rejected], 1).double(), rtol=1e-6)
         else:  # the trainer's join of an empty micro-batch
             model(**row_inputs(batch, None, model)[0])

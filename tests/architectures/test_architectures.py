@@ -9,9 +9,10 @@ import torch
 
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_train.attention.kernel import positions_visible
-from dpo_train.attention.probe import eager_unpacked
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.logps.probe import eager_unpacked
+from dpo_train.logps.scoring import Scoring
 from tests import docs_blocks
 from tests.architectures.zoo import (
     AUTO_FALLBACK,
@@ -37,7 +38,8 @@ TOLERANCE = 1e-5  # relative, per pair; fp32 paths agree to about 1e-7
 DOCS = docs_blocks.DOCS / "train-config.md"
 
 
-def _load(model_type: str, path: str, layout: str, mesh=None):
+def _loaded(model_type: str, path: str, layout: str, mesh=None):
+    """The model as `load_model` loads it, and whether its rows run unpacked."""
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
@@ -45,18 +47,23 @@ def _load(model_type: str, path: str, layout: str, mesh=None):
     return load_model(spec, path, placement("cpu", "fp32"), mesh, layout)
 
 
+def _load(model_type: str, path: str, layout: str, mesh=None):
+    return _loaded(model_type, path, layout, mesh)[0]
+
+
 def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]:
     """(path, layout) -> the worst pair's relative error against eager unpacked, or the refusal's message
     (on `device`: scripts/device_check.py runs it on CUDA). A path that fails on the row, or auto off the truth,
     meets the start-up probe as a run would: auto then takes the path the probe checked, another is refused."""
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.probe import probe
+
+    from dpo_train.logps.pairs import pair_logps
+    from dpo_train.logps.probe import probe
 
     out, truth, batch_pairs = {}, None, pairs()
     for path in PATHS:
         for layout, pack in LAYOUTS.items():
             try:
-                model = _load(model_type, path, layout)
+                model, unpacked = _loaded(model_type, path, layout)
             except ConfigError as e:
                 out[f"{path} {layout}"] = str(e)
                 continue
@@ -65,17 +72,17 @@ def path_results(model_type: str, device: str = "cpu") -> dict[str, str | float]
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(batch_pairs, 16).items()}
             try:
                 with torch.no_grad():
-                    error = relative_error(pair_logps(model, batch), truth)
+                    error = relative_error(pair_logps(model, batch, Scoring(unpacked=unpacked)), truth)
             except ModelError:
                 error = float("inf")
             if error >= TOLERANCE:  # as at start-up: auto falls back to a checked path, another path is refused
                 try:
-                    probe(model, layout, path)
+                    unpacked = probe(model, layout, path, unpacked).unpacked
                 except ConfigError as e:
                     out[f"{path} {layout}"] = str(e)
                     continue
                 with torch.no_grad():
-                    error = relative_error(pair_logps(model, batch), truth)
+                    error = relative_error(pair_logps(model, batch, Scoring(unpacked=unpacked)), truth)
             out[f"{path} {layout}"] = error
     return out
 
@@ -200,8 +207,8 @@ def _sp_models(rank: int, world: int):
 def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed as dist
 
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.probe import probe
+    from dpo_train.logps.pairs import pair_logps
+    from dpo_train.logps.probe import probe
 
     join_gloo(rank, world, port)
     out = {}
@@ -211,7 +218,7 @@ def _sp_worker(rank: int, world: int, port: int, result: str) -> None:
             continue
         try:
             with torch.no_grad():
-                error = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
+                error = relative_error(pair_logps(model, pack(pairs()), Scoring(), mesh), truth)
             if error >= TOLERANCE:  # as at start-up: the probe refuses what packing gets wrong (RWKV)
                 probe(model, key[2], "auto")
             out[" ".join(key)] = error
@@ -233,8 +240,8 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
     import torch.distributed as dist
 
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.attention.sequence_parallel import SequenceShard
+    from dpo_train.logps.pairs import pair_logps
 
     join_gloo(rank, world, port)
     calls, block = [], SequenceShard._block
@@ -243,7 +250,7 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
 
     def gradient(model, mesh) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        out = pair_logps(model, pack_microbatch(pairs()), mesh)
+        out = pair_logps(model, pack_microbatch(pairs()), Scoring(), mesh)
         (torch.stack([out.chosen, out.rejected], 1) * weights).sum().backward()
         return torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
@@ -257,7 +264,9 @@ def _sp_blocked_worker(rank: int, world: int, port: int, result: str) -> None:
         segments.MASK_LIMIT, segments.BLOCK_ROWS = 0, 3
         try:
             with torch.no_grad():
-                out[f"{model_type} {name} {layout}"] = relative_error(pair_logps(model, pack(pairs()), mesh), truth)
+                out[f"{model_type} {name} {layout}"] = relative_error(
+                    pair_logps(model, pack(pairs()), Scoring(), mesh), truth
+                )
             if model_type in BLOCKED_GRADIENTS and layout == "separate":
                 blocked = gradient(model, mesh)
                 segments.MASK_LIMIT = limit
@@ -338,7 +347,7 @@ if __name__ == "__main__":  # regenerate the docs table from a fresh run of ever
 def test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_type):
     """The eager math our paths use for softcap and sinks (and the chunk masks) is differentiated as the
     model's own eager attention is: the gradient of a fixed function of the pair log-probs agrees."""
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
 
     model, batch_pairs = _load(model_type, "segments", "shared_prompt"), pairs()
     weights = torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]], dtype=torch.float64)
@@ -351,7 +360,7 @@ def test_gradients_through_softcap_sinks_and_chunks_equal_eager_unpacked(model_t
         )
 
     def packed():
-        out = pair_logps(model, pack_shared_prompt(batch_pairs))
+        out = pair_logps(model, pack_shared_prompt(batch_pairs), Scoring())
         return (torch.stack([out.chosen, out.rejected], 1).double() * weights).sum()
 
     def unpacked():  # the probe's truth, differentiated
@@ -388,14 +397,14 @@ def test_long_segments_run_without_their_square_mask_and_equal_eager_unpacked(mo
     time; a full-causal model makes no mask at all, a windowed or chunked one no whole mask. Either way each
     pair's log-probs are eager unpacked's."""
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
 
     blocks = _long_segments(monkeypatch)
     made = []
     monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a) or positions_visible(*a))
     model, batch_pairs = _load(model_type, "segments", layout).eval(), pairs()
     with torch.no_grad():
-        got = pair_logps(model, LAYOUTS[layout](batch_pairs, 16))
+        got = pair_logps(model, LAYOUTS[layout](batch_pairs, 16), Scoring())
     assert relative_error(got, eager_unpacked(model, batch_pairs)) < TOLERANCE
     rows = [(len(queries), layer) for queries, _, layer in made]
     if features_of(model) == "full causal" and layout == "shared_prompt":
@@ -421,11 +430,11 @@ def _eager_block(block: tuple) -> bool:
 def test_long_eager_segments_are_recomputed_a_block_at_a_time(model_type, monkeypatch):
     """A soft-capped or sink layer's scores are as square as a mask: past MASK_LIMIT its blocks of query rows run
     under a checkpoint, so that no block's scores are kept for backward, which makes each block again."""
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
 
     blocks = _long_segments(monkeypatch)
     model = _load(model_type, "segments", "shared_prompt")
-    out = pair_logps(model, pack_shared_prompt(pairs()))
+    out = pair_logps(model, pack_shared_prompt(pairs()), Scoring())
     forward = sum(map(_eager_block, blocks))
     (out.chosen.sum() - out.rejected.sum()).backward()
     again = sum(map(_eager_block, blocks)) - forward
@@ -446,7 +455,7 @@ def test_a_window_longer_than_every_segment_stays_maskless_past_the_limit(monkey
     """A windowed layer that hides no key of a segment keeps sdpa's maskless kernel, long or not: the blocks
     are for windows that cut, never a masked detour for one that does not."""
     from dpo_train.attention import segments
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
@@ -454,8 +463,8 @@ def test_a_window_longer_than_every_segment_stays_maskless_past_the_limit(monkey
     made = []
     monkeypatch.setattr(segments, "positions_visible", lambda *a: made.append(a) or positions_visible(*a))
     spec = ModelConfig(init={"config": {**model_spec("mistral"), "sliding_window": 200}, "seed": 0})
-    model, batch_pairs = load_model(spec, "segments", placement("cpu", "fp32"), None, "separate").eval(), pairs()
+    model, batch_pairs = load_model(spec, "segments", placement("cpu", "fp32"), None, "separate")[0].eval(), pairs()
     with torch.no_grad():
-        got = pair_logps(model, pack_microbatch(batch_pairs, 16))
+        got = pair_logps(model, pack_microbatch(batch_pairs, 16), Scoring())
     assert relative_error(got, eager_unpacked(model, batch_pairs)) < TOLERANCE
     assert blocks == [] and made == []

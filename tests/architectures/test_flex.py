@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dpo_train.attention import flex
-from dpo_train.attention.logps import pair_logps
-from dpo_train.attention.probe import eager_unpacked, probe
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.probe import eager_unpacked, probe
+from dpo_train.logps.scoring import Scoring
 from tests.architectures.test_architectures import LAYOUTS, _load
 from tests.architectures.zoo import (
     AUTO_FALLBACK,
@@ -63,7 +64,7 @@ def _packed(model, layout: str) -> tuple[float, torch.Tensor]:
     """flex's packed log-probs in `layout` (the worst pair's relative error is taken by the caller) and the
     gradient of the same weighted sum."""
     model.zero_grad(set_to_none=True)
-    out = pair_logps(model, LAYOUTS[layout](pairs(), 16))
+    out = pair_logps(model, LAYOUTS[layout](pairs(), 16), Scoring())
     (torch.stack([out.chosen, out.rejected], 1).double() * WEIGHTS).sum().backward()
     return out, _gradient(model)
 
@@ -86,7 +87,7 @@ def _flex_model(name: str):
 
     model_type, changes = VARIANTS.get(name, (name, {}))
     spec = ModelConfig(init={"config": {**model_spec(model_type), **changes}, "seed": 0})
-    model = load_model(spec, "flex", placement("cpu", "fp32"), None, "separate").eval()
+    model = load_model(spec, "flex", placement("cpu", "fp32"), None, "separate")[0].eval()
     assert model.config._attn_implementation == flex.ATTENTION
     return model
 
@@ -108,7 +109,7 @@ def test_flex_log_probs_equal_eager_unpacked_on_every_architecture_the_segment_p
     truth = eager_unpacked(model, pairs())
     for layout in _layouts(model_type):
         with torch.no_grad():
-            assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16)), truth) < TOLERANCE, layout
+            assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16), Scoring()), truth) < TOLERANCE, layout
 
 
 VISIBLE = flex.visible  # the right mask_mod, which each broken variant below changes
@@ -154,10 +155,10 @@ def test_a_broken_block_mask_fails_the_exactness_check_and_the_probe(variant, mo
     model = _flex_model(model_type)
     truth = eager_unpacked(model, pairs())
     with torch.no_grad():
-        assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16)), truth) < TOLERANCE
+        assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16), Scoring()), truth) < TOLERANCE
     monkeypatch.setattr(flex, "visible", broken)
     with torch.no_grad():
-        error = relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16)), truth)
+        error = relative_error(pair_logps(model, LAYOUTS[layout](pairs(), 16), Scoring()), truth)
     assert error > 1e-3, f"{variant}: off by only {error:.1e}"
     with pytest.raises(ConfigError, match="under attention dpo_flex .*packing would train on wrong numbers"):
         probe(model, layout, "flex")
@@ -173,7 +174,7 @@ def test_one_block_mask_per_micro_batch_and_layer_kind(monkeypatch):
     monkeypatch.setattr(flex, "_from_mask_mod", lambda *a: made.append(a) or real(*a))
     model = _load("ministral", "flex", "separate").eval()  # 2 layers: sliding, full
     with torch.no_grad():
-        pair_logps(model, LAYOUTS["shared_prompt"](pairs(), 16))
+        pair_logps(model, LAYOUTS["shared_prompt"](pairs(), 16), Scoring())
     assert len(made) == 2 and [length for _, length, _ in made] == [128, 128]
     for mask_mod, length, device in made:
         ours, torch_own = real(mask_mod, length, device), create_block_mask(mask_mod, None, None, length, length)
@@ -221,7 +222,7 @@ def test_one_compiled_kernel_serves_many_rows(monkeypatch):
     with torch.no_grad():
         for layout in LAYOUTS:
             for pad in (8, 16):
-                assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), pad)), truth) < TOLERANCE
+                assert relative_error(pair_logps(model, LAYOUTS[layout](pairs(), pad), Scoring()), truth) < TOLERANCE
     assert flex.compiles() - before == 1
 
 
@@ -239,7 +240,7 @@ def test_a_kernel_that_fails_to_compile_leaves_the_unfused_math_with_a_note(monk
     model = _flex_model("llama")
     truth = eager_unpacked(model, pairs())
     with torch.no_grad():
-        assert relative_error(pair_logps(model, LAYOUTS["separate"](pairs(), 16)), truth) < TOLERANCE
+        assert relative_error(pair_logps(model, LAYOUTS["separate"](pairs(), 16), Scoring()), truth) < TOLERANCE
     said = capsys.readouterr().err
     assert said.count("could not compile its kernel on cpu (RuntimeError: no kernel for this shape)") == 1, said
 

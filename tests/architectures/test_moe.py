@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dpo_data.loading.microbatch import pack_microbatch
-from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 from dpo_train.step.objective import microbatch_loss, router_aux_coef
 from tests.architectures.zoo import model_spec, pairs
 
@@ -19,7 +20,7 @@ def _model(model_type: str, attention: str = "segments"):
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
-    return load_model(spec, attention, placement("cpu", "fp32"), None, "separate")
+    return load_model(spec, attention, placement("cpu", "fp32"), None, "separate")[0]
 
 
 def _padded_aux(model, pair_list) -> float:
@@ -46,33 +47,33 @@ def test_packed_router_loss_equals_trls_padded_one(model_type):
     batch, so its load-balancing loss is the one TRL adds."""
     model = _model(model_type)
     with torch.no_grad():
-        out = pair_logps(model, pack_microbatch(pairs()), router_aux=True)
+        out = pair_logps(model, pack_microbatch(pairs()), Scoring(), router_aux=True)
     assert out.aux_loss is not None
     assert float(out.aux_loss) == pytest.approx(_padded_aux(model, pairs()), rel=1e-5)
-    assert pair_logps(model, pack_microbatch(pairs())).aux_loss is None  # not asked: not computed
+    assert pair_logps(model, pack_microbatch(pairs()), Scoring()).aux_loss is None  # not asked: not computed
 
 
 def test_the_coefficient_is_the_models_unless_set_and_refused_where_it_cannot_be_exact():
     mixtral, llama = _model("mixtral"), _model("llama")
     attention = mixtral.config._attn_implementation
-    assert router_aux_coef(None, mixtral, attention, False) == 0.001  # MixtralConfig's router_aux_loss_coef
-    assert router_aux_coef(0.0, mixtral, attention, False) == 0.0
-    assert router_aux_coef(0.05, mixtral, attention, False) == 0.05
-    assert router_aux_coef(None, llama, attention, False) == 0.0
+    assert router_aux_coef(None, mixtral, attention, False, False) == 0.001  # MixtralConfig's router_aux_loss_coef
+    assert router_aux_coef(0.0, mixtral, attention, False, False) == 0.0
+    assert router_aux_coef(0.05, mixtral, attention, False, False) == 0.05
+    assert router_aux_coef(None, llama, attention, False, False) == 0.0
     with pytest.raises(ConfigError, match="loss.router_aux_coef is 0.1, but LlamaForCausalLM computes no router"):
-        router_aux_coef(0.1, llama, attention, False)
+        router_aux_coef(0.1, llama, attention, False, False)
     # Llama 4 and GLM-4-MoE have the config key but no load-balancing loss: nothing is added or logged
     for name in ("llama4_text", "glm4_moe"):
         model = _model(name)
         assert hasattr(model.config, "output_router_logits")
-        assert router_aux_coef(None, model, model.config._attn_implementation, False) == 0.0
+        assert router_aux_coef(None, model, model.config._attn_implementation, False, False) == 0.0
         with pytest.raises(ConfigError, match="computes no router load-balancing loss"):
-            router_aux_coef(0.01, model, model.config._attn_implementation, False)
+            router_aux_coef(0.01, model, model.config._attn_implementation, False, False)
     with pytest.raises(ConfigError, match="under distributed.sequence_parallel each rank sees a part"):
-        router_aux_coef(None, mixtral, attention, True)
+        router_aux_coef(None, mixtral, attention, True, False)
     with pytest.raises(ConfigError, match="model.attention eager: transformers reads the attention mask"):
-        router_aux_coef(None, mixtral, "eager", False)
-    assert router_aux_coef(0.0, mixtral, "eager", False) == 0.0
+        router_aux_coef(None, mixtral, "eager", False, False)
+    assert router_aux_coef(0.0, mixtral, "eager", False, False) == 0.0
 
 
 def _step_loss(microbatches, coef):
@@ -96,8 +97,8 @@ def test_the_router_term_is_each_microbatch_weighted_by_its_pairs():
 
     model, batch_pairs = _model("mixtral"), pairs()
     with torch.no_grad():
-        together = float(pair_logps(model, pack_microbatch(batch_pairs), router_aux=True).aux_loss)
-        apart = [pair_logps(model, pack_microbatch([p]), router_aux=True).aux_loss for p in batch_pairs]
+        together = float(pair_logps(model, pack_microbatch(batch_pairs), Scoring(), router_aux=True).aux_loss)
+        apart = [pair_logps(model, pack_microbatch([p]), Scoring(), router_aux=True).aux_loss for p in batch_pairs]
     assert abs(together - float(sum(apart)) / len(apart)) > 1e-6  # repacking changes the statistic
 
 

@@ -8,9 +8,10 @@ import torch
 
 from dpo_data.loading.contract import contract_problems
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-from dpo_train.attention.logps import pair_logps
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ParityError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 from dpo_train.reference.guard import check_parity, reordered
 from tests.architectures.zoo import model_spec, pairs, relative_error
 from tests.architectures.zoo import train_config as _config
@@ -24,7 +25,7 @@ def _model(model_type: str, attention: str = "auto", layout: str = "separate", *
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": {**model_spec(model_type), **overrides}, "seed": 0})
-    return load_model(spec, attention, placement("cpu", "fp32"), None, layout).eval()
+    return load_model(spec, attention, placement("cpu", "fp32"), None, layout)[0].eval()
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -49,7 +50,7 @@ def test_a_reordered_micro_batch_keeps_the_contract_and_moves_every_segment(layo
 def test_an_exact_model_scores_a_reordered_batch_as_the_batch(model_type, layout):
     model, batch = _model(model_type, layout=layout), LAYOUTS[layout](pairs(), 16)
     with torch.no_grad():
-        want, got = pair_logps(model, batch), pair_logps(model, reordered(batch))
+        want, got = pair_logps(model, batch, Scoring()), pair_logps(model, reordered(batch), Scoring())
     truth = torch.stack([want.chosen, want.rejected], 1).double()
     assert relative_error(got, truth) < 1e-6
     assert torch.equal(got.chosen_tokens, want.chosen_tokens)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dpo_train.attention import segments
-from dpo_train.attention.probe import TOLERANCE, probe
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
+from dpo_train.logps.probe import TOLERANCE, Probed, probe
+from dpo_train.logps.scoring import Scoring
 from dpo_train.model.policy import load_policy
 from tests.architectures.zoo import model_spec
 from tests.harness import train_here, write_yaml
@@ -24,7 +25,7 @@ def _raw(model_type: str, attention: str = segments.ATTENTION):
 def test_the_probe_passes_exact_models_and_leaves_them_as_they_were(layout):
     for model_type in ("llama", "gemma2", "gpt_oss", "llama4_text"):
         model = _raw(model_type).train()
-        assert probe(model, layout) <= TOLERANCE
+        assert probe(model, layout).error <= TOLERANCE
         assert model.training and model.config._attn_implementation == segments.ATTENTION
 
 
@@ -73,7 +74,8 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
     calls = []
     import dpo_train.run.initial_policy as initial  # the trainer's and the precompute's initial policy
 
-    monkeypatch.setattr(initial, "probe", lambda model, layout, requested: calls.append(layout) or 0.0)
+    probed = lambda model, layout, requested, unpacked: calls.append(layout) or Probed(0.0, unpacked)  # noqa: E731
+    monkeypatch.setattr(initial, "probe", probed)
     path = _config(tmp_path, small_dataset, smollm2_dir, "gemma3_text")
     train_here(run_cli, path)
     assert calls == ["separate"]
@@ -84,13 +86,13 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
 def test_an_attention_keyword_that_is_not_inert_reaches_an_error_not_a_silent_drop():
     model = _raw("llama")
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from tests.architectures.zoo import pairs
 
     with pytest.raises(Exception, match="returns no attention weights"):
         with torch.no_grad():
             model(**{**_inputs(pack_microbatch(pairs())), "output_attentions": True})
-    assert pair_logps(model, pack_microbatch(pairs())).chosen.shape == (3,)
+    assert pair_logps(model, pack_microbatch(pairs()), Scoring()).chosen.shape == (3,)
 
 
 def _inputs(batch):

@@ -8,30 +8,41 @@ import pytest
 import torch
 
 from dpo_data.loading.microbatch import pack_microbatch
-from dpo_train.attention.logps import pair_logps
-from dpo_train.attention.tiled_mlp import Tiled, mlps, tile_mlps, tile_of
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
+from dpo_train.logps.tiled_mlp import Tiled, mlps, tile_mlps, tiles_of
 from tests.architectures.zoo import ZOO, model_spec, pairs
 
 
-def _load(model_type: str):
-    """The zoo model as a run trains it: training mode, dropout off (Seed-OSS's MLP applies its own)."""
-    from dpo_train.attention.probe import probe
+def _loaded(model_type: str) -> tuple:
+    """The zoo model as a run trains it: training mode, dropout off (Seed-OSS's MLP applies its own); and the
+    `Scoring` of its rows (unpacked where auto takes that path)."""
+    from dpo_train.logps.probe import probe
     from dpo_train.model.load import load_model
     from dpo_train.model.policy import prepare_for_training
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
-    model = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")
-    probe(model, "separate", "auto")  # auto's path, as the run takes it (StableLM's is sdpa)
+    model, unpacked = load_model(spec, "auto", placement("cpu", "fp32"), None, "separate")
+    unpacked = probe(model, "separate", "auto", unpacked).unpacked  # auto's path, as the run takes it (StableLM's)
     prepare_for_training(model)
-    return model
+    return model, Scoring(unpacked=unpacked)
 
 
-def _logps_and_gradient(model) -> tuple[torch.Tensor, torch.Tensor]:
+def _load(model_type: str):
+    return _loaded(model_type)[0]
+
+
+def tile_of(model) -> int | None:
+    """The tile a checkpoint records for `model`'s MLPs (`Scoring.mlp_tile` of its tiles; None: whole)."""
+    return Scoring(tiles=tiles_of(model)).mlp_tile
+
+
+def _logps_and_gradient(model, scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    out = pair_logps(model, pack_microbatch(pairs()))
+    out = pair_logps(model, pack_microbatch(pairs()), scoring)
     logps = torch.stack([out.chosen, out.rejected], 1)
     (logps * torch.tensor([[1.0, -0.5], [0.3, 0.2], [-1.0, 0.7]], dtype=logps.dtype)).sum().backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
@@ -46,7 +57,7 @@ def test_tiled_mlps_give_the_models_own_logps_and_gradients(model_type):
     tiles' weight gradients, summed in another order, differ by rounding: up to 1.6e-6 here). A mixture of
     experts is left whole (and its grouped matmul takes no float64: those models compare in float32, 1e-6 and
     1e-5, their dense layers tiled)."""
-    model = _load(model_type)
+    model, scoring = _loaded(model_type)
     moe = any(name.endswith("experts") for name, _ in model.named_modules())
     model, (logps_tolerance, grad_tolerance) = (model, (1e-6, 1e-5)) if moe else (model.double(), (1e-10, 1e-10))
     tiled = copy.deepcopy(model)
@@ -55,7 +66,7 @@ def test_tiled_mlps_give_the_models_own_logps_and_gradients(model_type):
     assert not any(isinstance(m, Tiled) for m in model.modules()), "the original stays whole"
     if getattr(tiled, "supports_gradient_checkpointing", False):
         tiled.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    (whole, whole_grad), (got, got_grad) = _logps_and_gradient(model), _logps_and_gradient(tiled)
+    (whole, whole_grad), (got, got_grad) = _logps_and_gradient(model, scoring), _logps_and_gradient(tiled, scoring)
     assert float(((got - whole).abs() / whole.abs()).max()) <= logps_tolerance
     assert float((got_grad - whole_grad).norm() / whole_grad.norm()) <= grad_tolerance
     for name, module in tiled.named_modules():
@@ -111,7 +122,7 @@ def test_under_activation_checkpointing_tiles_cost_no_mlp_forward_where_the_mlp_
     checkpointed, tiled against whole. Where the MLP ends the layer, the layer's recompute stops at the MLP's saved
     input and the tiles' backward is the one recompute: as many positions as whole (forward and recompute). Where
     a norm follows the MLP, that norm needs the MLP's output, so the recompute runs it: one forward more (1.5x)."""
-    model = _load(model_type)
+    model, scoring = _loaded(model_type)
     (_, first), *_ = mlps(model)
     cls, counted = type(first), []
     own = cls.forward
@@ -128,7 +139,7 @@ def test_under_activation_checkpointing_tiles_cost_no_mlp_forward_where_the_mlp_
         counted.clear()
         cls.forward = counting
         try:
-            _logps_and_gradient(copied)
+            _logps_and_gradient(copied, scoring)
         finally:
             cls.forward = own
         positions[name] = sum(counted)
@@ -157,7 +168,7 @@ def test_lora_adapters_on_a_tiled_mlp_get_the_whole_mlps_gradients(checkpointed)
                 torch.nn.init.normal_(p, std=0.1)
         if checkpointed:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        logps, grad = _logps_and_gradient(model)
+        logps, grad = _logps_and_gradient(model, Scoring())
         trained = [n for n, p in model.named_parameters() if p.grad is not None]
         runs.append((logps, grad, trained))
     (whole, whole_grad, whole_trained), (got, got_grad, got_trained) = runs
@@ -178,7 +189,7 @@ def test_the_tiles_backward_recomputes_under_the_forwards_autocast():
     hook = gate.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = pair_logps(model, pack_microbatch(pairs()))
+            out = pair_logps(model, pack_microbatch(pairs()), Scoring())
         forward = len(dtypes)
         (out.chosen.sum() - out.rejected.sum()).backward()
     finally:
@@ -203,7 +214,7 @@ def test_an_mlp_that_mixes_positions_is_refused_by_name():
 
 
 def test_the_run_says_what_it_tiled():
-    from dpo_train.attention.tiled_mlp import tile_note
+    from dpo_train.logps.tiled_mlp import tile_note
 
     model = _load("llama")
     assert tile_note(model, tile_mlps(model, 8), 8) == (
@@ -241,7 +252,7 @@ def test_auto_tiles_the_mlps_whose_tiles_checkpointing_makes_free(model_type):
     tiled: it tiles (at AUTO) the MLPs that run no more often than whole, the ones the test above finds free, and
     leaves the others, and every MLP without checkpointing, as they were; the count keeps no gradient, leaves
     every parameter's requires_grad and draws nothing from the RNG."""
-    from dpo_train.attention.tiled_mlp import AUTO, apply_setting
+    from dpo_train.logps.tiled_mlp import AUTO, apply_setting
 
     model = _load(model_type)
     assert apply_setting(model, "auto", checkpointed=False) is None and tile_of(model) is None
@@ -265,7 +276,7 @@ def test_auto_tiles_the_mlps_whose_tiles_checkpointing_makes_free(model_type):
 def test_auto_leaves_a_model_the_count_cannot_run_as_it_was():
     """A model whose forward fails on the count's row trains whole, as before auto, with a note naming the error:
     auto only saves memory, so it never stops a run the model would otherwise make."""
-    from dpo_train.attention.tiled_mlp import apply_setting
+    from dpo_train.logps.tiled_mlp import apply_setting
 
     model = _load("qwen2")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -287,7 +298,7 @@ def _draw(*_) -> None:
 
 
 def test_auto_leaves_an_mlp_that_mixes_positions_whole_where_a_count_refuses_it():
-    from dpo_train.attention.tiled_mlp import apply_setting
+    from dpo_train.logps.tiled_mlp import apply_setting
 
     model = _load("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -309,8 +320,8 @@ def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir
     gradient norms within 1e-6 relative; the tile is in the checkpoint's identity only when set."""
     import orjson
 
-    from dpo_train.attention import tiled_mlp
     from dpo_train.config.loading import load_config
+    from dpo_train.logps import tiled_mlp
     from dpo_train.trainer import train
     from tests.harness import tiny_config
 
@@ -344,7 +355,7 @@ def test_a_tiled_run_trains_what_the_whole_mlp_trains(small_dataset, smollm2_dir
 def test_auto_records_the_tile_the_policy_runs_in_the_identity(small_dataset, smollm2_dir, tmp_path, checkpointing):
     """The default, auto: a checkpointed run's identity holds the tile its Llama MLPs run with, an uncheckpointed
     run's none (its MLPs whole), as if it had said null."""
-    from dpo_train.attention.tiled_mlp import AUTO
+    from dpo_train.logps.tiled_mlp import AUTO
     from tests.harness import tiny_config, tiny_trainer
 
     config = tiny_config(small_dataset, smollm2_dir, tmp_path, activation_checkpointing=checkpointing)
@@ -359,8 +370,8 @@ def test_a_precomputed_reference_tiles_the_mlps_its_run_tiles(
 ):
     """--precompute-reference builds the run's own initial policy, activation checkpointing included, so `auto`
     tiles the MLPs the training run tiles and the reference's rows run through the same tiles."""
-    from dpo_train.attention.tiled_mlp import AUTO
     from dpo_train.config.loading import load_config
+    from dpo_train.logps.tiled_mlp import AUTO
     from dpo_train.precompute import precompute_reference
     from dpo_train.run import initial_policy
     from tests.train.test_sidecar_guards import _precomputed_config

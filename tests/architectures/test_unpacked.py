@@ -12,22 +12,29 @@ import torch
 
 from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-from dpo_train.attention.logps import pair_logps
-from dpo_train.attention.probe import eager_unpacked, probe
 from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.probe import eager_unpacked, probe
+from dpo_train.logps.scoring import Scoring
 from tests.architectures.zoo import model_spec, pairs, relative_error
 
 LAYOUTS = {"separate": pack_microbatch, "shared_prompt": pack_shared_prompt}
 TOLERANCE = 1e-5
 
 
-def _load(model_type: str, attention: str = "auto", layout: str = "separate", mesh=None):
+def _loaded(model_type: str, attention: str = "auto", layout: str = "separate", mesh=None):
+    """The model as `load_model` loads it, and the `Scoring` of its rows (unpacked where it loaded so)."""
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
-    return load_model(spec, attention, placement("cpu", "fp32"), mesh, layout)
+    model, unpacked = load_model(spec, attention, placement("cpu", "fp32"), mesh, layout)
+    return model, Scoring(unpacked=unpacked)
+
+
+def _load(model_type: str, attention: str = "auto", layout: str = "separate", mesh=None):
+    return _loaded(model_type, attention, layout, mesh)[0]
 
 
 def _odd_pairs() -> list[PairIds]:
@@ -41,11 +48,12 @@ def _odd_pairs() -> list[PairIds]:
 @pytest.mark.parametrize("model_type", ["lfm2", "jamba", "bloom"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_padding_segments_and_one_token_completions_are_exact(model_type, layout):
-    model, batch_pairs = _load(model_type, layout=layout), _odd_pairs()
+    (model, scoring), batch_pairs = _loaded(model_type, layout=layout), _odd_pairs()
+    assert scoring.unpacked  # auto, for a model packing cannot serve
     batch = LAYOUTS[layout](batch_pairs, pad_to_multiple_of=24)
     assert batch["num_padding_tokens"] > 0 and (batch["segment_role"] == -1).any()  # a padding segment
     with torch.no_grad():
-        out = pair_logps(model, batch)
+        out = pair_logps(model, batch, scoring)
     assert relative_error(out, eager_unpacked(model, batch_pairs)) < TOLERANCE
     lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in batch_pairs], dtype=torch.float32)
     assert torch.equal(torch.stack([out.chosen_tokens, out.rejected_tokens], 1), lengths)
@@ -55,11 +63,15 @@ def test_the_unpacked_sums_equal_the_packed_ones_field_by_field():
     """On a model packing serves (Llama), unpacked asked for gives what the segment attention gives:
     sums, token counts, LD-DPO sums and WPO weights, in both layouts."""
     for layout, pack in LAYOUTS.items():
-        packed, unpacked = _load("llama", "segments", layout), _load("llama", "unpacked", layout)
+        (packed, as_packed), (unpacked, as_unpacked) = (
+            _loaded("llama", "segments", layout),
+            _loaded("llama", "unpacked", layout),
+        )
+        assert not as_packed.unpacked and as_unpacked.unpacked
         batch = pack(pairs(), pad_to_multiple_of=16)
         with torch.no_grad():
-            a = pair_logps(packed, batch, ld_alpha=0.5, weighting=True)
-            b = pair_logps(unpacked, batch, ld_alpha=0.5, weighting=True)
+            a = pair_logps(packed, batch, as_packed, ld_alpha=0.5, weighting=True)
+            b = pair_logps(unpacked, batch, as_unpacked, ld_alpha=0.5, weighting=True)
         for x, y in [(a.chosen, b.chosen), (a.rejected, b.rejected), (a.ld[0], b.ld[0]), (a.ld[1], b.ld[1])]:
             assert torch.allclose(x, y, rtol=TOLERANCE, atol=0), layout
         assert torch.allclose(a.weights, b.weights, rtol=1e-4, atol=0), layout
@@ -72,11 +84,11 @@ def test_the_router_loss_of_an_unpacked_row_is_trls_padded_one():
     from dpo_train.step.objective import router_aux_coef
     from tests.architectures.test_moe import _padded_aux
 
-    model = _load("jamba")
+    model, scoring = _loaded("jamba")
     with torch.no_grad():
-        out = pair_logps(model, pack_microbatch(pairs()), router_aux=True)
+        out = pair_logps(model, pack_microbatch(pairs()), scoring, router_aux=True)
     assert float(out.aux_loss) == pytest.approx(_padded_aux(model, pairs()), rel=1e-5)
-    assert router_aux_coef(None, model, model.config._attn_implementation, False) > 0
+    assert router_aux_coef(None, model, model.config._attn_implementation, False, scoring.unpacked) > 0
 
 
 def test_auto_says_once_on_stderr_that_packing_is_off(capsys):
@@ -113,9 +125,10 @@ def test_packed_paths_and_sequence_parallelism_refuse_these_models_by_name():
 
 @pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next", "falcon"])
 def test_the_start_up_probe_runs_on_the_unpacked_path_and_passes(model_type):
-    model = _load(model_type)
+    model, scoring = _loaded(model_type)
     for layout in LAYOUTS:
-        assert probe(model, layout) < TOLERANCE
+        found = probe(model, layout, None, scoring.unpacked)
+        assert found.error < TOLERANCE and found.unpacked
 
 
 def _packed_row(batch, mesh=None, model=None):
@@ -125,7 +138,8 @@ def _packed_row(batch, mesh=None, model=None):
 
 @pytest.mark.parametrize("model_type", ["lfm2", "jamba", "bloom"])
 def test_a_packed_row_fed_to_the_model_is_caught(model_type, monkeypatch):
-    """The broken variant: the unpacked path switched off, so the packed row reaches the model. LFM2 and
+    """The broken variant: the unpacked path switched off (a `Scoring` that packs), so the packed row reaches the
+    model. LFM2 and
     Jamba run the segment attention (their attention layers keep segments apart, as the packed paths
     would), so only the conv / Mamba state crosses segments; Bloom gets the bare row, and its ALiBi
     distances span it. The zoo's check and the start-up probe both see it. At random init (std 0.02) a
@@ -134,11 +148,9 @@ def test_a_packed_row_fed_to_the_model_is_caught(model_type, monkeypatch):
     from dpo_train.attention import segments
 
     model = _load(model_type)
-    monkeypatch.setattr("dpo_train.attention.logps.unpacked.runs_unpacked", lambda model: False)
     if model_type == "bloom":
-        monkeypatch.setattr("dpo_train.attention.logps.row_inputs", _packed_row)
+        monkeypatch.setattr("dpo_train.logps.pairs.row_inputs", _packed_row)
     else:
-        monkeypatch.setattr("dpo_train.attention.inputs.runs_unpacked", lambda model: False)
         segments.register()
         model.config._attn_implementation = segments.ATTENTION
     with torch.no_grad():
@@ -147,7 +159,7 @@ def test_a_packed_row_fed_to_the_model_is_caught(model_type, monkeypatch):
             if mixer and p.dim() > 1 and not any(k in name for k in ("x_proj", "dt_proj")):  # in, conv, out
                 p.mul_(4)
     with torch.no_grad():
-        out = pair_logps(model, pack_microbatch(pairs()))
+        out = pair_logps(model, pack_microbatch(pairs()), Scoring())
     assert relative_error(out, eager_unpacked(model, pairs())) > 1e-3
     with pytest.raises(ConfigError, match="start-up probe's packed row"):
         probe(model, "separate")
@@ -157,9 +169,9 @@ def test_a_microbatch_without_pairs_still_forwards():
     """The trainer's join forward (a rank with no pairs) runs the padding row as one sequence."""
     from dpo_train.attention.inputs import row_inputs
 
-    model = _load("lfm2")
+    model, scoring = _loaded("lfm2")
     batch = pack_microbatch([], pad_to_multiple_of=8)
-    inputs = row_inputs(batch, None, model)[0]
+    inputs = row_inputs(batch, None, model, scoring.unpacked)[0]
     assert inputs["input_ids"].shape == inputs["attention_mask"].shape == (1, 8)
     assert model(**inputs).logits.shape == (1, 8, 97)
 

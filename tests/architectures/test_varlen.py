@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from dpo_train.attention import varlen
-from dpo_train.attention.logps import pair_logps
-from dpo_train.attention.probe import eager_unpacked
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.probe import eager_unpacked
+from dpo_train.logps.scoring import Scoring
 from tests.architectures.test_architectures import LAYOUTS
 from tests.architectures.zoo import model_spec, pairs, relative_error
 
@@ -53,7 +54,7 @@ def _varlen_model(name: str):
 
     model_type, changes = VARIANTS.get(name, (name, {}))
     spec = ModelConfig(init={"config": {**model_spec(model_type), **changes}, "seed": 0})
-    model = load_model(spec, "segments", placement("cpu", "fp32"), None, "separate").eval()
+    model = load_model(spec, "segments", placement("cpu", "fp32"), None, "separate")[0].eval()
     varlen.register()
     model.config._attn_implementation = varlen.ATTENTION
     return model
@@ -66,13 +67,15 @@ def test_varlen_scores_each_pair_as_eager_unpacked(kernel, model_type):
     model = _varlen_model(model_type)
     truth = eager_unpacked(model, pairs())
     with torch.no_grad():
-        out = pair_logps(model, LAYOUTS["separate"](pairs(), 16))
+        out = pair_logps(model, LAYOUTS["separate"](pairs(), 16), Scoring())
     assert relative_error(out, truth) < TOLERANCE
 
 
 def _separate_error(model) -> float:
     """The worst pair's relative error of the separate layout's packed log-probs against eager unpacked."""
-    return relative_error(pair_logps(model, LAYOUTS["separate"](pairs(), 16)), eager_unpacked(model, pairs()))
+    return relative_error(
+        pair_logps(model, LAYOUTS["separate"](pairs(), 16), Scoring()), eager_unpacked(model, pairs())
+    )
 
 
 def test_a_window_one_key_wide_of_transformers_is_caught(kernel, monkeypatch):
@@ -110,13 +113,13 @@ def test_segments_one_boundary_off_are_caught(kernel, monkeypatch):
 def test_what_the_kernel_cannot_express_is_refused_by_name(kernel, model_type, feature):
     model = _varlen_model(model_type)
     with pytest.raises(ModelError, match=f"varlen cannot express {feature}"):
-        pair_logps(model, LAYOUTS["separate"](pairs(), 16))
+        pair_logps(model, LAYOUTS["separate"](pairs(), 16), Scoring())
 
 
 def test_the_shared_prompt_layout_is_refused(kernel):
     model = _varlen_model("llama")
     with pytest.raises(ModelError, match="separate layout"):
-        pair_logps(model, LAYOUTS["shared_prompt"](pairs(), 16))
+        pair_logps(model, LAYOUTS["shared_prompt"](pairs(), 16), Scoring())
 
 
 @pytest.mark.parametrize(

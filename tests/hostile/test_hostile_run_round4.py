@@ -150,7 +150,7 @@ def test_the_held_out_reward_margin_is_trls_beta_scaled_one_as_in_training(small
     trainer.microbatch(batch)
     trainer.step()
     held_out = dataclasses.replace(trainer.run, held_out=trainer.store)
-    record = Evaluator(held_out, trainer.reference.initial).run(trainer.model, step=1)
+    record = Evaluator(held_out, trainer.reference.initial, trainer.scoring).run(trainer.model, step=1)
     assert "margin" not in record and record["format_version"] == 4
     assert record["rewards/margins"] == pytest.approx(0.5 * record["logratio_margin"], rel=1e-6)
     assert abs(record["logratio_margin"]) > 1e-3  # the policy moved: beta-scaled and raw differ
@@ -158,7 +158,7 @@ def test_the_held_out_reward_margin_is_trls_beta_scaled_one_as_in_training(small
     trainer.microbatch(batch)  # the training metric of the same 8 pairs, read off the step's sums
     sums = dict(zip(SUMS, trainer.sums[0].tolist()))
     subset = dataclasses.replace(trainer.run, held_out=_first_pairs(trainer.store, 8))
-    again = Evaluator(subset, trainer.reference.initial).run(trainer.model, step=1)
+    again = Evaluator(subset, trainer.reference.initial, trainer.scoring).run(trainer.model, step=1)
     assert again["rewards/margins"] == pytest.approx(sums["margin"] / sums["pairs"], rel=1e-5)
 
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpo_train.attention import compiled, head
-from dpo_train.attention.compiled import Checked
 from dpo_train.config.loading import load_config
 from dpo_train.errors import ConfigError
+from dpo_train.logps import compiled, head
+from dpo_train.logps.compiled import Checked
+from dpo_train.logps.scoring import Scoring
 from tests.train.test_head import _errors, _head
 
 
 @pytest.fixture
 def compiling(monkeypatch):
-    """train.compiled_head: true, for this test; `use(compile_fn)` installs fresh chunk bodies compiled by it."""
-    compiled.choose(True)
+    """`use(compile_fn)` installs fresh chunk bodies compiled by it (the tests pass train.compiled_head: true)."""
 
     def use(compile_fn):
         forward = Checked(head.chunk_logps, "head (forward)", compile_fn)
@@ -26,8 +26,7 @@ def compiling(monkeypatch):
         monkeypatch.setattr(head, "CHUNK_GRAD", backward)
         return forward, backward
 
-    yield use
-    compiled.choose("auto")
+    return use
 
 
 def _traced(fn):
@@ -38,7 +37,7 @@ def _traced(fn):
 @pytest.mark.parametrize("kind", ["bias", "softcap"])
 def test_the_chunk_bodies_compile_as_one_graph_and_equal_the_whole_head(compiling, kind):
     forward, backward = compiling(_traced)
-    errors = _errors(_head(kind), 5)
+    errors = _errors(_head(kind), 5, compiled=True)
     assert all(error <= 1e-6 for error in errors.values()), errors
     # compiled (fullgraph: one graph, no break) and kept
     assert forward.state == backward.state == {"cpu": "checked"}, (forward.why, backward.why)
@@ -57,7 +56,7 @@ def test_a_miscompiled_chunk_is_dropped_on_its_first_use_and_the_eager_one_runs(
 
     forward, backward = compiling(miscompile)
     for _ in range(2):  # the second pass runs the eager forms alone
-        errors = _errors(_head("softcap"), 5)
+        errors = _errors(_head("softcap"), 5, compiled=True)
         assert all(error <= 1e-6 for error in errors.values()), errors
     assert forward.state == backward.state == {"cpu": "eager"}
     assert calls == ["chunk_logps", "chunk_grad"], calls  # each compiled form ran once: on its first chunk
@@ -78,7 +77,7 @@ def test_a_miscompile_of_the_second_shape_is_caught_too(compiling):
         return run
 
     forward, backward = compiling(wrong_when_short)
-    errors = _errors(_head("softcap"), 5)
+    errors = _errors(_head("softcap"), 5, compiled=True)
     assert all(error <= 1e-6 for error in errors.values()), errors
     assert forward.state == backward.state == {"cpu": "eager"}, (forward.why, backward.why)
 
@@ -98,9 +97,9 @@ def test_a_later_build_that_fails_falls_back_to_eager(compiling, capsys):
         return run
 
     forward, _ = compiling(fails_on_a_third_shape)
-    _errors(_head("bias"), 5)
+    _errors(_head("bias"), 5, compiled=True)
     assert forward.state == {"cpu": "checked"}
-    errors = _errors(_head("bias"), 4)
+    errors = _errors(_head("bias"), 4, compiled=True)
     assert all(error <= 1e-6 for error in errors.values()), errors
     assert forward.why["cpu"] == "torch.compile failed: RuntimeError: recompile failed"
 
@@ -113,19 +112,27 @@ def test_a_compiler_that_fails_leaves_the_eager_head(compiling, capsys):
         return build
 
     forward, _ = compiling(broken)
-    errors = _errors(_head("bias"), 5)
+    errors = _errors(_head("bias"), 5, compiled=True)
     assert all(error <= 1e-6 for error in errors.values()), errors
     assert forward.why["cpu"] == "torch.compile failed: RuntimeError: no C++ compiler here"
     assert "torch.compile failed: RuntimeError: no C++ compiler here" in capsys.readouterr().err
 
 
 def test_auto_compiles_on_cuda_only_true_everywhere_false_never():
-    try:
-        for mode, cpu, cuda in (("auto", False, True), (True, True, True), (False, False, False)):
-            compiled.choose(mode)
-            assert (compiled.compiles_on("cpu"), compiled.compiles_on("cuda")) == (cpu, cuda), mode
-    finally:
-        compiled.choose("auto")
+    for mode, cpu, cuda in (("auto", False, True), (True, True, True), (False, False, False)):
+        assert (compiled.compiles_on(mode, "cpu"), compiled.compiles_on(mode, "cuda")) == (cpu, cuda), mode
+
+
+def test_the_compiled_mode_is_the_scorings_not_the_process():
+    """Two scorings in one process keep their own train.compiled_head (no process-wide mode): the chunked head
+    compiles for the one that says so, and the eager body runs for the other."""
+    calls = []
+    checked = Checked(head.chunk_logps, "head (forward)", lambda fn: lambda *a: calls.append(1) or fn(*a))
+    args = (torch.randn(3, 4), torch.tensor([0, 1, 2]), torch.randn(5, 4), None, None, None, None, False)
+    checked(Scoring().compiled_head, *args)  # auto: eager on the CPU
+    assert calls == [] and checked.state == {}
+    checked(Scoring(compiled_head=True).compiled_head, *args)
+    assert calls == [1] and checked.state == {"cpu": "checked"}
 
 
 def test_train_compiled_head_is_auto_true_or_false_and_names_other_values(tmp_path):
@@ -138,4 +145,4 @@ def test_train_compiled_head_is_auto_true_or_false_and_names_other_values(tmp_pa
             load_config(source, [f"train.compiled_head={bad}"])
         assert "train/compiled_head" in str(info.value) and bad in str(info.value), str(info.value)
     with pytest.raises(ValueError, match="one of auto, true, false"):
-        compiled.choose(1)
+        Scoring(compiled_head=1)

@@ -59,7 +59,7 @@ def test_the_held_out_loss_is_the_step_objective_on_those_pairs(small_dataset, l
     trainer = tiny_trainer(_config(small_dataset, loss))
     store = trainer.store
     pairs = [store.pair(i) for i in range(store.num_pairs)]
-    evaluator = Evaluator(dataclasses.replace(trainer.run, held_out=store), trainer.reference.initial)
+    evaluator = Evaluator(dataclasses.replace(trainer.run, held_out=store), trainer.reference.initial, trainer.scoring)
     before = evaluator.run(trainer.model, step=0)
     step = _objective(trainer, pairs)
     sft = trainer.config.loss.sft_weight

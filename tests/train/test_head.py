@@ -4,11 +4,14 @@ for every head transform the zoo's models apply, read from the models themselves
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dpo_train.attention.head import Head, HeadInput, chunk_spans, head_of, target_logps
+from dpo_train.logps.head import Head, HeadInput, chunk_spans, head_of, target_logps
+from dpo_train.logps.scoring import Scoring
 from dpo_train.model.policy import init_config
 from tests.architectures.zoo import BASE, ZOO, model_spec
 from tests.harness import LiveTensors
@@ -43,9 +46,10 @@ def _whole(hidden: torch.Tensor, head: Head, labels: torch.Tensor) -> tuple[torc
     return picked, (torch.logsumexp(2 * logits, dim=-1) - 2 * log_z).detach()
 
 
-def _errors(head: Head, chunk: int, spans=chunk_spans) -> dict[str, float]:
+def _errors(head: Head, chunk: int, spans=chunk_spans, compiled: bool | str = "auto") -> dict[str, float]:
     """Relative errors of the chunked head against the whole one: log-probs, log sum p^2, and the gradients of
-    a loss that weighs each row differently (so a row counted twice or never shows)."""
+    a loss that weighs each row differently (so a row counted twice or never shows); `compiled`:
+    train.compiled_head."""
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(ROWS, HIDDEN, generator=g).requires_grad_()
     labels = torch.randint(0, VOCAB, (ROWS,), generator=g)
@@ -55,7 +59,7 @@ def _errors(head: Head, chunk: int, spans=chunk_spans) -> dict[str, float]:
     results = []
     for compute in (
         lambda: _whole(hidden, head, labels),
-        lambda: target_logps(hidden, head, labels, chunk, spans=spans),
+        lambda: target_logps(hidden, head, labels, chunk, spans=spans, compiled=compiled),
     ):
         picked, square = compute()
         grads = torch.autograd.grad((picked * weights).sum(), params)
@@ -193,23 +197,25 @@ PATH_MODELS = {  # (model_type, attention path): plain, softcap, scaling, logit 
 }
 
 
-def _loaded(model_type: str, path: str, layout: str):
+def _loaded(model_type: str, path: str, layout: str) -> tuple:
+    """The model as loaded for `path`, in eval mode, and its `Scoring` (unpacked where it loaded so)."""
     from dpo_train.config.sections import ModelConfig
     from dpo_train.model.load import load_model
     from dpo_train.parallel.device import placement
 
     spec = ModelConfig(init={"config": model_spec(model_type), "seed": 0})
-    return load_model(spec, path, placement("cpu", "fp32"), None, layout).eval()
+    model, unpacked = load_model(spec, path, placement("cpu", "fp32"), None, layout)
+    return model.eval(), Scoring(unpacked=unpacked)
 
 
-def _scored(model, batch: dict, budget: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """pair_logps' outputs (sums, LD sums, WPO weights) and every parameter's gradient of a mixed objective."""
-    from dpo_train.attention.head import mark
-    from dpo_train.attention.logps import pair_logps
+def _scored(model, batch: dict, scoring: Scoring, budget: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """pair_logps' outputs (sums, LD sums, WPO weights) and every parameter's gradient of a mixed objective, with
+    the logits budget `budget`."""
+    from dpo_train.logps.pairs import pair_logps
 
-    mark(model, budget)
     model.zero_grad(set_to_none=True)
-    out = pair_logps(model, batch, ld_alpha=0.4, weighting=True)
+    scoring = dataclasses.replace(scoring, logits_budget=budget)
+    out = pair_logps(model, batch, scoring, ld_alpha=0.4, weighting=True)
     (out.chosen.sum() - 0.7 * out.rejected.sum() + 0.3 * out.ld[0].sum()).backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     return [out.chosen, out.rejected, out.ld[0], out.ld[1], out.weights], grads
@@ -221,15 +227,16 @@ def test_pair_logps_through_the_chunked_head_equal_the_models_own_head(model_typ
     """A budget of 7 positions' logits (chunks of 7) against no budget: the same per-pair sums, LD-DPO sums,
     WPO weights and gradients of every parameter, within 1e-6 relative, on both layouts and the unpacked path."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.attention.head import COPIES, chunk_rows
+    from dpo_train.logps.head import COPIES, chunk_rows
     from tests.architectures.zoo import pairs
 
-    model = _loaded(model_type, PATH_MODELS[model_type], layout)
+    model, scoring = _loaded(model_type, PATH_MODELS[model_type], layout)
+    assert scoring.unpacked == (PATH_MODELS[model_type] == "unpacked")
     batch = (pack_shared_prompt if layout == "shared_prompt" else pack_microbatch)(pairs(), 16)
     budget = 7 * COPIES * model.config.vocab_size * 4
-    whole, whole_grads = _scored(model, batch, None)
-    chunked, chunked_grads = _scored(model, batch, budget)
-    assert chunk_rows(model, 100) == 7 and chunk_rows(model, 7) is None  # the budget engaged, and only past it
+    whole, whole_grads = _scored(model, batch, scoring, None)
+    chunked, chunked_grads = _scored(model, batch, scoring, budget)
+    assert chunk_rows(model, 100, budget) == 7 and chunk_rows(model, 7, budget) is None  # engaged only past it
     assert max(_relative(a, b) for a, b in zip(chunked, whole)) <= TOLERANCE
     assert len(chunked_grads) == len(whole_grads) > 0
     assert max(_relative(a, b) for a, b in zip(chunked_grads, whole_grads)) <= TOLERANCE
@@ -237,35 +244,36 @@ def test_pair_logps_through_the_chunked_head_equal_the_models_own_head(model_typ
 
 def test_lora_policy_and_its_adapters_off_reference_through_the_chunked_head_equal_the_models_own():
     """LoRA on the attention (the head stays a plain Linear): the policy's sums and every adapter's gradient, and
-    the reference's sums with the adapters off (`AdaptersDisabled`, the budget found through PEFT's wrappers),
-    equal the whole head's within 1e-6 relative; the adapters moved off zero so that they count."""
+    the reference's sums with the adapters off (`AdaptersDisabled`, the head found through PEFT's wrappers, scored
+    with the policy's `Scoring`), equal the whole head's within 1e-6 relative; the adapters moved off zero so that
+    they count."""
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.head import COPIES, chunk_rows, mark
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.head import COPIES, chunk_rows
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.lora import apply_lora
     from dpo_train.reference.live import AdaptersDisabled
     from tests.architectures.zoo import pairs
 
-    model = apply_lora(_loaded("llama", "segments", "separate"), {"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    loaded, scoring = _loaded("llama", "segments", "separate")
+    model = apply_lora(loaded, {"r": 4, "target_modules": ["q_proj", "v_proj"]})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     batch = pack_microbatch(pairs(), 16)
     budget = 7 * COPIES * model.config.vocab_size * 4
-    whole, whole_grads = _scored(model, batch, None)
-    chunked, chunked_grads = _scored(model, batch, budget)
-    assert chunk_rows(model, 100) == 7  # the budget is found through PEFT's wrappers
+    whole, whole_grads = _scored(model, batch, scoring, None)
+    chunked, chunked_grads = _scored(model, batch, scoring, budget)
+    assert chunk_rows(model, 100, budget) == 7  # the head is found through PEFT's wrappers
     assert len(chunked_grads) == len(whole_grads) > 0  # the adapters' gradients (the base is frozen)
     assert max(_relative(a, b) for a, b in zip(chunked, whole)) <= TOLERANCE
     assert max(_relative(a, b) for a, b in zip(chunked_grads, whole_grads)) <= TOLERANCE
     references = []
-    for b in (None, budget):  # the budget marked on the policy, read by the reference through its wrappers
-        mark(model, b)
+    for b in (None, budget):  # the policy's scoring, the reference's too
         with torch.no_grad():
-            out = pair_logps(AdaptersDisabled(model), batch)
+            out = pair_logps(AdaptersDisabled(model), batch, dataclasses.replace(scoring, logits_budget=b))
         references.append(torch.stack([out.chosen, out.rejected]))
-    assert chunk_rows(AdaptersDisabled(model), 100) == 7  # so the reference above did score in chunks
+    assert chunk_rows(AdaptersDisabled(model), 100, budget) == 7  # so the reference above did score in chunks
     assert _relative(references[1], references[0]) <= TOLERANCE
     assert _relative(references[0][0], whole[0]) > 1e-3  # adapters off is another model than the policy
 
@@ -273,10 +281,10 @@ def test_lora_policy_and_its_adapters_off_reference_through_the_chunked_head_equ
 def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
     """A model that changes its logits after the projection in a way `head_of` does not read, or whose head is
     not a plain Linear, keeps its own head: `check_head` names why, and the run's note says so."""
-    from dpo_train.attention.head import check_head, note
+    from dpo_train.logps.head_check import check_head, note
 
     model = AutoModelForCausalLM.from_config(init_config(model_spec("llama"))).eval()
-    assert check_head(model) is None
+    assert check_head(model, Scoring()) is None
     own = type(model).forward
 
     def shifted(self, *args, **kwargs):  # an unknown transform: the last logit raised
@@ -285,7 +293,7 @@ def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
         return out
 
     model.forward = shifted.__get__(model)
-    assert "differs from the chunked one" in check_head(model)
+    assert "differs from the chunked one" in check_head(model, Scoring())
 
     def nan(self, *args, **kwargs):  # a model whose own logits are NaN somewhere: never "equal"
         out = own(self, *args, **kwargs)
@@ -293,10 +301,10 @@ def test_the_head_check_refuses_a_head_it_cannot_stand_in_for(capsys):
         return out
 
     model.forward = nan.__get__(model)
-    assert "differs from the chunked one by nan" in check_head(model)
+    assert "differs from the chunked one by nan" in check_head(model, Scoring())
     del model.forward
     model.lm_head = torch.nn.Sequential(model.lm_head)
-    why = check_head(model)
+    why = check_head(model, Scoring())
     assert why == "its output embedding is a Sequential, not a plain Linear"
     note(model, why)
     assert "the chunked vocabulary head is off for this model" in capsys.readouterr().err

@@ -8,7 +8,8 @@ import torch
 
 from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pair_sums
-from dpo_train.attention.logps import pair_logps
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_packed_pair_logps_equal_separate_forwards(model):
     pairs = random_pairs(4)
     batch = pack_microbatch(pairs, pad_to_multiple_of=16)
     with torch.no_grad():
-        out = pair_logps(model, batch)
+        out = pair_logps(model, batch, Scoring())
     expected_c = [unpacked_logp(model, p.prompt, p.chosen) for p in pairs]
     expected_r = [unpacked_logp(model, p.prompt, p.rejected) for p in pairs]
     torch.testing.assert_close(out.chosen, torch.tensor(expected_c), rtol=1e-5, atol=1e-5)
@@ -74,9 +75,9 @@ def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
 
     pairs = random_pairs(4)
     with torch.no_grad():
-        separate = pair_logps(model, pack_microbatch(pairs, pad_to_multiple_of=16))
+        separate = pair_logps(model, pack_microbatch(pairs, pad_to_multiple_of=16), Scoring())
         shared_batch = pack_shared_prompt(pairs, pad_to_multiple_of=16)
-        shared = pair_logps(model, shared_batch)
+        shared = pair_logps(model, shared_batch, Scoring())
     for name in ("chosen", "rejected"):
         torch.testing.assert_close(getattr(shared, name), getattr(separate, name), rtol=1e-5, atol=1e-5)
     assert shared.chosen_tokens.tolist() == separate.chosen_tokens.tolist()
@@ -91,7 +92,7 @@ def test_shared_prompt_layout_gives_the_separate_logps(model, monkeypatch):
 
     monkeypatch.setattr(masks_module, "segment_mask", leaky)
     with torch.no_grad():
-        wrong = pair_logps(model, shared_batch)
+        wrong = pair_logps(model, shared_batch, Scoring())
     assert (wrong.rejected - separate.rejected).abs().max() > 1e-3
 
 
@@ -113,7 +114,7 @@ def test_segment_attention_gives_the_masked_sdpa_logps_and_gradients(model, layo
 
     def run():
         model.zero_grad()
-        out = pair_logps(model, batch)
+        out = pair_logps(model, batch, Scoring())
         (out.chosen.sum() - 2 * out.rejected.sum()).backward()
         return out, torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -172,7 +173,7 @@ def test_ld_sums_and_wpo_weights_are_each_pairs_own_whatever_the_packing(model):
     }
     for name, batches in packings.items():
         with torch.no_grad():
-            outs = [pair_logps(model, batch, ld_alpha=ld_alpha, weighting=True) for batch in batches]
+            outs = [pair_logps(model, batch, Scoring(), ld_alpha=ld_alpha, weighting=True) for batch in batches]
         ld = torch.cat([torch.stack(out.ld, dim=1) for out in outs])
         weights = torch.cat([out.weights for out in outs])
         torch.testing.assert_close(ld, expected_ld, rtol=1e-5, atol=1e-5, msg=name)
@@ -183,7 +184,7 @@ def test_ld_sums_and_wpo_weights_are_each_pairs_own_whatever_the_packing(model):
 def test_ld_alpha_one_is_the_plain_sums_and_null_computes_nothing(model):
     """ld_alpha 1.0 is the plain sums bit for bit; the LD sums carry the gradient and the WPO weights none."""
     batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
-    plain, one = pair_logps(model, batch), pair_logps(model, batch, ld_alpha=1.0, weighting=True)
+    plain, one = pair_logps(model, batch, Scoring()), pair_logps(model, batch, Scoring(), ld_alpha=1.0, weighting=True)
     assert one.ld[0].requires_grad and one.ld[1].requires_grad and not one.weights.requires_grad
     assert plain.ld is None and plain.weights is None and plain.scored == (plain.chosen, plain.rejected)
     torch.testing.assert_close(torch.stack(one.ld), torch.stack([plain.chosen, plain.rejected]), rtol=0, atol=0)
@@ -195,7 +196,7 @@ def _ld_and_wpo(model, batch, mesh=None) -> dict:
     from dpo_train.parallel import collectives
 
     model.zero_grad(set_to_none=True)
-    out = pair_logps(model, batch, mesh, ld_alpha=0.3, weighting=True)
+    out = pair_logps(model, batch, Scoring(), mesh, ld_alpha=0.3, weighting=True)
     (0.7 * out.ld[0] - 1.3 * out.ld[1]).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if mesh is not None:
@@ -269,15 +270,12 @@ def test_heads_that_index_hidden_states_by_the_mask_give_the_same_logps(model, m
     """A packed row keeps a 1-D mask, which every release's head takes; an unpacked batch on a release
     without `slice_logits_to_keep` keeps the columns any row keeps. Either way the log-probs are today's
     (before, both raised IndexError under 5.17's heads: the mask was always 2-D)."""
-    from dpo_train.attention import unpacked
-
-    if unpack:
-        monkeypatch.setattr(unpacked, "runs_unpacked", lambda m: True)
+    scoring = Scoring(unpacked=unpack)
     batch = pack_microbatch(random_pairs(4), pad_to_multiple_of=16)
     with torch.no_grad():
-        today = pair_logps(model, batch)
+        today = pair_logps(model, batch, scoring)
         _old_head_slicing(monkeypatch)
-        old = pair_logps(model, batch)
+        old = pair_logps(model, batch, scoring)
     torch.testing.assert_close(old.chosen, today.chosen, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(old.rejected, today.rejected, rtol=1e-6, atol=1e-6)
 

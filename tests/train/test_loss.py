@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dpo_train.errors import ConfigError
+from dpo_train.logps.scoring import Scoring
 from dpo_train.step.loss import F_DIVERGENCES, LOSSES, LossConfig, LossType, pair_losses
 from dpo_train.step.objective import microbatch_loss
 
@@ -473,7 +474,7 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
     ld_alpha 0.3 or weighting alone do not."""
     from dpo_data.dataset.store import PairIds, PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from tests.harness import TINY_LLAMA, tiny_trainer
 
     store = PairStore([str(sample_dataset)])
@@ -507,7 +508,7 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
         return gradient(trainer)
 
     trainer = trainer_for(ld_alpha=0.3, use_weighting=True)
-    policy = pair_logps(trainer.model, batch, ld_alpha=0.3, weighting=True)
+    policy = pair_logps(trainer.model, batch, Scoring(), ld_alpha=0.3, weighting=True)
     counts = policy.chosen_tokens, policy.rejected_tokens
     terms = pair_losses(
         trainer.config.loss, *policy.ld, *trainer.reference.logps(batch), *counts, policy.weights.detach()

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from dpo_train.logps.scoring import Scoring
+
 BF16_ATOL_PER_TOKEN = 0.05
 """|bf16 - fp32| of a pair's summed completion log-prob, divided by its completion tokens (nats per
 token), SmolLM2-135M on the sample. Measured on 16 pairs: up to 0.033 per token, 0.43 per sum (7 % of
@@ -19,9 +21,9 @@ log-softmax is taken in fp32. This is why a precomputed reference is bound to it
 def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir):
     from dpo_data.dataset.store import PairStore
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.head import COPIES, mark
-    from dpo_train.attention.logps import pair_logps
     from dpo_train.config.sections import ModelConfig
+    from dpo_train.logps.head import COPIES
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.model.policy import load_policy, prepare_for_training
     from dpo_train.parallel.device import placement
 
@@ -30,13 +32,12 @@ def test_bf16_log_probs_are_within_tolerance_of_fp32(sample_dataset, smollm2_dir
     model = load_policy(ModelConfig(path=str(smollm2_dir)))
     prepare_for_training(model)
     with torch.no_grad():
-        exact = pair_logps(model, batch)
+        exact = pair_logps(model, batch, Scoring())
         with placement("cpu", "bf16").autocast():
-            low = pair_logps(model, batch)
-        mark(model, 16 * COPIES * model.config.vocab_size * 4)  # the chunked head, 16 positions a chunk
+            low = pair_logps(model, batch, Scoring())
+        chunks = Scoring(logits_budget=16 * COPIES * model.config.vocab_size * 4)  # the chunked head, 16 a chunk
         with placement("cpu", "bf16").autocast():
-            chunked = pair_logps(model, batch)
-        mark(model, None)
+            chunked = pair_logps(model, batch, chunks)
     assert low.chosen.dtype == chunked.chosen.dtype == torch.float32  # summed in fp32 whatever the matmuls ran in
     for full, half, tokens in (
         (exact.chosen, low.chosen, exact.chosen_tokens),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from dpo_train.logps.scoring import Scoring
 from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
 from tests.state.test_checkpoint import config, metrics, train
 
@@ -65,13 +66,13 @@ def _model():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _logps_and_gradients(model, batch, mesh=None) -> dict:
+def _logps_and_gradients(model, batch, mesh=None, scoring: Scoring | None = None) -> dict:
     """Per-pair sums and the gradient of a fixed function of them (summed over the group's ranks)."""
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.parallel import collectives
 
     model.zero_grad(set_to_none=True)
-    out = pair_logps(model, batch, mesh)
+    out = pair_logps(model, batch, scoring or Scoring(), mesh)
     weights = torch.arange(1, 2 * batch["num_pairs"] + 1, dtype=torch.float32).reshape(-1, 2) / 10
     (out.chosen * weights[:, 0] - out.rejected * weights[:, 1]).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -92,9 +93,9 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     from dpo_data.errors import DataError
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from dpo_train.attention.choice import attention_for
-    from dpo_train.attention.head import COPIES, mark
-    from dpo_train.attention.logps import row_inputs
     from dpo_train.attention.sequence_parallel import check_same_row, sequence_mesh
+    from dpo_train.logps.head import COPIES
+    from dpo_train.logps.pairs import row_inputs
     from dpo_train.parallel import collectives
     from dpo_train.parallel.device import placement
 
@@ -110,11 +111,10 @@ def _split_worker(rank: int, world: int, port: int, result: str) -> None:
     for name in SHARED:  # [prompt][chosen][rejected]: completions see their prompt across the cuts
         for (u, c), mesh in meshes.items():
             out[f"shared {name} U{u}C{c}"] = _logps_and_gradients(model, pack_shared_prompt(ROWS[name]), mesh)
-    mark(model, 2 * COPIES * MODEL["vocab_size"] * 4)  # the chunked head, 2 of a rank's positions per chunk
+    chunks = Scoring(logits_budget=2 * COPIES * MODEL["vocab_size"] * 4)  # 2 of a rank's positions per chunk
     for name, pairs in ROWS.items():
         for (u, c), mesh in meshes.items():
-            out[f"chunked {name} U{u}C{c}"] = _logps_and_gradients(model, pack_microbatch(pairs), mesh)
-    mark(model, None)
+            out[f"chunked {name} U{u}C{c}"] = _logps_and_gradients(model, pack_microbatch(pairs), mesh, chunks)
     exact = collectives.sum_same_loss
     # the mutant: a plain differentiable all-reduce, whose backward sums the gradient once per group rank
     collectives.sum_same_loss = lambda partial, group: dnf.all_reduce(partial, group=group)

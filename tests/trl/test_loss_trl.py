@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+from dpo_train.logps.scoring import Scoring
 from dpo_train.step.loss import LOSSES, LossConfig, pair_losses
 from dpo_train.step.metrics import add_pairs, new_sums, step_record
 from dpo_train.step.objective import microbatch_loss
@@ -473,7 +474,7 @@ def test_ld_alpha_and_use_weighting_are_trls_loss(trl_trainer, monkeypatch, conf
     from accelerate import Accelerator
 
     from dpo_data.loading.microbatch import pack_microbatch
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
     from dpo_train.reference.choice import Reference
 
     Accelerator(cpu=True)  # the CPO tests' CPOConfig resets accelerate's shared state, which _compute_loss reads
@@ -484,7 +485,7 @@ def test_ld_alpha_and_use_weighting_are_trls_loss(trl_trainer, monkeypatch, conf
     shape = (batch["input_ids"].shape[1], 11)
     policy_table, reference_table = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in "pr")
 
-    policy = pair_logps(_Logits(policy_table), batch, ld_alpha=ld_alpha, weighting=use_weighting)
+    policy = pair_logps(_Logits(policy_table), batch, Scoring(), ld_alpha=ld_alpha, weighting=use_weighting)
     reference = Reference("live", None, None, _Logits(reference_table), ld_alpha=ld_alpha).logps(batch)
     tokens = policy.chosen_tokens, policy.rejected_tokens
     terms = pair_losses(config, *policy.scored, *reference, *tokens, policy.weights)

@@ -10,6 +10,7 @@ import torch
 
 from dpo_train.attention import segments
 from dpo_train.errors import ConfigError
+from dpo_train.logps.scoring import Scoring
 from dpo_train.vision.families import FAMILIES, NOT_YET, UNKNOWN, family_of
 from dpo_train.vision.rows import pack_vision
 from dpo_train.vision.score import vision_pair_logps
@@ -97,7 +98,7 @@ def check_logps(case: Case, layout: str, path_name: str) -> None:
     batch = pack_vision(case.pairs, model.config, layout, pad_to_multiple_of=16)
     encoded = EncodedImages(model, case.name)
     with torch.no_grad():
-        out = vision_pair_logps(model, batch)
+        out = vision_pair_logps(model, batch, Scoring())
     case.logps[layout, path_name] = error = relative_error(out, case.truth)
     assert error < TOLERANCE, f"{case.name} {layout} {path_name}: a pair's log-prob is off by {error:.1e} relative"
     images = sum(FAMILIES[case.name].images_of(pair.images) for pair in case.pairs if pair.images)
@@ -118,7 +119,7 @@ def check_gradients(case: Case, layout: str) -> None:
     parameter's relative error is recorded in `case`."""
     weights = torch.linspace(0.5, 2.0, 2 * len(case.pairs), dtype=torch.float64).view(len(case.pairs), 2)
     packed, alone = load(case.path, segments.ATTENTION).eval(), load(case.path, "eager").eval()
-    out = vision_pair_logps(packed, pack_vision(case.pairs, packed.config, layout, pad_to_multiple_of=16))
+    out = vision_pair_logps(packed, pack_vision(case.pairs, packed.config, layout, pad_to_multiple_of=16), Scoring())
     (torch.stack([out.chosen, out.rejected], dim=1).double() * weights).sum().backward()
     (eager_unpacked_vision(alone, case.pairs, grad=True) * weights).sum().backward()
     errors = gradient_errors(packed, alone)
@@ -154,14 +155,16 @@ def test_tiled_mlps_give_the_whole_mlps_logps_and_gradients(family):
     with model.train_vision_tower: its tiles' backward runs), in tiles of 2 positions: the packed row's log-probs
     and every parameter's gradient equal the whole MLPs' (fp32: the tiles sum the weights' gradients in another
     order)."""
-    from dpo_train.attention.tiled_mlp import tile_mlps
+    from dpo_train.logps.tiled_mlp import tile_mlps
 
     weights = torch.linspace(0.5, 2.0, 2 * len(family.pairs), dtype=torch.float64).view(len(family.pairs), 2)
     runs = []
     for tile in (None, 2):
         model = load(family.path, segments.ATTENTION).eval()
         tiled = tile_mlps(model, tile)
-        out = vision_pair_logps(model, pack_vision(family.pairs, model.config, "separate", pad_to_multiple_of=16))
+        out = vision_pair_logps(
+            model, pack_vision(family.pairs, model.config, "separate", pad_to_multiple_of=16), Scoring()
+        )
         logps = torch.stack([out.chosen, out.rejected], dim=1).double()
         (logps * weights).sum().backward()
         runs.append((model, tiled, logps.detach()))
@@ -177,7 +180,7 @@ def test_tiled_mlps_give_the_whole_mlps_logps_and_gradients(family):
 def test_auto_tiles_the_decoders_mlps_and_leaves_the_towers_whole(family):
     """train.mlp_tile_tokens: auto on a checkpointed vision-language model: its count's text row reaches the
     decoder's MLPs, tiled, and not the tower's, left whole (a count set by hand tiles both, as above)."""
-    from dpo_train.attention.tiled_mlp import Tiled, apply_setting, mlps
+    from dpo_train.logps.tiled_mlp import Tiled, apply_setting, mlps
     from dpo_train.model.policy import prepare_for_training
 
     model = load(family.path, segments.ATTENTION)
@@ -197,7 +200,7 @@ def test_the_sharded_reference_runs_the_mlps_the_policy_tiles(vlm_dirs):
 
 
 def _sharded_reference(rank: int, world: int, port: int, path: str) -> None:
-    from dpo_train.attention.tiled_mlp import ATTRIBUTE, Tiled, apply_setting
+    from dpo_train.logps.tiled_mlp import Tiled, apply_setting, tiles_of
     from dpo_train.model.policy import prepare_for_training
     from dpo_train.reference.live import frozen_reference
 
@@ -205,10 +208,10 @@ def _sharded_reference(rank: int, world: int, port: int, path: str) -> None:
     policy = load(path, segments.ATTENTION)
     prepare_for_training(policy, activation_checkpointing=True)
     apply_setting(policy, "auto", checkpointed=True)
-    reference = frozen_reference(policy, "fsdp", world)
+    reference = frozen_reference(policy, "fsdp", world, tiles_of(policy))  # the policy's Scoring.tiles
 
     def tiles(model) -> dict[str, int]:
-        return {name: getattr(m, ATTRIBUTE) for name, m in model.named_modules() if isinstance(m, Tiled)}
+        return {name: type(m).TILE for name, m in model.named_modules() if isinstance(m, Tiled)}
 
     assert tiles(policy) and tiles(reference) == tiles(policy)
     assert not any(TOWER["qwen2_5_vl"] in name for name in tiles(reference))

@@ -10,6 +10,7 @@ import torch
 
 from dpo_data.errors import DataError
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.logps.scoring import Scoring
 from dpo_train.vision.families import NOT_YET, family_of
 from dpo_train.vision.rows import pack_vision
 from dpo_train.vision.score import vision_pair_logps
@@ -65,24 +66,20 @@ def test_images_in_a_completion_and_videos_are_refused(qwen):
 
 
 def test_paths_that_would_drop_the_images_refuse_the_row(qwen):
-    from dpo_train.attention import unpacked
-    from dpo_train.attention.logps import pair_logps
+    from dpo_train.logps.pairs import pair_logps
 
     model, pairs = qwen
     batch = pack_vision(pairs, model.config, "shared_prompt", pad_to_multiple_of=16)
-    unpacked.mark(model)
-    try:
-        with pytest.raises(ConfigError, match="model.attention unpacked cannot score vision-language rows"):
-            vision_pair_logps(model, batch)
-        with pytest.raises(ModelError, match="the unpacked path cannot score a vision-language row"):
-            pair_logps(model, batch)  # the attention room itself never drops the images
-    finally:
-        del model.dpo_unpacked
+    unpacked = Scoring(unpacked=True)
+    with pytest.raises(ConfigError, match="model.attention unpacked cannot score vision-language rows"):
+        vision_pair_logps(model, batch, unpacked)
+    with pytest.raises(ModelError, match="the unpacked path cannot score a vision-language row"):
+        pair_logps(model, batch, unpacked)  # the logps room itself never drops the images
     mesh = type("Mesh", (), {"active": True})()
     with pytest.raises(ConfigError, match="distributed.sequence_parallel cannot score vision-language rows"):
-        vision_pair_logps(model, batch, mesh=mesh)
+        vision_pair_logps(model, batch, Scoring(), mesh=mesh)
     with torch.no_grad():
-        assert vision_pair_logps(model, batch).chosen.isfinite().all()  # the model itself is fine
+        assert vision_pair_logps(model, batch, Scoring()).chosen.isfinite().all()  # the model itself is fine
 
 
 def test_idefics3_crops_of_different_sizes_in_one_row_are_refused(vlm_dirs, images):

@@ -26,6 +26,7 @@ from dpo_data import DPOLoader, LoaderConfig
 from dpo_data.loading.microbatch import CHOSEN, IGNORE_INDEX, PROMPT, REJECTED
 from dpo_data.loading.vision import FAMILIES
 from dpo_train.attention import segments
+from dpo_train.logps.scoring import Scoring
 from dpo_train.step.loss import LossConfig, pair_losses
 from dpo_train.vision.score import vision_pair_logps
 from tests.vision.test_packed_vision import load
@@ -196,7 +197,7 @@ def test_step_one_logps_and_loss_equal_trls(setup, layout):
     scores = {}
     for name, path in (("policy", model_dir), ("reference", reference_dir)):
         with torch.no_grad():
-            out = vision_pair_logps(load(path, segments.ATTENTION).eval(), batch)
+            out = vision_pair_logps(load(path, segments.ATTENTION).eval(), batch, Scoring())
         scores[name] = torch.stack([out.chosen, out.rejected], dim=1).double()
         assert relative(scores[name], trl[name]) < TOLERANCE, f"{name}: {scores[name]} != TRL's {trl[name]}"
     counts = torch.ones(PAIRS, dtype=torch.long)  # the sigmoid loss reads no token counts
@@ -218,7 +219,7 @@ def test_one_pair_given_other_images_is_caught(setup):
     pairs = zip(ours, theirs)
     assert [i for i, (a, b) in enumerate(pairs) if image_mismatches(a["chosen_images"], b["chosen_images"])] == [k]
     with torch.no_grad():
-        out = vision_pair_logps(load(model_dir, segments.ATTENTION).eval(), batches["separate"])
+        out = vision_pair_logps(load(model_dir, segments.ATTENTION).eval(), batches["separate"], Scoring())
     policy = torch.stack([out.chosen, out.rejected], dim=1).double()
     trl = trl_step(trainer, broken)["policy"]
     assert relative(policy[k], trl[k]) > 10 * TOLERANCE

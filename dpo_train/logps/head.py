@@ -4,17 +4,15 @@ chunk of logits, in forward and in backward (which recomputes each chunk's logit
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from dpo_data.progress import say
-from dpo_train.attention.compiled import Checked
-from dpo_train.attention.features import attention_as, text_config, wrapped
-from dpo_train.attention.recompute import autocast_state
+from dpo_train.attention.features import text_config, wrapped
+from dpo_train.logps.compiled import Checked
+from dpo_train.logps.recompute import autocast_state
 
 
 @dataclass(frozen=True)
@@ -103,12 +101,20 @@ def chunk_spans(rows: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def target_logps(
-    hidden: torch.Tensor, head: Head, labels: torch.Tensor, chunk: int, squares: bool = True, spans: Any = chunk_spans
+    hidden: torch.Tensor,
+    head: Head,
+    labels: torch.Tensor,
+    chunk: int,
+    squares: bool = True,
+    spans: Any = chunk_spans,
+    compiled: bool | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label) per row [rows], with gradient to `hidden` and the head's parameters; with `squares`, log
     sum_v p(v)^2 per row [rows], without gradient, WPO's term, else None), computed `chunk` rows of logits at a
-    time. `spans`: how the rows are cut (the tests pass a wrong cut to show the exactness check sees it)."""
-    picked, square = _ChunkedLogps.apply(hidden, head.weight, head.bias, labels, head, chunk, squares, spans)
+    time. `spans`: how the rows are cut (the tests pass a wrong cut to show the exactness check sees it);
+    `compiled`: train.compiled_head, where the chunk bodies run compiled (`compiled.compiles_on`)."""
+    args = (hidden, head.weight, head.bias, labels, head, chunk, squares, spans, compiled)
+    picked, square = _ChunkedLogps.apply(*args)
     return picked, square if squares else None
 
 
@@ -118,7 +124,7 @@ class _ChunkedLogps(torch.autograd.Function):
     head's scaling and softcap, into the hidden states, the weight and the bias."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, head, chunk, squares, spans):
+    def forward(ctx, hidden, weight, bias, labels, head, chunk, squares, spans, compiled):
         rows = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         picked = torch.empty(rows, dtype=dtype, device=hidden.device)
@@ -127,12 +133,12 @@ class _ChunkedLogps(torch.autograd.Function):
         parts = (head.multiply, head.divide, head.softcap)
         with torch.no_grad():
             for start, stop in cuts:
-                got = CHUNK_LOGPS(hidden[start:stop], labels[start:stop], weight, bias, *parts, squares)
+                got = CHUNK_LOGPS(compiled, hidden[start:stop], labels[start:stop], weight, bias, *parts, squares)
                 picked[start:stop] = got[0]
                 if squares:
                     square[start:stop] = got[1]
         ctx.save_for_backward(hidden, labels)
-        ctx.head, ctx.cuts = head, cuts
+        ctx.head, ctx.cuts, ctx.compiled = head, cuts, compiled
         ctx.autocast = autocast_state(hidden.device.type)
         ctx.mark_non_differentiable(square)
         return picked, square
@@ -150,7 +156,8 @@ class _ChunkedLogps(torch.autograd.Function):
         with torch.autocast(hidden.device.type, **ctx.autocast), torch.no_grad():
             for start, stop in ctx.cuts:
                 h = hidden[start:stop]
-                (g,) = CHUNK_GRAD(h, labels[start:stop], grad_picked[start:stop], head.weight, head.bias, *parts)
+                g_picked = grad_picked[start:stop]
+                (g,) = CHUNK_GRAD(ctx.compiled, h, labels[start:stop], g_picked, head.weight, head.bias, *parts)
                 if needs_hidden:
                     grad_hidden[start:stop] = (g.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
                 if needs_weight:
@@ -159,7 +166,7 @@ class _ChunkedLogps(torch.autograd.Function):
                     grad_bias += g.sum(0).to(grad_bias.dtype)
         grad_weight = grad_weight.to(head.weight.dtype) if needs_weight else None
         grad_bias = grad_bias.to(head.bias.dtype) if needs_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def chunk_logps(hidden, labels, weight, bias, multiply, divide, softcap, squares) -> tuple[torch.Tensor, ...]:
@@ -191,40 +198,23 @@ CHUNK_GRAD = Checked(chunk_grad, "vocabulary head (backward)")
 form on its first chunk (`compiled.Checked`; train.compiled_head)."""
 
 
-BUDGET_MARK = "dpo_logits_budget"
-"""The attribute `mark` sets on a model: the bytes its head's logits may take in `pair_logps`."""
 COPIES = 5
 """How many [rows, vocab] float32 tensors the whole head keeps alive through backward (logits, their float32
 copy, log-softmax and its gradient's temporaries, measured on SmolLM2): a chunk takes the budget over this."""
 
 
-def mark(model: Any, budget: int | None) -> None:
-    """Let `pair_logps` score `model` through the chunked head whenever the whole head's logits would take more
-    than `budget` bytes (None: never), once `check_head` has found the chunked head equal to the model's own."""
-    setattr(model, BUDGET_MARK, budget)
-
-
-def chunk_rows(model: Any, rows: int) -> int | None:
-    """Rows per chunk for `rows` scored positions of `model`, or None when the whole head stays within the
-    model's budget (or it has none): then the model's own head runs, exactly today's path and speed."""
-    budget = budget_of(model)
+def chunk_rows(model: Any, rows: int, budget: int | None) -> int | None:
+    """Rows per chunk for `rows` scored positions of `model` whose whole head's logits may take `budget` bytes
+    (`Scoring.logits_budget`), or None when they stay within it (or there is none): then the model's own head
+    runs, exactly today's path and speed."""
     if budget is None:
         return None
-    vocab = _inner(model).get_output_embeddings().weight.shape[0]
+    vocab = causal_lm(model).get_output_embeddings().weight.shape[0]
     per_row = COPIES * vocab * 4
     return None if rows * per_row <= budget else max(1, budget // per_row)
 
 
-def budget_of(model: Any) -> int | None:
-    """The budget `mark` set (None: none), looked up through DDP's `.module` and the LoRA reference's `.model`."""
-    for candidate in wrapped(model):
-        budget = getattr(candidate, BUDGET_MARK, None)
-        if budget is not None:
-            return budget
-    return None
-
-
-def _inner(model: Any) -> Any:
+def causal_lm(model: Any) -> Any:
     """The causal LM under a DDP wrapper (FSDP2 and PEFT models answer for themselves)."""
     return next(c for c in (*wrapped(model), model) if hasattr(c, "get_output_embeddings"))
 
@@ -235,7 +225,7 @@ class HeadInput:
     forward runs whole and cheap; `target_logps` then projects those hidden states in chunks."""
 
     def __init__(self, model: Any):
-        self.model = _inner(model)
+        self.model = causal_lm(model)
         self.module = self.model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None
 
@@ -253,50 +243,5 @@ class HeadInput:
     @property
     def head(self) -> Head:
         found = head_of(self.model)
-        assert found is not None, "mark() is only set on models whose head head_of reads"
+        assert found is not None, "a logits budget is only set for models whose head head_of reads (check_head)"
         return found
-
-
-def check_head(model: Any, layout: str = "separate") -> str | None:
-    """Why the chunked head cannot stand in for `model`'s own, or None when it can: `head_of` reads the head, and
-    the start-up probe's pairs (`probe.probe_pairs`), scored by `pair_logps` through the run's attention path
-    and `layout`, sum to the same log-probs through the chunked head (chunks of 5 positions) as through the
-    model's own head (whatever that applies after the projection), within 1e-5 relative. Runs in this process
-    alone, so a run's attention that needs a group or a device is swapped for the segment attention
-    (`probe.checkable`): the head is what is checked. Leaves no budget marked."""
-    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-    from dpo_train.attention.logps import pair_logps
-    from dpo_train.attention.probe import checkable, probe_pairs
-
-    head = head_of(_inner(model))
-    if head is None:
-        return f"its output embedding is a {type(_inner(model).get_output_embeddings()).__name__}, not a plain Linear"
-    pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
-    batch = pack(probe_pairs(model), pad_to_multiple_of=8)
-    sums = []
-    config, training = text_config(model), model.training  # a vision-language model: its decoder's
-    model.eval()
-    try:
-        with attention_as(config, checkable(config._attn_implementation)), torch.no_grad():
-            for budget in (None, 5 * COPIES * head.weight.shape[0] * 4):
-                mark(model, budget)
-                out = pair_logps(model, batch)
-                sums.append(torch.stack([out.chosen, out.rejected]).double())
-    finally:
-        mark(model, None)
-        model.train(training)
-    own, chunked = sums
-    error = float(((chunked - own).abs() / own.abs().clamp(min=1e-6)).max())
-    if not error <= 1e-5:  # NaN too: a chunked path that produces NaN is not equal
-        return f"on the probe's pairs its own head differs from the chunked one by {error:.1e} (relative)"
-    return None
-
-
-def note(model: Any, why: str) -> None:
-    """The one stderr line saying the chunked head is off for this model (rank 0 only under torchrun)."""
-    if os.environ.get("RANK", "0") == "0":
-        say(
-            f"note: {type(_inner(model)).__name__}: the chunked vocabulary head is off for this model ({why}); its "
-            "own head scores every micro-batch, holding all of its logits at once (train.logits_budget_mib, "
-            "docs/train-config.md)"
-        )

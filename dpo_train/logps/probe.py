@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
+from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature, varlen
-from dpo_train.attention.features import attention_as, kind_attention, layer_kinds, model_config, text_config
+from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature, unpacked, varlen
+from dpo_train.attention.choice import expresses
+from dpo_train.attention.features import (
+    attention_as,
+    computes_router_loss,
+    kind_attention,
+    layer_kinds,
+    model_config,
+    text_config,
+)
+from dpo_train.attention.unpacked import eager_attention
 from dpo_train.errors import ConfigError, ModelError
+from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.scoring import Scoring
 
 TOLERANCE = 1e-5
 """Largest relative error of a pair's summed completion log-prob (fp32; the paths agree to about 1e-7)."""
@@ -60,18 +72,6 @@ def thresholds(model: Any) -> list[int]:
     return [*sizes, *([int(original)] if original else [])]
 
 
-@contextmanager
-def eager_attention(model: Any) -> Iterator[None]:
-    """Meanwhile, the model's decoder runs transformers' eager attention, or its sdpa where eager is known not
-    to be the model (`dpo_train.attention.unpacked.eager_wrong`: Falcon with ALiBi); a vision-language model's
-    tower keeps its own. A backward that recomputes checkpointed layers needs it too."""
-    from dpo_train.attention.unpacked import eager_wrong
-
-    config = text_config(model)
-    with attention_as(config, "sdpa" if eager_wrong(config) else "eager"):
-        yield
-
-
 def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     """[pairs, 2] completion log-prob sums, each (prompt + completion) run alone through the model's own
     eager attention (`eager_attention`) with no mask: what packing must reproduce."""
@@ -88,26 +88,34 @@ def eager_unpacked(model: Any, pairs: list[PairIds]) -> torch.Tensor:
     return sums
 
 
-def probe(model: Any, layout: str, requested: str | None = None) -> float:
+@dataclass(frozen=True)
+class Probed:
+    """What the start-up probe found: the worst relative error of the path that passed, and whether the model's
+    rows run unpacked from now on (as loaded, or auto's fallback to the unpacked path: `Scoring.unpacked`)."""
+
+    error: float
+    unpacked: bool
+
+
+def probe(model: Any, layout: str, requested: str | None = None, unpacked_rows: bool = False) -> Probed:
     """Refuse (ConfigError, exit 2) a model whose packed per-pair log-probs differ from unpacked eager,
-    before step 1; returns the worst relative error. Runs without autograd in eval mode (a router's
+    before step 1; returns the worst relative error and whether its rows run unpacked (`unpacked_rows`: they did
+    as loaded, `load_model`'s answer). Runs without autograd in eval mode (a router's
     training jitter would differ between the two runs), in fp32 where the model is (on CPU, before it
     moves to its device). Under sequence parallelism or flash-attention (which need their group or
     CUDA) the packed side runs the segment attention: the probe then checks the model's layers, and
     the attention path itself is the zoo test's (tests/architectures/test_architectures.py). A model on the unpacked
-    path (`dpo_train.attention.unpacked`) is probed on it: the row unpacked into a padded batch.
+    path (`dpo_train.attention.unpacked`, `unpacked_rows`) is probed on it: the row unpacked into a padded batch.
 
     Where the run's path fails or differs, the other paths are tried on the same row (segments, sdpa, eager,
     then unpacked). Under `requested` auto the model then takes the first exact one, saying so once (StableLM's
     layers pass no segments to their attention; sdpa and eager are exact for it); otherwise the refusal names
     only the paths found exact here, or says that none is. A model whose own code fails on the row is a
     ConfigError too, never a traceback."""
-    from dpo_train.attention.unpacked import runs_unpacked
-
     config = text_config(model)  # a vision-language model: its decoder's (the probe's rows are text)
     saved, training = config._attn_implementation, model.training
     tried = checkable(saved)
-    label = f"unpacked ({saved})" if runs_unpacked(model) else saved
+    label = f"unpacked ({saved})" if unpacked_rows else saved
     pairs = probe_pairs(model)
     rope.check_rotary(model)  # a rope's length thresholds, however long: the rotary module alone
     model.eval()
@@ -115,7 +123,7 @@ def probe(model: Any, layout: str, requested: str | None = None) -> float:
         truth = _named(model, "run unpacked through eager", lambda: eager_unpacked(model, pairs))
         got = error = failure = None
         try:
-            got, error = _packed_error(model, tried, layout, pairs, truth)
+            got, error = _packed_error(model, tried, layout, pairs, truth, Scoring(unpacked=unpacked_rows))
         except ModelError as e:  # the model's layers cannot take the path (StableLM passes no segments)
             failure = str(e).split(";")[0]
         except ToolkitError:
@@ -124,15 +132,15 @@ def probe(model: Any, layout: str, requested: str | None = None) -> float:
             failure = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         worst = float(error.detach().max()) if error is not None else float("inf")
         if worst <= TOLERANCE:
-            return worst
-        exact = [] if runs_unpacked(model) else _exact_paths(model, tried, layout, pairs, truth)
+            return Probed(worst, unpacked_rows)
+        exact = [] if unpacked_rows else _exact_paths(model, tried, layout, pairs, truth)
         if requested == "auto" and exact and saved != sequence_parallel.ATTENTION:
             saved = _switch(model, exact[0], f"{failure or f'off by {worst:.1e} relative'} under {label}")
-            return 0.0
+            return Probed(0.0, exact[0] == unpacked.ATTENTION)
     finally:
         config._attn_implementation = saved
         model.train(training)
-    advice = _advice(model, exact)
+    advice = _advice(exact, unpacked_rows)
     if failure is not None:
         raise ConfigError(
             f"{type(model).__name__} cannot run a packed row under attention {label} with data.layout {layout} "
@@ -149,12 +157,10 @@ def probe(model: Any, layout: str, requested: str | None = None) -> float:
 
 
 def _switch(model: Any, name: str, why: str) -> str:
-    """Make `model` run the path `name` (auto's fallback), say so once; returns its implementation name."""
-    from dpo_train.attention import unpacked
-
+    """The implementation name of the path `name` (auto's fallback), which the model then runs; says so once (the
+    unpacked path is then the caller's `Probed.unpacked`)."""
     implementation = _PATHS.get(name, "sdpa")
-    if name == "unpacked":
-        unpacked.mark(model)
+    if name == unpacked.ATTENTION:
         implementation = unpacked.default_attention(model)
     if os.environ.get("RANK", "0") == "0":
         say(
@@ -164,11 +170,9 @@ def _switch(model: Any, name: str, why: str) -> str:
     return implementation
 
 
-def _advice(model: Any, exact: list[str]) -> str:
+def _advice(exact: list[str], unpacked_rows: bool) -> str:
     """What to run instead: the paths exact on this probe (each tried on its row), or plainly none."""
-    from dpo_train.attention.unpacked import runs_unpacked
-
-    if runs_unpacked(model):
+    if unpacked_rows:
         return "the unpacked path itself differs from the model run alone: report the model"
     if exact:
         return f"use model.attention {' or '.join(exact)} (exact on this probe)"
@@ -209,9 +213,6 @@ def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], trut
     """The paths other than `tried` that score the probe's row exactly and express every feature of the model's
     attention (`dpo_train.attention.choice.EXPRESSES`), in auto's order of preference: segments, sdpa, eager,
     unpacked (unpacked first where the model's default router loss rules out sdpa and eager)."""
-    from dpo_train.attention import unpacked
-    from dpo_train.attention.features import computes_router_loss
-
     batch = _row(model, layout, pairs)
     found = [name for name in paths_for(model) if _PATHS.get(name) != tried and _exact(model, name, batch, truth)]
     config = text_config(model)
@@ -224,49 +225,42 @@ def _exact_paths(model: Any, tried: str, layout: str, pairs: list[PairIds], trut
 def paths_for(model: Any) -> list[str]:
     """The model.attention values one process can try on a row of `model`: those of `_PATHS` whose implementation
     expresses every feature of its attention, and unpacked (not for a vision-language model: its images)."""
-    from dpo_train.attention.choice import expresses
-
     found = [name for name, path in _PATHS.items() if expresses(model, path)]
     return found if hasattr(model_config(model), "vision_config") else [*found, "unpacked"]
 
 
-def scored_as(model: Any, batch: dict[str, Any], name: str | None) -> torch.Tensor:
+def scored_as(model: Any, batch: dict[str, Any], name: str | None, scoring: Scoring) -> torch.Tensor:
     """[pairs, 2] log-probs (float64, CPU) of a packed `batch` under model.attention `name` (segments, sdpa, eager,
-    unpacked; None: the model's own path), without autograd; the model's path is as before afterwards."""
-    from dpo_train.attention import unpacked
-    from dpo_train.attention.logps import pair_logps
-
-    marked = unpacked.runs_unpacked(model)
+    unpacked; None: the model's own path, as `scoring` says), scored as `scoring` says otherwise (its head, its
+    tiles), without autograd; the model's path is as before afterwards."""
     path = None if name is None else unpacked.default_attention(model) if name == "unpacked" else _PATHS[name]
-    try:
-        if name is not None:
-            model.dpo_unpacked = name == "unpacked"
-        with attention_as(text_config(model), path), torch.no_grad():
-            out = pair_logps(model, batch)
-        return torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
-    finally:
-        model.dpo_unpacked = marked
+    if name is not None:
+        scoring = dataclasses.replace(scoring, unpacked=name == unpacked.ATTENTION)
+    with attention_as(text_config(model), path), torch.no_grad():
+        out = pair_logps(model, batch, scoring)
+    return torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
 
 
 def _row(model: Any, layout: str, pairs: list[PairIds]) -> dict[str, Any]:
     """The probe's pairs packed in `layout`, on the model's device."""
-    from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
-
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     device = next(model.parameters()).device
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack(pairs, pad_to_multiple_of=8).items()}
 
 
-def _packed_error(model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor):
+def _packed_error(
+    model: Any, path: str, layout: str, pairs: list[PairIds], truth: torch.Tensor, scoring: Scoring
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed row's [pairs, 2] log-probs under the implementation `path` and their relative errors."""
     text_config(model)._attn_implementation = path
-    got = scored_as(model, _row(model, layout, pairs), None)
+    got = scored_as(model, _row(model, layout, pairs), None, scoring)
     return got, (got - truth).abs() / truth.abs().clamp(min=1e-6)
 
 
 def _exact(model: Any, name: str, batch: dict[str, Any], truth: torch.Tensor) -> bool:
     """Whether `batch` scores exactly under model.attention `name` (a path that fails to run is not)."""
     try:
-        return float(((scored_as(model, batch, name) - truth).abs() / truth.abs().clamp(min=1e-6)).max()) <= TOLERANCE
+        got = scored_as(model, batch, name, Scoring())  # the probe's: packed unless `name` says otherwise, no budget
+        return float(((got - truth).abs() / truth.abs().clamp(min=1e-6)).max()) <= TOLERANCE
     except Exception:  # noqa: BLE001 - any failure of another path only means it is not suggested
         return False

@@ -10,9 +10,6 @@ import torch
 
 from dpo_data.progress import say
 
-MODES = ("auto", True, False)
-"""train.compiled_head: auto compiles on CUDA only (on the CPU inductor's C++ build costs more than it saves);
-true compiles on any device (the tests, and the device check's CPU mode); false never compiles."""
 TOLERANCE = 1e-5
 """Largest relative difference (to the eager output's largest magnitude) the compiled form's first result may
 have: a fused kernel sums in another order (about 1e-7 in float32), a miscompiled one is off by far more."""
@@ -21,24 +18,15 @@ SHAPES = 2
 """Input shapes checked per device type: torch.compile builds one graph for the first shape and one with
 dynamic sizes when a second comes (a run's last chunk is shorter), and reuses that one for every other size."""
 
-_mode: bool | str = "auto"
 
-
-def choose(mode: bool | str) -> None:
-    """Set train.compiled_head for this process (every `Checked` function follows it)."""
-    global _mode
-    if mode != "auto" and not isinstance(mode, bool):  # 1 is not True here
-        raise ValueError(f"compiled mode {mode!r}: one of auto, true, false")
-    _mode = mode
-
-
-def compiles_on(device_type: str) -> bool:
-    """Whether the mode compiles on this device type."""
-    return _mode is True or (_mode == "auto" and device_type == "cuda")
+def compiles_on(mode: bool | str, device_type: str) -> bool:
+    """Whether train.compiled_head `mode` (`scoring.COMPILED_MODES`) compiles on this device type."""
+    return mode is True or (mode == "auto" and device_type == "cuda")
 
 
 class Checked:
-    """`fn` (tensors in, a tuple of tensors out), compiled on the devices `compiles_on` names. On each device type
+    """`fn` (tensors in, a tuple of tensors out), compiled on the devices `compiles_on` names for the mode each call
+    is given (train.compiled_head, from `Scoring`). On each device type
     the first calls of its first SHAPES input shapes run both forms and compare them; a compiled form that fails
     to build or run, or differs by more than TOLERANCE, is dropped for the process, with one note, and the eager
     one runs from then on. So a backend without a compiler, or a miscompile, costs speed, never a wrong number."""
@@ -52,9 +40,9 @@ class Checked:
         """device type -> `checked` (the compiled form runs) or `eager` (dropped: why is in `self.why`)."""
         self.why: dict[str, str] = {}
 
-    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+    def __call__(self, mode: bool | str, *args: Any) -> tuple[torch.Tensor, ...]:
         device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-        if not compiles_on(device) or self.state.get(device) == "eager":
+        if not compiles_on(mode, device) or self.state.get(device) == "eager":
             return self.fn(*args)
         shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         checked = self._shapes.setdefault(device, set())

@@ -10,8 +10,10 @@ import torch
 from transformers import modeling_utils
 
 from dpo_data.loading.microbatch import IGNORE_INDEX, segment_sums, segments_to_pairs
-from dpo_train.attention import head, rope, unpacked
+from dpo_train.attention import rope, unpacked
 from dpo_train.attention.inputs import passed_inputs, row_inputs
+from dpo_train.logps import head
+from dpo_train.logps.scoring import Scoring
 from dpo_train.parallel import collectives
 
 
@@ -110,18 +112,20 @@ def logits_mask(keep: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tenso
 def pair_logps(
     model: Any,
     batch: dict[str, Any],
+    scoring: Scoring,
     mesh: Any = None,
     router_aux: bool = False,
     ld_alpha: float | None = None,
     weighting: bool = False,
 ) -> PairLogps:
-    """Forward one packed row and sum completion log-probs per pair. A model packing cannot serve
-    (`dpo_train.attention.unpacked`) runs the row as a padded batch of its sequences instead; the sums
-    are the same.
+    """Forward one packed row and sum completion log-probs per pair, as the run's `scoring` says: a model packing
+    cannot serve (`scoring.unpacked`, `dpo_train.attention.unpacked`) runs the row as a padded batch of its
+    sequences instead (the sums are the same), and a head whose logits would pass `scoring.logits_budget` runs in
+    chunks (`head.target_logps`).
 
     The vocabulary projection runs only at the positions that predict a target (`logits_to_keep` with a
     boolean mask): prompt positions never need logits, and on a 135M model the projection is a fifth of
-    the forward. With a sequence-parallel `mesh` (dpo_train.sequence_parallel) this rank forwards its
+    the forward. With a sequence-parallel `mesh` (dpo_train.attention.sequence_parallel) this rank forwards its
     positions only and scores the targets they predict; the per-pair sums are completed over its group,
     so every rank of the group returns the whole sums. `router_aux`: also return the model's router
     load-balancing loss (a mixture-of-experts model's `aux_loss`; on the unpacked path over the padded
@@ -130,7 +134,7 @@ def pair_logps(
     """
     device = batch["input_ids"].device
     every = targets(batch)
-    view = unpacked.unpack(batch) if unpacked.runs_unpacked(model) else None
+    view = unpacked.unpack(batch) if scoring.unpacked else None
     if view is not None:  # one sequence per row: a packed position becomes its place in the padded batch
         passed_inputs(batch, "unpacked")
         inputs, shard = dict(view.inputs), None
@@ -139,7 +143,7 @@ def pair_logps(
         position, keep = view.keep(every.position, every.segment)
         keep_shape = view.shape
     else:
-        inputs, shard = row_inputs(batch, mesh, model)
+        inputs, shard = row_inputs(batch, mesh, model)  # packed: the unpacked view is above
         start, stop = (shard.start, shard.stop) if shard is not None else (0, batch["input_ids"].shape[1])
         mine = (every.position >= start) & (every.position < stop)
         position, label, segment = every.position[mine] - start, every.label[mine], every.segment[mine]
@@ -149,7 +153,7 @@ def pair_logps(
     if router_aux:
         inputs["output_router_logits"] = True
     keep, kept = logits_mask(keep, keep_shape)
-    chunk = head.chunk_rows(model, int(kept.sum()))  # None: the model's own head, all logits at once
+    chunk = head.chunk_rows(model, int(kept.sum()), scoring.logits_budget)  # None: the model's own head, all at once
     lengths = lambda: view.lengths if view is not None else rope.shard_lengths(batch, shard)  # noqa: E731
     with (
         head.HeadInput(model) if chunk else contextlib.nullcontext() as captured,
@@ -161,7 +165,9 @@ def pair_logps(
     scores = scores.reshape(-1, scores.shape[-1]) if scores.dim() == 3 else scores
     rows = torch.cumsum(kept, 0)[position] - 1 if scores.shape[0] != kept.shape[0] else position
     if chunk:
-        picked, log_sum_sq = head.target_logps(scores[rows], captured.head, label, chunk, squares=weighting)
+        picked, log_sum_sq = head.target_logps(
+            scores[rows], captured.head, label, chunk, squares=weighting, compiled=scoring.compiled_head
+        )
     else:
         logits = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16 to float32; float64 stays
         log_z = torch.logsumexp(logits, dim=-1)

@@ -29,12 +29,9 @@ from typing import Any
 
 import torch
 
-from dpo_train.attention.probe import eager_attention
-from dpo_train.attention.recompute import autocast_state
+from dpo_train.attention.unpacked import eager_attention
 from dpo_train.errors import ConfigError
-
-ATTRIBUTE = "dpo_mlp_tile"
-"""The tile, in positions, on an MLP that runs tiled (read by `Tiled.forward`; a copy of the model keeps it)."""
+from dpo_train.logps.recompute import autocast_state
 
 AUTO = 4096
 """`auto`'s tile: a row longer than this holds one tile's MLP intermediates (0.7 GiB in fp32 for a 7B Llama's
@@ -45,10 +42,13 @@ _CHECK_POSITIONS = 2 * _CHECK_TILE + 1  # three tiles, the last one short
 
 
 class Tiled:
-    """Mixed in ahead of an MLP's own class (`tile`): its forward, over tiles of the positions (dim -2)."""
+    """Mixed in ahead of an MLP's own class (`tile`): its forward, over tiles of the positions (dim -2). The tile
+    is the class's own (`TILE`, one class per MLP class and tile): nothing is stored on the module."""
+
+    TILE: int
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        tile = getattr(self, ATTRIBUTE)
+        tile = self.TILE
         whole = super().forward  # the MLP's own forward (the next class after this mixin)
         if args or kwargs or not torch.is_tensor(hidden) or hidden.dim() < 2 or hidden.shape[-2] <= tile:
             return whole(hidden, *args, **kwargs)
@@ -122,32 +122,36 @@ class _Tiles(torch.autograd.Function):
         return grad_hidden, None, None, None, *grad_params
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, int], type] = {}
 
 
 def tile(module: Any, tokens: int) -> None:
-    """Run `module` tiled from now on: its class becomes a subclass with `Tiled` ahead (parameter names and
-    the state dict unchanged, and a deep copy tiled alike)."""
-    cls = type(module)
-    if not isinstance(module, Tiled):
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"Tiled{cls.__name__}", (Tiled, cls), {"__module__": cls.__module__})
-        module.__class__ = _CLASSES[cls]
-    setattr(module, ATTRIBUTE, tokens)
+    """Run `module` tiled from now on: its class becomes a subclass with `Tiled` ahead and the tile its `TILE`
+    (parameter names and the state dict unchanged, and a deep copy tiled alike)."""
+    cls = _untiled(type(module))
+    if (cls, tokens) not in _CLASSES:
+        extra = {"__module__": cls.__module__, "TILE": tokens}
+        _CLASSES[cls, tokens] = type(f"Tiled{cls.__name__}", (Tiled, cls), extra)
+    module.__class__ = _CLASSES[cls, tokens]
 
 
-def tile_of(model: Any) -> int | None:
-    """The tile `model`'s MLPs run with (None: whole), as `tile_mlps` set it."""
-    return next((getattr(m, ATTRIBUTE) for m in model.modules() if isinstance(m, Tiled)), None)
+def _untiled(cls: type) -> type:
+    """The MLP's own class under a tiled one."""
+    return cls.__mro__[2] if issubclass(cls, Tiled) else cls
 
 
-def copy_tiles(source: Any, target: Any) -> None:
-    """Tile `target`'s MLPs as `source`'s are: the same modules, by name, at the same tiles. A model built apart
-    from its policy (an FSDP2 reference, from the meta device) runs each MLP as the policy does; `auto` may leave
-    some whole (a vision tower's), which a count over the whole model would tile."""
-    for name, module in source.named_modules():
-        if isinstance(module, Tiled):
-            tile(target.get_submodule(name), getattr(module, ATTRIBUTE))
+def tiles_of(model: Any) -> tuple[tuple[str, int], ...]:
+    """(name, tile) of each MLP of `model` that runs tiled, in module order: what `Scoring.tiles` records of the
+    policy at start-up, for the checkpoint identity (`Scoring.mlp_tile`) and a reference built apart from it."""
+    return tuple((name, m.TILE) for name, m in model.named_modules() if isinstance(m, Tiled))
+
+
+def apply_tiles(model: Any, tiles: tuple[tuple[str, int], ...]) -> None:
+    """Tile `model`'s MLPs as `tiles` (`Scoring.tiles`) says: the same modules, by name, at the same tiles. A model
+    built apart from its policy (an FSDP2 reference, from the meta device) runs each MLP as the policy does;
+    `auto` may leave some whole (a vision tower's), which a count over the whole model would tile."""
+    for name, tokens in tiles:
+        tile(model.get_submodule(name), tokens)
 
 
 def mlps(model: Any) -> list[tuple[str, Any]]:
@@ -226,7 +230,6 @@ def free_mlps(model: Any) -> list[str]:
             p.requires_grad_(True)
         for name, module in found:
             module.__class__ = classes[name]
-            delattr(module, ATTRIBUTE)
     return [name for name in classes if forward[name] > 0 and seen[name] == 2 * forward[name]]
 
 
@@ -263,7 +266,7 @@ def tile_mlps(model: Any, tokens: int | None) -> list[str]:
         return []
     found = mlps(model)
     for name, module in found:
-        if type(module) not in _CLASSES and not isinstance(module, Tiled):  # a class tiled before passed
+        if not any(cls is type(module) for cls, _ in _CLASSES) and not isinstance(module, Tiled):  # tiled before
             _check(name, module)  # (the policy's: an FSDP2 reference's shards could not run alone)
         tile(module, tokens)
     return [name for name, _ in found]
