@@ -351,6 +351,18 @@ def test_a_run_through_the_chunked_head_trains_what_the_models_own_head_trains(s
     assert identities["chunked"]["layout"]["logits_budget_mib"] == 16
 
 
+def test_the_live_reference_scores_with_the_policys_scoring(small_dataset, smollm2_dir, tmp_path):
+    """train.logits_budget_mib reaches the live reference as the policy's own `Scoring` (issue 58: the budget was
+    marked on the policy and copied by hand onto the reference, and an FSDP2 reference once lost it): one object,
+    nothing copied; the checkpoint identity's tile is the same object's."""
+    from tests.harness import tiny_config, tiny_trainer
+
+    trainer = tiny_trainer(tiny_config(small_dataset, smollm2_dir, tmp_path / "run", logits_budget_mib=16))
+    assert trainer.scoring.logits_budget == 16 * 2**20 and not trainer.scoring.unpacked
+    assert trainer.reference.mode == "live" and trainer.reference.scoring is trainer.scoring
+    assert trainer.identity()["layout"].get("mlp_tile_tokens") == trainer.scoring.mlp_tile
+
+
 @pytest.mark.parametrize("batching", ["pairs", "tokens"])
 def test_a_budget_change_on_resume_is_elastic_in_either_batching(batching):
     """Only the rounding changes, never a step's pairs: another budget (or none) resumes with a warning in both
