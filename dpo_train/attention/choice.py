@@ -185,5 +185,14 @@ def taken(model: Any, requested: str, place: Any, layout: str, unpacked_rows: bo
     return f"attention: {name} ({why})"
 
 
+def checkable(attention: str | None) -> str:
+    """The attention a start-up check runs in this one process: the run's own where it can (eager, sdpa, the
+    segment attention, flex), else the segment attention (sequence parallelism needs its group, flash-attention
+    CUDA), registered."""
+    segments.register()
+    checked = ("eager", "sdpa", segments.ATTENTION, flex.ATTENTION, varlen.ATTENTION)
+    return attention if attention in checked else segments.ATTENTION
+
+
 def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].split(". ")[0]

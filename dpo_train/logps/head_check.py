@@ -10,10 +10,11 @@ import torch
 
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.progress import say
+from dpo_train.attention.choice import checkable
 from dpo_train.attention.features import attention_as, text_config
 from dpo_train.logps.head import COPIES, causal_lm, head_of
 from dpo_train.logps.pairs import pair_logps
-from dpo_train.logps.probe import checkable, probe_pairs
+from dpo_train.logps.probe import probe_pairs
 from dpo_train.logps.scoring import Scoring
 
 
@@ -23,7 +24,7 @@ def check_head(model: Any, scoring: Scoring, layout: str = "separate") -> str | 
     aside) through the run's attention path and `layout`, sum to the same log-probs through the chunked head
     (chunks of 5 positions) as through the model's own head (whatever that applies after the projection), within
     1e-5 relative. Runs in this process alone, so a run's attention that needs a group or a device is swapped for
-    the segment attention (`probe.checkable`): the head is what is checked."""
+    the segment attention (`choice.checkable`): the head is what is checked."""
     head = head_of(causal_lm(model))
     if head is None:
         kind = type(causal_lm(model).get_output_embeddings()).__name__

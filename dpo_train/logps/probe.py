@@ -14,8 +14,8 @@ from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
 from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
-from dpo_train.attention import flex, rope, segments, sequence_parallel, temperature, unpacked, varlen
-from dpo_train.attention.choice import expresses
+from dpo_train.attention import rope, segments, sequence_parallel, temperature, unpacked
+from dpo_train.attention.choice import checkable, expresses
 from dpo_train.attention.features import (
     attention_as,
     computes_router_loss,
@@ -177,15 +177,6 @@ def _advice(exact: list[str], unpacked_rows: bool) -> str:
     if exact:
         return f"use model.attention {' or '.join(exact)} (exact on this probe)"
     return "no path of this toolkit (segments, sdpa, eager, unpacked) is exact for it on this probe: report the model"
-
-
-def checkable(attention: str | None) -> str:
-    """The attention a start-up check runs in this one process: the run's own where it can (eager, sdpa, the
-    segment attention, flex), else the segment attention (sequence parallelism needs its group, flash-attention
-    CUDA), registered."""
-    segments.register()
-    checked = ("eager", "sdpa", segments.ATTENTION, flex.ATTENTION, varlen.ATTENTION)
-    return attention if attention in checked else segments.ATTENTION
 
 
 def _named(model: Any, what: str, call: Any):
