@@ -75,18 +75,14 @@ def held_out_metrics(config: LossConfig, policy: Scores, reference: Scores) -> d
     `nll`, the NLL per chosen completion token; the router load-balancing loss, a regularizer of training and a
     statistic of how the pairs are packed, is left out. rewards/margins: the mean of the same terms' chosen minus
     rejected rewards, as `dpo_train.step.metrics` logs them for a step."""
-    as_tensor = [torch.from_numpy(np.asarray(v, dtype=np.float64)) for v in (*policy.scored, *reference.scored)]
-    chosen, rejected, ref_chosen, ref_rejected = as_tensor
-    counts = torch.from_numpy(policy.chosen_tokens), torch.from_numpy(policy.rejected_tokens)
-    if not len(chosen):
+    if not len(policy.chosen):
         return dict.fromkeys(("loss", "pair_loss", "nll", "rewards/margins"), float("nan"))
+    policy_logps, reference_logps = policy.as_logps(), reference.as_logps()
     partners = None
     if sorted_types(config):
-        partners = set_partners(
-            SortScores(torch.arange(len(chosen)), chosen, rejected, ref_chosen, ref_rejected), config
-        )
-    weights = None if policy.weights is None else torch.from_numpy(policy.weights)
-    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, weights, partners)
+        pairs = torch.arange(len(policy.chosen))
+        partners = set_partners(SortScores(pairs, *policy_logps.scored, *reference_logps.scored), config)
+    terms = pair_losses(policy_logps, reference_logps, config, partners)
     nll = float(-policy.chosen.sum() / max(int(policy.chosen_tokens.sum()), 1))
     pair_loss = float(terms.losses.mean())
     margins = float((terms.chosen_rewards - terms.rejected_rewards).mean())

@@ -11,6 +11,7 @@ import torch
 
 from dpo_data.errors import DataError
 from dpo_data.loading.contract import contract_problems
+from dpo_data.loading.microbatch import MicroBatch, is_last
 from dpo_data.progress import Stage, say
 from dpo_state.faults import step_fault
 from dpo_train.attention import check_same_row, row_inputs
@@ -160,7 +161,7 @@ class Trainer:
         parts = self.run, self.policy, self.optimizer, self.scheduler, reference, self.router_aux_coef
         return run_identity(*parts, mlp_tile=self.scoring.mlp_tile)
 
-    def microbatch(self, batch: dict) -> None:
+    def microbatch(self, batch: MicroBatch) -> None:
         """Check one micro-batch against the contract (`train.check_microbatches`), then forward/backward
         it; the gradient syncs on the step's last micro-batch only."""
         if self.config.train.check_microbatches:
@@ -179,24 +180,24 @@ class Trainer:
             return
         # AOT pairs the step's sorted log-ratios: every micro-batch is scored before the first backward
         self._held.append(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):
             held, self._held = self._held, []
             for each, partners in zip(held, self._step_partners(held), strict=True):
                 self._forward_backward(each, partners)
 
-    def _step_partners(self, held: list[dict]) -> list[dict]:
+    def _step_partners(self, held: list[MicroBatch]) -> list[dict]:
         """The pass without gradient over the step's micro-batches, then their partners in its sorts."""
         with torch.no_grad(), unmoved_rng(self.place.device), self.place.autocast():
             scores = [self._sort_scores(self._on_device(batch)) for batch in held]
         return step_partners(scores, self.config.loss, self.mesh)
 
-    def _sort_scores(self, batch: dict) -> SortScores | None:
+    def _sort_scores(self, batch: MicroBatch) -> SortScores | None:
         if batch["num_pairs"] == 0:  # the same collectives as the step's own forward, no pair
             self._join(batch)
             return None
-        ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
+        reference = self.reference.logps(batch, self.state.step)  # a sorted type needs one: never None
         policy = pair_logps(self.model, batch, self.scoring, self.mesh, ld_alpha=self.config.loss.ld_alpha)
-        return SortScores(batch["pair_index"], *policy.scored, ref_chosen, ref_rejected)
+        return SortScores(batch["pair_index"], *policy.scored, *reference.scored)
 
     def _join(self, batch: dict):
         """A micro-batch without pairs: the reference's and the policy's forwards over its padding row, so that
@@ -205,36 +206,27 @@ class Trainer:
         self.reference.join(inputs, self.world)
         return self.model(**inputs)
 
-    def _on_device(self, batch: dict) -> dict:
+    def _on_device(self, batch: MicroBatch) -> MicroBatch:
         return {k: v.to(self.place.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _forward_backward(self, batch: dict, partners: dict | None = None) -> None:
+    def _forward_backward(self, batch: MicroBatch, partners: dict | None = None) -> None:
         """One micro-batch's forward and backward; `partners`: its pairs' in the step's sorts (AOT)."""
         batch = self._on_device(batch)
-        last = batch["microbatch"] + 1 == batch["microbatches_in_step"]
-        with no_sync(self.model, self.config.distributed.strategy, self.world, sync=last), self.place.autocast():
+        sync = is_last(batch)
+        with no_sync(self.model, self.config.distributed.strategy, self.world, sync=sync), self.place.autocast():
             if batch["num_pairs"] == 0:  # join the collectives (FSDP2 all-gathers) in order, contribute nothing
                 joined = self._join(batch)
                 self._alone(batch, None)  # before the backward, as a rank with pairs runs it: collectives in order
                 (joined.logits.sum().mul(0) + reached_by_every_rank(self.policy)).backward()
                 return
             # the reference first: under LoRA it is the policy's own modules, run without autograd
-            ref_chosen, ref_rejected = self.reference.logps(batch, self.state.step)
+            reference = self.reference.logps(batch, self.state.step)
             loss = self.config.loss
             aux = bool(self.router_aux_coef)
             policy = pair_logps(self.model, batch, self.scoring, self.mesh, aux, loss.ld_alpha, loss.use_weighting)
-            self.reference.check_initial(policy, (ref_chosen, ref_rejected), batch, self.state.step, self.facts)
+            self.reference.check_initial(policy, reference, batch, self.state.step, self.facts)
             self._alone(batch, policy)
-            terms = pair_losses(
-                loss,
-                *policy.scored,
-                ref_chosen,
-                ref_rejected,
-                policy.chosen_tokens,
-                policy.rejected_tokens,
-                policy.weights,
-                partners,
-            )
+            terms = pair_losses(policy, reference, loss, partners)
             total = microbatch_loss(
                 terms.losses,
                 batch["step_pairs"],
@@ -362,7 +354,7 @@ def _run(run: Run) -> Path:
             fault(trainer.state.step)
             epochs_note(batch["epoch"])
             trainer.microbatch(batch)
-            if batch["microbatch"] + 1 < batch["microbatches_in_step"]:
+            if not is_last(batch):
                 continue
             record = trainer.step()
             log.step(record)

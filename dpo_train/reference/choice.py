@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from dpo_data.loading.microbatch import MicroBatch
 from dpo_train.config.sections import TrainConfig
 from dpo_train.logps.pairs import pair_logps
 from dpo_train.logps.scoring import Scoring
@@ -15,6 +16,19 @@ from dpo_train.reference.guard import check_parity, reordered
 from dpo_train.reference.live import AdaptersDisabled, frozen_reference, mix_into
 from dpo_train.reference.run_view import RunView
 from dpo_train.reference.sidecar import ReferenceTable, load_sidecar
+
+
+@dataclass(frozen=True)
+class ReferenceLogps:
+    """The reference's log-probs of a micro-batch's pairs, as the loss reads them (`dpo_train.step.loss.Scored`)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    """[pairs] each: the summed completion log-probs (LD-DPO's sums with `ld_alpha`), without gradient."""
+
+    @property
+    def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chosen, self.rejected
 
 
 def reference_mode(config: TrainConfig) -> str:
@@ -63,14 +77,14 @@ class Reference:
         or LoRA's adapters, still at zero, switched off), which the policy then equals."""
         return self.guard and self.mode == "live" and step == 0
 
-    def logps(self, batch: dict, step: int = -1) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(chosen, rejected) summed log-probs of the batch's pairs (LD-DPO's with `ld_alpha`); (None, None) for a
-        reference-free loss. On a guarded step the batch's segments are scored in another order (`reordered`):
-        the same numbers for a model that packs exactly, and an independent check of the policy's."""
+    def logps(self, batch: MicroBatch, step: int = -1) -> ReferenceLogps | None:
+        """The summed log-probs of the batch's pairs (LD-DPO's with `ld_alpha`); None for a reference-free loss.
+        On a guarded step the batch's segments are scored in another order (`reordered`): the same numbers for a
+        model that packs exactly, and an independent check of the policy's."""
         if self.mode == "precomputed":
-            return self.table.lookup(batch["pair_index"], self.place.device)
+            return ReferenceLogps(*self.table.lookup(batch["pair_index"], self.place.device))
         if self.mode == "none":
-            return None, None
+            return None
         with torch.no_grad():
             ref = pair_logps(
                 self.initial,
@@ -79,7 +93,7 @@ class Reference:
                 self.mesh,
                 ld_alpha=self.ld_alpha,
             )
-        return ref.scored
+        return ReferenceLogps(*ref.scored)
 
     def join(self, inputs: dict, world: int) -> None:
         """An empty micro-batch: a sharded live reference still joins its ranks' all-gathers, in order."""
@@ -93,13 +107,15 @@ class Reference:
         if self.moves and step % self.sync_steps == 0:
             mix_into(self.initial, policy, self.mixup_alpha)
 
-    def check_initial(self, policy: Any, reference: tuple, batch: dict, step: int, facts: dict) -> None:
+    def check_initial(
+        self, policy: Any, reference: ReferenceLogps | None, batch: MicroBatch, step: int, facts: dict
+    ) -> None:
         """Before the first optimizer step the policy is the reference: a sidecar's values must be its own, and
         a live reference's (`reference`, from `logps`) must equal the training forward's (`check_parity`)."""
         if self.table is not None and step == 0:
             self.table.check_initial(policy, batch["pair_index"], self.place.precision)
         if self.guards(step):
-            check_parity(policy.scored, reference, batch, {**facts, "precision": self.place.precision})
+            check_parity(policy.scored, reference.scored, batch, {**facts, "precision": self.place.precision})
 
 
 def build_reference(run: RunView, policy: Any, weights: str, scoring: Scoring) -> Reference:

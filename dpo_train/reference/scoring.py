@@ -16,7 +16,7 @@ from dpo_data.loading.images import ImageSource
 from dpo_data.loading.loader import pack_pairs
 from dpo_data.progress import Stage
 from dpo_train.attention.inputs import row_inputs
-from dpo_train.logps.pairs import pair_logps
+from dpo_train.logps.pairs import PairLogps, pair_logps
 from dpo_train.logps.scoring import Scoring
 from dpo_train.parallel import collectives
 from dpo_train.reference.run_view import RunView
@@ -38,6 +38,17 @@ class Scores:
     def scored(self) -> tuple[np.ndarray, np.ndarray]:
         """The (chosen, rejected) log-probs the loss reads: the LD-DPO sums where asked for, else the sums."""
         return self.ld if self.ld is not None else (self.chosen, self.rejected)
+
+    def as_logps(self) -> PairLogps:
+        """These scores as a forward's log-probs, what the loss reads: float64 tensors, the counts as they are."""
+        ld = None if self.ld is None else (_float64(self.ld[0]), _float64(self.ld[1]))
+        weights = None if self.weights is None else torch.from_numpy(self.weights)
+        counts = torch.from_numpy(self.chosen_tokens), torch.from_numpy(self.rejected_tokens)
+        return PairLogps(_float64(self.chosen), _float64(self.rejected), *counts, ld=ld, weights=weights)
+
+
+def _float64(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.float64))
 
 
 def score_pairs(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -517,36 +518,56 @@ class PairTerms:
     rejected_rewards: torch.Tensor
 
 
+class Scored(Protocol):
+    """A model's log-probs of a micro-batch's pairs, as the loss reads them (the reference's: `ReferenceLogps`,
+    dpo_train/reference/choice.py)."""
+
+    @property
+    def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) [pairs]: the summed completion log-probs, LD-DPO's sums with `ld_alpha`."""
+        ...
+
+
+class PolicyScored(Scored, Protocol):
+    """The policy's log-probs, as the loss reads them (`PairLogps`, what `pair_logps` returns): also each pair's
+    completion token counts, and WPO's weights where asked for (`use_weighting`), without gradient."""
+
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+    weights: torch.Tensor | None
+
+
 def pair_losses(
+    policy: PolicyScored,
+    reference: Scored | None,
     config: LossConfig,
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    ref_chosen: torch.Tensor | None,
-    ref_rejected: torch.Tensor | None,
-    chosen_tokens: torch.Tensor,
-    rejected_tokens: torch.Tensor,
-    pair_weights: torch.Tensor | None = None,
     partners: dict[str, torch.Tensor] | None = None,
 ) -> PairTerms:
     """Per-pair losses of `config.type` (each listed type's closed form, its `LOSSES` entry, weighted and
-    summed) from summed completion log-probs (LD-DPO's sums with `ld_alpha`), and the token counts for the
-    averaged forms. `pair_weights`: WPO's (`use_weighting`), multiplying each pair's loss, as TRL multiplies
-    each listed type's. `partners`: each listed `sorted` type's partners of these pairs in the step's sorts
-    (dpo_train/step/sort.py). The rewards are the first listed type's that has a per-pair term (not sft's,
-    unless it is alone)."""
+    summed) from the policy's and the reference's log-probs (`scored`; `reference` None for a reference-free
+    loss), and the policy's token counts for the averaged forms. The policy's `weights`: WPO's (`use_weighting`),
+    multiplying each pair's loss, as TRL multiplies each listed type's. `partners`: each listed `sorted` type's
+    partners of these pairs in the step's sorts (dpo_train/step/sort.py). The rewards are the first listed type's
+    that has a per-pair term (not sft's, unless it is alone)."""
+    pair_weights = policy.weights
     if config.use_weighting and pair_weights is None:
-        raise ConfigError("loss.use_weighting is true, but no WPO pair weights reached the loss; pass pair_weights")
+        raise ConfigError(
+            "loss.use_weighting is true, but the policy's log-probs carry no WPO weights; score the policy with "
+            "pair_logps(..., weighting=True)"
+        )
     unpartnered = [name for name in config.types if loss_type(name).sorted and name not in (partners or {})]
     if unpartnered:
         raise ConfigError(
             f"loss.type {unpartnered[0]} pairs the optimizer step's sorted log-ratios, and no partners reached "
             "the loss; pass partners from dpo_train/step/sort.py `step_partners` over the whole step"
         )
-    if config.needs_reference and (ref_chosen is None or ref_rejected is None):
+    if config.needs_reference and reference is None:
         raise ConfigError(
             f"loss.type {config.type_text} needs reference log-probs; set reference.mode to live or precomputed"
         )
-    counts = chosen_tokens.to(chosen.dtype).clamp(min=1), rejected_tokens.to(chosen.dtype).clamp(min=1)
+    chosen, rejected = policy.scored
+    ref_chosen, ref_rejected = reference.scored if reference is not None else (None, None)
+    counts = policy.chosen_tokens.to(chosen.dtype).clamp(min=1), policy.rejected_tokens.to(chosen.dtype).clamp(min=1)
     members = config.members
     rewarding = next((name for name, _ in members if not loss_type(name).nll_term), members[0][0])
     total = 0.0

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from dpo_train.errors import ConfigError
+from dpo_train.logps.pairs import PairLogps
 from dpo_train.logps.scoring import Scoring
+from dpo_train.reference.choice import ReferenceLogps
 from dpo_train.step.loss import F_DIVERGENCES, LOSSES, LossConfig, LossType, pair_losses
 from dpo_train.step.objective import microbatch_loss
 
@@ -18,6 +20,7 @@ from dpo_train.step.objective import microbatch_loss
 C, R = torch.tensor([-10.0, -4.0, -7.5]), torch.tensor([-12.0, -3.0, -7.5])
 C0, R0 = torch.tensor([-11.0, -4.5, -7.0]), torch.tensor([-11.0, -3.5, -8.0])
 NC, NR = torch.tensor([5, 2, 3]), torch.tensor([4, 1, 3])
+POLICY, REFERENCE = PairLogps(C, R, NC, NR), ReferenceLogps(C0, R0)
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
@@ -42,7 +45,7 @@ def margins(avg=False):
 
 
 def losses(**config):
-    return pair_losses(LossConfig(**config), C, R, C0, R0, NC, NR)
+    return pair_losses(POLICY, REFERENCE, LossConfig(**config))
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.5])
@@ -56,7 +59,7 @@ def test_sigmoid_and_conservative_dpo(eps):
 
 
 def test_sigmoid_is_log2_when_policy_equals_reference():
-    out = pair_losses(LossConfig(), C, R, C, R, NC, NR)
+    out = pair_losses(POLICY, ReferenceLogps(C, R), LossConfig())
     torch.testing.assert_close(out.losses, torch.full((3,), math.log(2)), **TOL)
 
 
@@ -88,7 +91,7 @@ def test_simpo_is_reference_free_and_length_normalized():
         -log_sigmoid(b * (c / nc - r / nr) - g)
         for c, r, nc, nr in zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist())
     ]
-    out = pair_losses(LossConfig(type="simpo", beta=b, target_margin=g), C, R, None, None, NC, NR)
+    out = pair_losses(POLICY, None, LossConfig(type="simpo", beta=b, target_margin=g))
     torch.testing.assert_close(out.losses, torch.tensor(expected), **TOL)
 
 
@@ -157,13 +160,9 @@ def test_sigmoid_norm_uses_per_token_means():
 def test_discopop_stays_finite_where_the_literal_product_overflows():
     """At z = b D = -200, m exp(-z) is exp(200) * s(-4000): inf * 0 = NaN as TRL writes it (float32); the loss
     there is -log s(-200) = 200 within rounding, the exponential term about 0."""
-    out = pair_losses(
-        LossConfig(type="discopop", beta=1.0),
-        torch.tensor([-200.0]),
-        torch.tensor([0.0]),
-        *([torch.zeros(1)] * 2),
-        *([torch.ones(1, dtype=torch.long)] * 2),
-    )
+    one = torch.ones(1, dtype=torch.long)
+    policy = PairLogps(torch.tensor([-200.0]), torch.tensor([0.0]), one, one)
+    out = pair_losses(policy, ReferenceLogps(torch.zeros(1), torch.zeros(1)), LossConfig(type="discopop", beta=1.0))
     torch.testing.assert_close(out.losses, torch.tensor([200.0]), rtol=1e-6, atol=0)
     z = torch.tensor(-200.0)
     assert torch.isnan(torch.exp(-z) * torch.sigmoid(z / 0.05))  # the product this form avoids
@@ -172,7 +171,7 @@ def test_discopop_stays_finite_where_the_literal_product_overflows():
 def test_sft_adds_nothing_per_pair_and_hands_its_weight_to_the_nll_term():
     """sft is the step's NLL term (objective.py): 0 per pair, its weight `sft_weight`; without it the weight
     is nll_weight. Alone it reads no reference, and its rewards are b c, b r."""
-    out = pair_losses(LossConfig(type="sft"), C, R, None, None, NC, NR)
+    out = pair_losses(POLICY, None, LossConfig(type="sft"))
     assert out.losses.tolist() == [0.0, 0.0, 0.0]
     torch.testing.assert_close(out.chosen_rewards, 0.1 * C, **TOL)
     assert LossConfig(type="sft").needs_reference is False
@@ -223,7 +222,8 @@ def test_alpha_divergence_falls_back_to_reverse_kl_at_1_and_clamps_like_trl():
     torch.testing.assert_close(at_one.losses, reverse.losses, rtol=0, atol=0)
     ratio = torch.tensor([-1000.0])  # (0.1 - 1) * -1000 = 900, clamped to 80
     config = LossConfig(type="hinge", beta=1.0, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.1)
-    out = pair_losses(config, ratio, torch.zeros(1), torch.zeros(1), torch.zeros(1), NC[:1], NR[:1])
+    zero = torch.zeros(1)
+    out = pair_losses(PairLogps(ratio, zero, NC[:1], NR[:1]), ReferenceLogps(zero, zero), config)
     score = (math.exp(80.0) - 1) / (0.1 - 1)
     torch.testing.assert_close(out.losses, torch.tensor([max(0.0, 1 - score)]), rtol=1e-6, atol=0)
 
@@ -236,7 +236,7 @@ def test_a_list_is_the_weighted_sum_of_its_types_and_logs_the_first_types_reward
     0.2 bco_pair, sigmoid's rewards; sft's weight goes to the NLL term, so the step loss adds
     1.0 * chosen NLL per chosen token."""
     config = LossConfig(type=["sigmoid", "bco_pair", "sft"], weights=[0.8, 0.2, 1.0], beta=0.3)
-    out = pair_losses(config, C, R, C0, R0, NC, NR)
+    out = pair_losses(POLICY, REFERENCE, config)
     sigmoid_, bco = losses(type="sigmoid", beta=0.3), losses(type="bco_pair", beta=0.3)
     torch.testing.assert_close(out.losses, 0.8 * sigmoid_.losses + 0.2 * bco.losses, rtol=0, atol=0)
     torch.testing.assert_close(out.chosen_rewards, sigmoid_.chosen_rewards, rtol=0, atol=0)
@@ -248,7 +248,7 @@ def test_a_list_is_the_weighted_sum_of_its_types_and_logs_the_first_types_reward
 
 def test_a_lists_weights_default_to_one_and_its_rewards_skip_sft():
     """Without weights each type counts 1.0; a list that starts with sft logs the next type's rewards."""
-    out = pair_losses(LossConfig(type=["sft", "hinge", "ipo"], beta=0.4), C, R, C0, R0, NC, NR)
+    out = pair_losses(POLICY, REFERENCE, LossConfig(type=["sft", "hinge", "ipo"], beta=0.4))
     hinge, ipo = losses(type="hinge", beta=0.4), losses(type="ipo", beta=0.4)
     torch.testing.assert_close(out.losses, hinge.losses + ipo.losses, rtol=0, atol=0)
     torch.testing.assert_close(out.chosen_rewards, hinge.chosen_rewards, rtol=0, atol=0)
@@ -257,14 +257,12 @@ def test_a_lists_weights_default_to_one_and_its_rewards_skip_sft():
 def test_a_list_needs_a_reference_if_any_of_its_types_does():
     free = LossConfig(type=["simpo", "sft"], beta=2.0)
     assert free.needs_reference is False
-    out = pair_losses(free, C, R, None, None, NC, NR)  # no reference read
-    torch.testing.assert_close(
-        out.losses, pair_losses(LossConfig(type="simpo", beta=2.0), C, R, None, None, NC, NR).losses
-    )
+    out = pair_losses(POLICY, None, free)  # no reference read
+    torch.testing.assert_close(out.losses, pair_losses(POLICY, None, LossConfig(type="simpo", beta=2.0)).losses)
     mixed = LossConfig(type=["simpo", "sigmoid"])
     assert mixed.needs_reference is True
     with pytest.raises(ConfigError, match=r"loss.type \[simpo, sigmoid\] needs reference log-probs"):
-        pair_losses(mixed, C, R, None, None, NC, NR)
+        pair_losses(POLICY, None, mixed)
 
 
 def _configs():
@@ -288,8 +286,8 @@ def test_every_pairs_loss_is_a_function_of_that_pair_alone(config):
 
     def losses(index):
         found = {name: partners[index] for name in config.types if LOSSES[name].sorted}
-        values = (t[index] for t in (C, R, C0, R0, NC, NR))
-        return pair_losses(config, *values, partners=found)
+        policy = PairLogps(C[index], R[index], NC[index], NR[index])
+        return pair_losses(policy, ReferenceLogps(C0[index], R0[index]), config, partners=found)
 
     whole = losses(torch.arange(len(C)))
     for i in range(len(C)):
@@ -313,20 +311,20 @@ def test_a_loss_type_is_one_registry_entry(monkeypatch):
     monkeypatch.setitem(LOSSES, "mean_gap", LossType(form, needs_reference=False, per_token_means=True))
     config = LossConfig(type="mean_gap")
     assert config.needs_reference is False and LossConfig(type="sigmoid").needs_reference is True
-    out = pair_losses(config, C, R, None, None, NC, NR)
+    out = pair_losses(POLICY, None, config)
     torch.testing.assert_close(out.losses, C / NC - R / NR, rtol=0, atol=0)
     assert [c.tolist() for c in given[0]] == [NC.float().tolist(), NR.float().tolist()]
 
 
 def test_an_unknown_loss_type_is_named_with_the_registrys_names():
     with pytest.raises(ConfigError) as info:
-        pair_losses(LossConfig(type="kto"), C, R, C0, R0, NC, NR)
+        pair_losses(POLICY, REFERENCE, LossConfig(type="kto"))
     assert str(info.value).startswith(f"loss.type is 'kto'; allowed: {', '.join(LOSSES)}; set loss.type to one")
 
 
 def test_reference_losses_refuse_a_missing_reference():
     with pytest.raises(ConfigError, match="needs reference log-probs"):
-        pair_losses(LossConfig(), C, R, None, None, NC, NR)
+        pair_losses(POLICY, None, LossConfig())
 
 
 def test_the_docs_loss_table_is_the_registry():
@@ -429,7 +427,7 @@ def test_each_reference_free_method_is_its_closed_form_on_policy_log_probs(name)
     of the mean log-prob, as its paper writes them); none reads a reference. Rewards: b times what the form
     reads (alphapo, and the CPO types with alpha: the shaped reward)."""
     config, closed_form, reward = REFERENCE_FREE[name]
-    out = pair_losses(LossConfig(type=name, **config), C, R, None, None, NC, NR)
+    out = pair_losses(POLICY, None, LossConfig(type=name, **config))
     rows = list(zip(C.tolist(), R.tolist(), NC.tolist(), NR.tolist()))
     torch.testing.assert_close(out.losses, torch.tensor([closed_form(*row) for row in rows]), **TOL)
     torch.testing.assert_close(out.chosen_rewards, torch.tensor([reward(c, nc) for c, _, nc, _ in rows]), **TOL)
@@ -440,15 +438,15 @@ def test_each_reference_free_method_is_its_closed_form_on_policy_log_probs(name)
 def test_alphapo_at_alpha_0_is_simpo_and_orpo_is_finite_near_probability_1():
     """alpha = 0 falls back to r(x) = x (TRL's), bit for bit SimPO; orpo's log(1 - exp(x)) keeps its digits for a
     mean log-prob near 0, where log1p(-exp(x)) would lose them."""
-    simpo = pair_losses(LossConfig(type="simpo", beta=2.0), C, R, None, None, NC, NR).losses
-    alphapo = pair_losses(LossConfig(type="alphapo", beta=2.0), C, R, None, None, NC, NR).losses
+    simpo = pair_losses(POLICY, None, LossConfig(type="simpo", beta=2.0)).losses
+    alphapo = pair_losses(POLICY, None, LossConfig(type="alphapo", beta=2.0)).losses
     torch.testing.assert_close(alphapo, simpo, rtol=0, atol=0)
     near, far, one = (
         torch.tensor([-1e-12], dtype=torch.float64),
         torch.tensor([-2.0], dtype=torch.float64),
         torch.ones(1),
     )
-    out = pair_losses(LossConfig(type="orpo", beta=1.0), near, far, None, None, one, one)
+    out = pair_losses(PairLogps(near, far, one, one), None, LossConfig(type="orpo", beta=1.0))
     expected = -log_sigmoid((-1e-12 + 2.0) - (math.log(-math.expm1(-1e-12)) - math.log(-math.expm1(-2.0))))
     assert out.losses.item() == pytest.approx(expected, rel=1e-9, abs=0)
 
@@ -459,12 +457,12 @@ def test_alphapo_at_alpha_0_is_simpo_and_orpo_is_finite_near_probability_1():
 def test_wpo_weights_multiply_each_pairs_loss_and_are_required_when_on():
     weights = torch.tensor([0.5, 2.0, 0.25])
     config = LossConfig(type=["sigmoid", "bco_pair"], weights=[0.8, 0.2], beta=0.3, use_weighting=True)
-    out = pair_losses(config, C, R, C0, R0, NC, NR, weights)
-    plain = pair_losses(LossConfig(type=["sigmoid", "bco_pair"], weights=[0.8, 0.2], beta=0.3), C, R, C0, R0, NC, NR)
+    out = pair_losses(PairLogps(C, R, NC, NR, weights=weights), REFERENCE, config)
+    plain = pair_losses(POLICY, REFERENCE, LossConfig(type=["sigmoid", "bco_pair"], weights=[0.8, 0.2], beta=0.3))
     torch.testing.assert_close(out.losses, plain.losses * weights, **TOL)
     torch.testing.assert_close(out.chosen_rewards, plain.chosen_rewards, rtol=0, atol=0)  # rewards are not weighted
-    with pytest.raises(ConfigError, match="loss.use_weighting is true, but no WPO pair weights reached the loss"):
-        pair_losses(config, C, R, C0, R0, NC, NR)
+    with pytest.raises(ConfigError, match="use_weighting is true, but the policy.s log-probs carry no WPO weights"):
+        pair_losses(POLICY, REFERENCE, config)
 
 
 def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_the_loss(sample_dataset):
@@ -509,10 +507,8 @@ def test_the_trainer_feeds_ld_sums_of_policy_and_reference_and_wpo_weights_to_th
 
     trainer = trainer_for(ld_alpha=0.3, use_weighting=True)
     policy = pair_logps(trainer.model, batch, Scoring(), ld_alpha=0.3, weighting=True)
-    counts = policy.chosen_tokens, policy.rejected_tokens
-    terms = pair_losses(
-        trainer.config.loss, *policy.ld, *trainer.reference.logps(batch), *counts, policy.weights.detach()
-    )
+    policy.weights = policy.weights.detach()
+    terms = pair_losses(policy, trainer.reference.logps(batch), trainer.config.loss)
     microbatch_loss(terms.losses, 4).backward()
     expected = gradient(trainer)
     torch.testing.assert_close(trained(ld_alpha=0.3, use_weighting=True), expected, rtol=1e-5, atol=1e-9)

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dpo_train.logps.pairs import PairLogps
+from dpo_train.reference.choice import ReferenceLogps
 from dpo_train.step.loss import LossConfig, pair_losses
 from dpo_train.step.objective import microbatch_loss
 from tests.harness import join_gloo, spawn
@@ -28,7 +30,8 @@ def make_model():
 def losses_for(model, idx):
     logps = model(FEATURES[idx]).squeeze(-1)  # [n, 2]: a stand-in for summed completion log-probs
     n = torch.ones(len(idx))
-    return pair_losses(LossConfig(beta=0.5), logps[:, 0], logps[:, 1], REF[idx, 0], REF[idx, 1], n, n).losses
+    policy, reference = PairLogps(logps[:, 0], logps[:, 1], n, n), ReferenceLogps(REF[idx, 0], REF[idx, 1])
+    return pair_losses(policy, reference, LossConfig(beta=0.5)).losses
 
 
 def full_step_gradient():

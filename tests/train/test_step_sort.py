@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dpo_train.logps.pairs import PairLogps
+from dpo_train.reference.choice import ReferenceLogps
 from dpo_train.step.loss import LossConfig, pair_losses
 from dpo_train.step.objective import microbatch_loss
 from dpo_train.step.sort import SortScores, step_partners
@@ -51,7 +53,7 @@ def _step_loss(config: LossConfig, values: list[torch.Tensor], scores: list, par
             continue
         c, r, c0, r0 = (v[part.pair_index] for v in values)
         ones = torch.ones(len(c), dtype=torch.long)
-        terms = pair_losses(config, c, r, c0, r0, ones, ones, partners=found)
+        terms = pair_losses(PairLogps(c, r, ones, ones), ReferenceLogps(c0, r0), config, partners=found)
         total = total + microbatch_loss(terms.losses, PAIRS)
     return total
 

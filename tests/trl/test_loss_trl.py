@@ -16,7 +16,9 @@ import warnings
 import pytest
 import torch
 
+from dpo_train.logps.pairs import PairLogps
 from dpo_train.logps.scoring import Scoring
+from dpo_train.reference.choice import ReferenceLogps
 from dpo_train.step.loss import LOSSES, LossConfig, pair_losses
 from dpo_train.step.metrics import add_pairs, new_sums, step_record
 from dpo_train.step.objective import microbatch_loss
@@ -122,9 +124,8 @@ def our_loss(config: LossConfig, dtype: torch.dtype, leaves: list | None = None)
         leaves += [chosen.requires_grad_(), rejected.requires_grad_()]
     scores = SortScores(torch.arange(len(CHOSEN)), chosen, rejected, ref_chosen, ref_rejected)
     partners = step_partners([scores], config)[0] if sorted_types(config) else None
-    terms = pair_losses(
-        config, chosen, rejected, ref_chosen, ref_rejected, CHOSEN_TOKENS, REJECTED_TOKENS, partners=partners
-    )
+    policy = PairLogps(chosen, rejected, CHOSEN_TOKENS, REJECTED_TOKENS)
+    terms = pair_losses(policy, ReferenceLogps(ref_chosen, ref_rejected), config, partners=partners)
     loss = microbatch_loss(terms.losses, len(CHOSEN), -chosen.sum(), float(CHOSEN_TOKENS.sum()), config.sft_weight)
     if leaves is not None:
         loss.backward()
@@ -137,17 +138,14 @@ def our_logged_loss(config: LossConfig, dtype: torch.dtype) -> float:
     chosen, rejected, ref_chosen, ref_rejected = (t.to(dtype) for t in (CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED))
     scores = SortScores(torch.arange(len(CHOSEN)), chosen, rejected, ref_chosen, ref_rejected)
     partners = step_partners([scores], config)[0] if sorted_types(config) else None
-    counts = CHOSEN_TOKENS.to(dtype), REJECTED_TOKENS.to(dtype)
-    terms = pair_losses(config, chosen, rejected, ref_chosen, ref_rejected, *counts, partners=partners)
+    policy = PairLogps(chosen, rejected, CHOSEN_TOKENS.to(dtype), REJECTED_TOKENS.to(dtype))
+    terms = pair_losses(policy, ReferenceLogps(ref_chosen, ref_rejected), config, partners=partners)
     n = len(CHOSEN)
     batch = {  # the row's segments: chosen then rejected of each pair, one source
         "segment_pair": torch.arange(n).repeat_interleave(2),
         "segment_length": torch.stack([CHOSEN_TOKENS, REJECTED_TOKENS], dim=1).flatten(),
         "pair_source": torch.zeros(n, dtype=torch.long),
     }
-    policy = types.SimpleNamespace(
-        chosen=chosen, rejected=rejected, chosen_tokens=counts[0], rejected_tokens=counts[1], aux_loss=None
-    )
     sums = new_sums(1)
     add_pairs(sums, batch, terms, policy, capacity=100)
     return step_record(sums, ["rows"], 1.0, 1e-5, 0, 1.0, nll_weight=config.sft_weight)["loss"]
@@ -349,7 +347,7 @@ def test_the_cpo_trainer_types_are_trls(ours, trl_keys, averaged):
     assert config.needs_reference is False
     trl, chosen_rewards, rejected_rewards = _trl_cpo_loss(config, trl_keys, averaged)
     assert our_loss(config, torch.float64) == pytest.approx(trl, **F64)
-    terms = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
+    terms = pair_losses(PairLogps(CHOSEN.double(), REJECTED.double(), CHOSEN_TOKENS, REJECTED_TOKENS), None, config)
     torch.testing.assert_close(terms.chosen_rewards, chosen_rewards, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(terms.rejected_rewards, rejected_rewards, rtol=1e-9, atol=1e-12)
 
@@ -391,7 +389,7 @@ def test_orpo_is_trls_orpo_trainer(beta):
     losses, chosen_rewards, *_ = ORPOTrainer.odds_ratio_loss(_trl_stand_in(config), *_trl_logps(True))
     nll = -CHOSEN.double().sum() / CHOSEN_TOKENS.sum()
     assert our_loss(config, torch.float64) == pytest.approx(float(nll - losses.mean()), rel=1e-6)
-    ours = pair_losses(config, CHOSEN.double(), REJECTED.double(), None, None, CHOSEN_TOKENS, REJECTED_TOKENS)
+    ours = pair_losses(PairLogps(CHOSEN.double(), REJECTED.double(), CHOSEN_TOKENS, REJECTED_TOKENS), None, config)
     torch.testing.assert_close(ours.chosen_rewards.float(), chosen_rewards.float())
 
 
@@ -487,9 +485,9 @@ def test_ld_alpha_and_use_weighting_are_trls_loss(trl_trainer, monkeypatch, conf
 
     policy = pair_logps(_Logits(policy_table), batch, Scoring(), ld_alpha=ld_alpha, weighting=use_weighting)
     reference = Reference("live", None, None, _Logits(reference_table), ld_alpha=ld_alpha).logps(batch)
-    tokens = policy.chosen_tokens, policy.rejected_tokens
-    terms = pair_losses(config, *policy.scored, *reference, *tokens, policy.weights)
-    ours = microbatch_loss(terms.losses, 4, -policy.chosen.sum(), float(tokens[0].sum()), config.sft_weight)
+    terms = pair_losses(policy, reference, config)
+    chosen_tokens = float(policy.chosen_tokens.sum())
+    ours = microbatch_loss(terms.losses, 4, -policy.chosen.sum(), chosen_tokens, config.sft_weight)
 
     completion, per_token, log_sum_sq = _trl_per_token(policy_table, batch)
     _, ref_per_token, _ = _trl_per_token(reference_table, batch)

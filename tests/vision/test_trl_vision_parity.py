@@ -26,7 +26,9 @@ from dpo_data import DPOLoader, LoaderConfig
 from dpo_data.loading.microbatch import CHOSEN, IGNORE_INDEX, PROMPT, REJECTED
 from dpo_data.loading.vision import FAMILIES
 from dpo_train.attention import segments
+from dpo_train.logps.pairs import PairLogps
 from dpo_train.logps.scoring import Scoring
+from dpo_train.reference.choice import ReferenceLogps
 from dpo_train.step.loss import LossConfig, pair_losses
 from dpo_train.vision.score import vision_pair_logps
 from tests.vision.test_packed_vision import load
@@ -201,7 +203,8 @@ def test_step_one_logps_and_loss_equal_trls(setup, layout):
         scores[name] = torch.stack([out.chosen, out.rejected], dim=1).double()
         assert relative(scores[name], trl[name]) < TOLERANCE, f"{name}: {scores[name]} != TRL's {trl[name]}"
     counts = torch.ones(PAIRS, dtype=torch.long)  # the sigmoid loss reads no token counts
-    terms = pair_losses(LossConfig(), *scores["policy"].T, *scores["reference"].T, counts, counts)
+    policy, reference = PairLogps(*scores["policy"].T, counts, counts), ReferenceLogps(*scores["reference"].T)
+    terms = pair_losses(policy, reference, LossConfig())
     assert abs(float(terms.losses.mean()) - trl["loss"]) <= TOLERANCE * trl["loss"]
     assert abs(trl["loss"] - 0.6931471805599453) > 1e-3  # a loss the reference's weights move
 
