@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from dpo_data.errors import DataError
-from dpo_data.loading.contract import contract_problems
-from dpo_data.loading.microbatch import MicroBatch, is_last
+from dpo_data import DataError, MicroBatch, contract_problems, is_last
 from dpo_data.progress import Stage, say
 from dpo_state.faults import step_fault
 from dpo_train.attention import check_same_row, row_inputs
@@ -373,20 +371,10 @@ def _run(run: Run) -> Path:
     facts = run_facts(checkpoints.identity, checkpoints.lineage, trainer.state.step, run.data, out)
     try:
         with Stage(f"export {out / 'final'}", enabled=run.shown):
-            export(trainer.policy, config, run.tokenizer, out, rank, facts, _processor(run))
+            export(trainer.policy, config, run.tokenizer, out, rank, facts, run.processor())
     except ExportError as e:  # the trained weights must not be lost with the export: a checkpoint keeps them
         raise ExportError(f"{e}. {checkpoints.keep_trained()}") from None
     return out
-
-
-def _processor(run: Run) -> Any:
-    """A vision-language run's processor, as the loader prepares its images with it (checked against the data's
-    attestation): `final/` saves it. None for text data."""
-    if not run.data.vision:
-        return None
-    from dpo_data.loading.images import ImageSource
-
-    return ImageSource(run.config.model.processor, run.data).prepared[0]
 
 
 def _resume(checkpoints: Checkpoints, run: Run) -> None:

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from dpo_data.progress import say
-from dpo_train.attention.choice import taken
 from dpo_train.attention.sequence_parallel import SequenceMesh, check_heads
 from dpo_train.checkpoint.restore import load_weights
 from dpo_train.config.sections import TrainConfig
-from dpo_train.logps.head_check import check_head
-from dpo_train.logps.head_check import note as head_note
-from dpo_train.logps.probe import probe
 from dpo_train.logps.scoring import Scoring
-from dpo_train.logps.tiled_mlp import apply_setting, tiles_of
+from dpo_train.logps.tiled_mlp import apply_setting
 from dpo_train.model.load import load_model
 from dpo_train.model.policy import freeze_vision_tower, prepare_for_training
 from dpo_train.model.settings import check_settings
 from dpo_train.parallel.device import Placement
 from dpo_train.reference.sidecar import weights_fingerprint
 from dpo_train.run.progress import stage
-from dpo_train.vision.families import tower_of
+from dpo_train.run.scoring_checks import checked_scoring
 
 
 def load_initial_policy(
@@ -54,24 +49,5 @@ def load_initial_policy(
             say(said)
         if not config.model.train_vision_tower:
             freeze_vision_tower(model)
-    if config.train.probe_packing:
-        with stage("probe", shown):
-            unpacked = probe(model, config.data.layout, config.model.attention, unpacked).unpacked
-        if shown and tower_of(model) is not None:
-            say(
-                f"note: {type(model).__name__}: the start-up probe checked its decoder on packed text rows; rows "
-                "with images are checked by step 1's parity guard on the run's own pairs (train.parity_guard) and "
-                "by tests/vision (docs/vision.md)"
-            )
-    if shown:
-        say(taken(model, config.model.attention, place, config.data.layout, unpacked))
-    scoring = Scoring(unpacked, None, config.train.compiled_head, tiles_of(model))
-    budget, why = config.train.logits_budget_mib, None
-    if budget is not None:
-        with stage("head", shown):
-            why = check_head(model, scoring, config.data.layout)
-    if why:
-        head_note(model, why)
-    if not why and budget is not None:
-        scoring = dataclasses.replace(scoring, logits_budget=budget * 2**20)
+    scoring = checked_scoring(model, config, place, unpacked, shown)
     return model, weights_fingerprint(model), scoring

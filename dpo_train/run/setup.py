@@ -13,6 +13,7 @@ from typing import Any
 
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
+from dpo_data.loading.images import ImageSource
 from dpo_data.loading.loader import DPOLoader
 from dpo_train.attention.sequence_parallel import SequenceMesh, run_mesh
 from dpo_train.config.sections import TrainConfig
@@ -59,6 +60,13 @@ class Run:
         a vision dataset holds."""
         check_vocabulary(model, named(self.data, self.held_out))
         check_sees_images(model, named(self.data, self.held_out))
+
+    def processor(self) -> Any:
+        """A vision-language run's processor, as the loader prepares its images with it (checked against the data's
+        attestation): `final/` saves it. None for text data."""
+        if not self.data.vision:
+            return None
+        return ImageSource(self.config.model.processor, self.data).prepared[0]
 
 
 @contextlib.contextmanager

@@ -72,7 +72,7 @@ def test_dpo_train_runs_the_probe_before_step_1_and_it_can_be_switched_off(
     tmp_path, small_dataset, smollm2_dir, run_cli, monkeypatch
 ):
     calls = []
-    import dpo_train.run.initial_policy as initial  # the trainer's and the precompute's initial policy
+    import dpo_train.run.scoring_checks as initial  # the trainer's and the precompute's initial policy's checks
 
     probed = lambda model, layout, requested, unpacked: calls.append(layout) or Probed(0.0, unpacked)  # noqa: E731
     monkeypatch.setattr(initial, "probe", probed)
