@@ -120,7 +120,7 @@ class Trainer:
             "rank": rank,
         }
 
-    def _check_token_ids(self, batch: dict) -> None:
+    def _check_token_ids(self, batch: MicroBatch) -> None:
         """A token id the model cannot embed (a damaged shard read with data.verify: size) is a named
         DataError, not an IndexError deep inside the embedding."""
         ids = batch["input_ids"]
@@ -197,7 +197,7 @@ class Trainer:
         policy = pair_logps(self.model, batch, self.scoring, self.mesh, ld_alpha=self.config.loss.ld_alpha)
         return SortScores(batch["pair_index"], *policy.scored, *reference.scored)
 
-    def _join(self, batch: dict):
+    def _join(self, batch: MicroBatch):
         """A micro-batch without pairs: the reference's and the policy's forwards over its padding row, so that
         this rank joins every collective the others' forwards issue; the policy's output."""
         inputs = row_inputs(batch, self.mesh, self.model, self.scoring.unpacked)[0]
@@ -237,7 +237,7 @@ class Trainer:
             (total + reached_by_every_rank(self.policy)).backward()
         add_pairs(self.sums, batch, terms, policy, self.config.data.max_tokens_per_microbatch)
 
-    def _alone(self, batch: dict, policy: Any) -> None:
+    def _alone(self, batch: MicroBatch, policy: Any) -> None:
         """At step 1, the policy's packed log-probs of each micro-batch against its sequences run alone through the
         model as loaded (`dpo_train.run.alone`, train.alone_check)."""
         if not self._check_alone or self.state.step:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import modeling_utils
 
-from dpo_data.loading.microbatch import IGNORE_INDEX, segment_sums, segments_to_pairs
+from dpo_data.loading.microbatch import IGNORE_INDEX, PackedRow, segment_sums, segments_to_pairs
 from dpo_train.attention import rope, unpacked
 from dpo_train.attention.inputs import passed_inputs, row_inputs
 from dpo_train.logps import head
@@ -47,7 +47,7 @@ class Targets:
     segment: torch.Tensor
 
 
-def targets(batch: dict[str, Any]) -> Targets:
+def targets(batch: PackedRow) -> Targets:
     """The row's targets. Labels are pre-shifted by the loader: position t predicts `labels[t]`, a token
     of t's own segment. In the shared-prompt layout the first token of each completion is predicted by
     the last position of its prompt segment (`segment_first_label`), which both completions share, so
@@ -67,7 +67,7 @@ def targets(batch: dict[str, Any]) -> Targets:
     return Targets(position, label, segment)
 
 
-def ld_token_weights(every: Targets, batch: dict[str, Any], ld_alpha: float) -> torch.Tensor:
+def ld_token_weights(every: Targets, batch: PackedRow, ld_alpha: float) -> torch.Tensor:
     """LD-DPO's weight of each target (TRL's `ld_alpha`): 1 for the first min(|chosen|, |rejected|) tokens of
     its completion, ld_alpha for the rest. It depends only on the token's index within its completion and its
     pair's two lengths, so it is the same whatever the packing, and a sequence-parallel rank can weigh its
@@ -111,7 +111,7 @@ def logits_mask(keep: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tenso
 
 def pair_logps(
     model: Any,
-    batch: dict[str, Any],
+    batch: PackedRow,
     scoring: Scoring,
     mesh: Any = None,
     router_aux: bool = False,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dpo_data.dataset.store import PairIds
-from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
+from dpo_data.loading.microbatch import PackedRow, pack_microbatch, pack_shared_prompt
 from dpo_data.progress import say
 from dpo_state.errors import ToolkitError
 from dpo_train.attention import rope, segments, sequence_parallel, temperature, unpacked
@@ -220,7 +220,7 @@ def paths_for(model: Any) -> list[str]:
     return found if hasattr(model_config(model), "vision_config") else [*found, "unpacked"]
 
 
-def scored_as(model: Any, batch: dict[str, Any], name: str | None, scoring: Scoring) -> torch.Tensor:
+def scored_as(model: Any, batch: PackedRow, name: str | None, scoring: Scoring) -> torch.Tensor:
     """[pairs, 2] log-probs (float64, CPU) of a packed `batch` under model.attention `name` (segments, sdpa, eager,
     unpacked; None: the model's own path, as `scoring` says), scored as `scoring` says otherwise (its head, its
     tiles), without autograd; the model's path is as before afterwards."""
@@ -232,7 +232,7 @@ def scored_as(model: Any, batch: dict[str, Any], name: str | None, scoring: Scor
     return torch.stack([out.chosen, out.rejected], dim=1).double().cpu()
 
 
-def _row(model: Any, layout: str, pairs: list[PairIds]) -> dict[str, Any]:
+def _row(model: Any, layout: str, pairs: list[PairIds]) -> PackedRow:
     """The probe's pairs packed in `layout`, on the model's device."""
     pack = pack_shared_prompt if layout == "shared_prompt" else pack_microbatch
     device = next(model.parameters()).device
@@ -248,7 +248,7 @@ def _packed_error(
     return got, (got - truth).abs() / truth.abs().clamp(min=1e-6)
 
 
-def _exact(model: Any, name: str, batch: dict[str, Any], truth: torch.Tensor) -> bool:
+def _exact(model: Any, name: str, batch: PackedRow, truth: torch.Tensor) -> bool:
     """Whether `batch` scores exactly under model.attention `name` (a path that fails to run is not)."""
     try:
         got = scored_as(model, batch, name, Scoring())  # the probe's: packed unless `name` says otherwise, no budget

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from dpo_data.loading.microbatch import CHOSEN, PADDING, PROMPT, REJECTED
+from dpo_data.loading.microbatch import CHOSEN, PADDING, PROMPT, REJECTED, PackedRow
 from dpo_data.loading.vision import reorder_images
 from dpo_train.errors import ParityError
 
@@ -24,7 +22,7 @@ CAUSES = (
 )
 
 
-def reordered(batch: dict[str, Any]) -> dict[str, Any]:
+def reordered(batch: PackedRow) -> PackedRow:
     """The same micro-batch with its row's segments in another order: pairs last to first, each pair's
     completions rejected before chosen (a shared prompt stays first, ahead of both), padding last.
     Per-pair results come out in the same slots; a vision row's images and model positions move with their
@@ -54,7 +52,7 @@ def reordered(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _segment_order(batch: dict[str, Any]) -> torch.Tensor:
+def _segment_order(batch: PackedRow) -> torch.Tensor:
     """Old segment indices in their new order (see `reordered`)."""
     pair, role = batch["segment_pair"].long().tolist(), batch["segment_role"].long().tolist()
     rank = {PROMPT: 0, REJECTED: 1, CHOSEN: 2}
@@ -63,7 +61,7 @@ def _segment_order(batch: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(real + [s for s in range(len(pair)) if role[s] == PADDING], dtype=torch.long)
 
 
-def check_parity(policy: tuple, reference: tuple, batch: dict, facts: dict) -> None:
+def check_parity(policy: tuple, reference: tuple, batch: PackedRow, facts: dict) -> None:
     """Refuse (ParityError, exit 2, before the optimizer steps) a micro-batch of step 1 where a pair's
     policy log-prob (the training forward) and reference log-prob (`reordered`, without autograd) differ
     beyond `TOLERANCE`; each is a (chosen, rejected) pair of [pairs] tensors, as the loss reads them.

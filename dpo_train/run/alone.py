@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpo_data.loading.microbatch import segment_sums, segments_to_pairs
+from dpo_data.loading.microbatch import PackedRow, segment_sums, segments_to_pairs
 from dpo_train.attention import unpacked
 from dpo_train.attention.features import attention_as, text_config
 from dpo_train.errors import ParityError
@@ -40,7 +40,7 @@ def as_loaded(model: Any, settings: bool = True) -> Iterator[None]:
         model.train(training)
 
 
-def alone_logps(model: Any, batch: dict[str, Any], settings: bool = True) -> torch.Tensor:
+def alone_logps(model: Any, batch: PackedRow, settings: bool = True) -> torch.Tensor:
     """[pairs, 2] summed completion log-probs (float64) of the micro-batch's pairs, each prompt + completion run
     alone: one sequence a forward, no padding, no position_ids, no mask, through the model as loaded
     (`as_loaded`); a length-dependent rope then takes that sequence's own length, as in a fresh model. The
@@ -94,13 +94,13 @@ def precompute_check(model: Any, run: Any, scoring: Scoring) -> Any:
         "where": "the reference precompute",
     }
 
-    def check(batch: dict, out: Any) -> None:
+    def check(batch: PackedRow, out: Any) -> None:
         check_alone(model, (out.chosen, out.rejected) if out is not None else (), batch, facts, False, scoring)
 
     return check
 
 
-def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, sharded: bool, scoring: Scoring) -> None:
+def check_alone(model: Any, got: tuple, batch: PackedRow, facts: dict, sharded: bool, scoring: Scoring) -> None:
     """Refuse (ParityError, exit 2, before the optimizer steps) a micro-batch whose pairs' log-probs `got`
     ((chosen, rejected), as the run's packed forward scored them) differ from each sequence run alone through
     the model as loaded (`alone_logps`) beyond the parity guard's `TOLERANCE`. A difference is diagnosed on the
@@ -132,7 +132,7 @@ def check_alone(model: Any, got: tuple, batch: dict[str, Any], facts: dict, shar
     )
 
 
-def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: dict, scoring: Scoring) -> str:
+def _diagnosis(model: Any, batch: PackedRow, truth: torch.Tensor, facts: dict, scoring: Scoring) -> str:
     """What differs, found on this micro-batch without autograd: the values the run zeroed, the training mode,
     or the packing; and the fix, only if one was checked here to give `truth`."""
     relative, absolute = TOLERANCE[facts["precision"]]
@@ -157,7 +157,7 @@ def _diagnosis(model: Any, batch: dict[str, Any], truth: torch.Tensor, facts: di
     return f"None of {tried} scores these pairs as alone: no path here trains it exactly"
 
 
-def _runs_close(model: Any, batch: dict[str, Any], name: str, close: Any, scoring: Scoring) -> bool:
+def _runs_close(model: Any, batch: PackedRow, name: str, close: Any, scoring: Scoring) -> bool:
     try:
         return close(scored_as(model, batch, name, scoring))
     except Exception:  # noqa: BLE001 - a path that cannot run the model is only not suggested
