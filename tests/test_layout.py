@@ -75,8 +75,9 @@ def test_dependencies_point_one_way(part):
     assert wrong == {}
 
 
-# What every room may use: `errors` (the trainer's errors) and `front` (how a room's front door is made).
-EVERY_ROOM = {"errors", "front"}
+# What every room may use: `errors` (the trainer's errors), `front` (how a room's front door is made) and `keys` (a
+# config key's field: its default and schema facts, used by the config's sections and the step room's LossConfig).
+EVERY_ROOM = {"errors", "front", "keys"}
 # dpo_train's rooms and what each may use of the rest of dpo_train (another room, or EVERY_ROOM), lowest first:
 # the ranks' plumbing knows nothing of models or losses; how a row is attended knows nothing of steps,
 # configs or checkpoints, nor of what a forward returns; what a forward returns and costs (logps) knows how a row

@@ -14,8 +14,8 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
 
-from dpo_train.config.keys import SCHEMA
-from dpo_train.config.sections import CONFIG_FORMAT_VERSION, LOSS_KEYS, LOSS_TYPES, SECTIONS
+from dpo_train.config.sections import CONFIG_FORMAT_VERSION, LOSS_TYPES, SECTIONS
+from dpo_train.keys import SCHEMA
 from dpo_train.step.loss import Interval
 
 COMMITTED = Path(__file__).resolve().parents[2] / "schemas" / "train-config.schema.json"
@@ -38,18 +38,18 @@ _GIVES_TYPE = ("type", "enum", "const", "oneOf")
 
 @functools.cache
 def generate() -> dict:
-    """The config's JSON Schema, from `SECTIONS` (and `LOSS_KEYS` for LossConfig, which is the step room's)."""
+    """The config's JSON Schema, from `SECTIONS`."""
     properties = {"format_version": {"const": CONFIG_FORMAT_VERSION}}
     for name, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
-        keys = {f.name: _key(f, hints[f.name], LOSS_KEYS if name == "loss" else {}) for f in fields(cls)}
+        keys = {f.name: _key(f, hints[f.name]) for f in fields(cls)}
         properties[name] = {"type": "object", "additionalProperties": False, "properties": keys}
     return {**_HEAD, "properties": properties, "$defs": {"loss_type": dict(LOSS_TYPES)}}
 
 
-def _key(f: Field, hint: Any, borrowed: dict) -> dict:
+def _key(f: Field, hint: Any) -> dict:
     """One key's node: its JSON type (unless its keywords say what it may be), its keywords, its default."""
-    stated = dict(f.metadata.get(SCHEMA, borrowed.get(f.name, {})))
+    stated = dict(f.metadata.get(SCHEMA, {}))
     node = {} if any(word in stated for word in _GIVES_TYPE) else {"type": _json_type(hint)}
     node.update({word: list(value) if isinstance(value, tuple) else value for word, value in stated.items()})
     default = f.default_factory() if f.default is MISSING else f.default

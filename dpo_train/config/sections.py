@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dpo_data.loading.config import BATCHING_MODES, LAYOUTS, MAX_WORKERS, LoaderConfig
-from dpo_train.config.keys import INT64_MAX, key
+from dpo_train.keys import INT64_MAX, WEIGHTS, key
 from dpo_train.step.early_stopping import LOWER_IS_BETTER, RENAMED
-from dpo_train.step.loss import F_DIVERGENCES, LOSSES, LossConfig
+from dpo_train.step.loss import LOSSES, LossConfig
 from dpo_train.step.optim import SCHEDULES
 
 CONFIG_SCHEMA = "train-config"
@@ -37,10 +37,6 @@ LORA = {
     },
 }
 """model.lora's keys (a mapping handed to PEFT, not a section of its own)."""
-WEIGHTS = {"items": {"type": "number", "minimum": 0, "maximum": 1000}}
-"""A list of weights >= 0 (data.weights, loss.weights)."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None
@@ -326,35 +322,6 @@ class EvalConfig:
     """A gain is more than this (HF's `early_stopping_threshold`), in the metric's units."""
 
 
-LOSS_KEYS = {
-    "type": {
-        "if": {"type": "string"},
-        "then": {"$ref": "#/$defs/loss_type"},
-        "else": {"minItems": 1, "items": {"$ref": "#/$defs/loss_type"}},
-        "description": "one loss type, or a non-empty list of them combined with loss.weights; docs/objective.md",
-    },
-    "weights": WEIGHTS,
-    "beta": {"exclusiveMinimum": 0, "maximum": 1000},
-    "label_smoothing": {
-        "minimum": 0,
-        "exclusiveMaximum": 1,
-        "description": "each type's own range is config_problems' (LOSSES)",
-    },
-    "nll_weight": {"minimum": 0, "maximum": 1000},
-    "target_margin": {"minimum": -1000, "maximum": 1000},
-    "alpha": {"minimum": -1000, "maximum": 1000, "description": "alphapo's reward shape (TRL's alpha)"},
-    "discopop_tau": {"exclusiveMinimum": 0, "maximum": 1000},
-    "f_divergence_type": {
-        "enum": tuple(F_DIVERGENCES),
-        "description": "the names of F_DIVERGENCES in dpo_train/step/loss.py",
-    },
-    "f_alpha_divergence_coef": {"minimum": -1000, "maximum": 1000},
-    "ld_alpha": {"minimum": 0, "maximum": 1, "description": "LD-DPO (TRL's ld_alpha); docs/objective.md"},
-    "use_weighting": {"description": "WPO pair weights (TRL's use_weighting); docs/objective.md"},
-    "router_aux_coef": {"minimum": 0, "maximum": 1000},
-}
-"""The schema keywords of the `loss` keys (what `key(...)` says of the other sections' fields): LossConfig is the
-step room's, which imports nothing of the config, so they are stated here, beside the sections."""
 LOSS_TYPES = {"enum": list(LOSSES), "description": "the names of LOSSES in dpo_train/step/loss.py; docs/objective.md"}
 """loss.type's names (the schema's $defs/loss_type)."""
 

@@ -13,9 +13,9 @@ token counts, the log-ratios x_c = c - c0 and x_r = r - r0, f the score of `loss
 `LOSSES` is the family: one `LossType` per `loss.type` name, and the only list of them. The per-pair
 computation, `LossConfig.needs_reference` and the config's rules (dpo_train/config/rules.py) all read it.
 Adding a loss type is one entry here (its closed form in the function's docstring) plus its row in the
-docs/objective.md table (tests/train/test_loss.py checks the table's facts against the entries) and its name
-in the `loss_type` enum (`$defs`) of schemas/train-config.schema.json, which is for editors and must list the
-same names in the same order (tests/train/test_config.py checks it). `loss.type` may also be a list of names,
+docs/objective.md table (tests/train/test_loss.py checks the table's facts against the entries); the schema's
+`loss_type` enum is generated from `LOSSES` (`python -m dpo_train.config.schema --write`, checked by
+tests/train/test_config_schema.py). `loss.type` may also be a list of names,
 combined per pair as sum_k w_k L_k with `loss.weights`, as TRL 1.16 combines its `loss_type` list.
 """
 
@@ -30,89 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from dpo_train.errors import ConfigError
+from dpo_train.keys import WEIGHTS, key
 
 Counts = tuple[torch.Tensor, torch.Tensor]
 """Completion token counts of (chosen, rejected), at least 1, in the log-probs' dtype."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The `loss:` section of the training config; checked by dpo_train/config/rules.py (`config_problems`)
-    and the schema, never here."""
-
-    type: str | list[str] = "sigmoid"
-    """A name of `LOSSES` (the table in docs/objective.md), or a list of them: per pair the loss is then
-    sum_k weights[k] * L_k (TRL's `loss_type` list)."""
-    weights: list[float] | None = None
-    """With a list `type`: one weight per listed type, each >= 0, in its order. null: 1.0 each."""
-    beta: float = 0.1
-    """Inverse temperature (IPO: the regularization tau; SimPO, AlphaPO: the reward scale; SPPO: 1 / eta; ORPO:
-    the odds-ratio weight lambda, TRL's beta)."""
-    label_smoothing: float = 0.0
-    """For the types whose `LOSSES` entry gives it a range (sigmoid: conservative DPO's flip probability;
-    robust: the flip probability; exo_pair: the labels' epsilon); 0 for the others."""
-    nll_weight: float = 0.0
-    """Weight of the NLL on chosen completions (RPO), per supervised chosen token over the whole step; the
-    same term as `sft` in a list (with its weight there), so one of the two is 0."""
-    average_log_prob: bool = False
-    """Use per-token mean log-probs instead of sums (always on for the types whose `LOSSES` entry says
-    per_token_means)."""
-    target_margin: float = 0.5
-    """simpo, alphapo: the target reward margin gamma (TRL's `simpo_gamma`)."""
-    alpha: float = 0.0
-    """alphapo, cpo, cpo_hinge, cpo_ipo: the reward shape alpha of u(x) = (1 - exp(-alpha x)) / alpha (TRL's
-    CPOTrainer `alpha`, its default 0: u(x) = x; alphapo with 0 is SimPO)."""
-    discopop_tau: float = 0.05
-    """discopop: the temperature tau of its log-ratio modulation (TRL's default, the paper's)."""
-    f_divergence_type: str = "reverse_kl"
-    """A name of `F_DIVERGENCES` (f-DPO): the score f each log-ratio goes through for the types that read
-    scores (`LossType.f_divergence`); reverse_kl is DPO's f(x) = x."""
-    f_alpha_divergence_coef: float = 0.5
-    """alpha_divergence: TRL's coefficient a of f(x) = (exp((a - 1) x) - 1) / (a - 1)."""
-    ld_alpha: float | None = None
-    """LD-DPO (Liu et al. 2024, "Length Desensitization in Direct Preference Optimization"), TRL's `ld_alpha`: per
-    pair, the first min(|c|, |r|) tokens of each completion count fully in its summed log-prob (policy and
-    reference alike), the rest times ld_alpha, in [0, 1]; null: plain sums (1.0 is the same number)."""
-    use_weighting: bool = False
-    """WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"), TRL's `use_weighting`:
-    each pair's loss times w_c w_r, w = exp(mean over the completion's tokens of log p(token) - log sum_v
-    p(v)^2) under the policy, without gradient (dpo_train/logps/pairs.py `wpo_weights`)."""
-    router_aux_coef: float | None = None
-    """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
-    load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's
-    pairs (docs/objective.md, "MoE"). null: the model config's `router_aux_loss_coef` (0 without one),
-    as TRL does; 0 disables it."""
-
-    @property
-    def types(self) -> list[str]:
-        """`type` as a list of names (one, or the listed ones); an empty list is a ConfigError."""
-        if not isinstance(self.type, str) and not self.type:
-            raise ConfigError(
-                'loss.type is an empty list; name one loss type or more (docs/objective.md, "The loss family")'
-            )
-        return [self.type] if isinstance(self.type, str) else list(self.type)
-
-    @property
-    def type_text(self) -> str:
-        """`type` as a message names it: sigmoid, or [sigmoid, bco_pair]."""
-        return self.type if isinstance(self.type, str) else f"[{', '.join(map(str, self.type))}]"
-
-    @property
-    def members(self) -> list[tuple[str, float]]:
-        """(name, weight) of each listed type; 1.0 each without `weights`."""
-        weights = [1.0] * len(self.types) if self.weights is None else self.weights
-        return list(zip(self.types, weights, strict=True))  # config_problems names a length mismatch first
-
-    @property
-    def needs_reference(self) -> bool:
-        return any(loss_type(name).needs_reference for name in self.types)
-
-    @property
-    def sft_weight(self) -> float:
-        """The weight of the step's NLL term on chosen completions (objective.py `microbatch_loss`): the
-        listed NLL type's weight (sft), else `nll_weight`; config_problems refuses both at once."""
-        listed = [weight for name, weight in self.members if loss_type(name).nll_term]
-        return float(listed[0]) if listed else self.nll_weight
 
 
 @dataclass(frozen=True)
@@ -132,7 +53,7 @@ class Interval:
         return f"{'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
 
 
-Form = Callable[[LossConfig, torch.Tensor, torch.Tensor, Counts | None], tuple[torch.Tensor, ...]]
+Form = Callable[["LossConfig", torch.Tensor, torch.Tensor, Counts | None], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -202,6 +123,96 @@ F_DIVERGENCES: dict[str, Callable[[LossConfig, torch.Tensor], torch.Tensor]] = {
 }
 """`loss.f_divergence_type` (Wang et al. 2023, "Beyond Reverse KL: Generalizing Direct Preference Optimization
 with Diverse Divergence Constraints"): the score f'(t) of a log-ratio x = log t, as TRL 1.16 computes it."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The `loss:` section of the training config; checked by dpo_train/config/rules.py (`config_problems`)
+    and the schema, never here."""
+
+    type: str | list[str] = key(
+        "sigmoid",
+        **{"if": {"type": "string"}},
+        then={"$ref": "#/$defs/loss_type"},
+        **{"else": {"minItems": 1, "items": {"$ref": "#/$defs/loss_type"}}},
+        description="one loss type, or a non-empty list of them combined with loss.weights; docs/objective.md",
+    )
+    """A name of `LOSSES` (the table in docs/objective.md), or a list of them: per pair the loss is then
+    sum_k weights[k] * L_k (TRL's `loss_type` list)."""
+    weights: list[float] | None = key(None, **WEIGHTS)
+    """With a list `type`: one weight per listed type, each >= 0, in its order. null: 1.0 each."""
+    beta: float = key(0.1, exclusiveMinimum=0, maximum=1000)
+    """Inverse temperature (IPO: the regularization tau; SimPO, AlphaPO: the reward scale; SPPO: 1 / eta; ORPO:
+    the odds-ratio weight lambda, TRL's beta)."""
+    label_smoothing: float = key(
+        0.0, minimum=0, exclusiveMaximum=1, description="each type's own range is config_problems' (LOSSES)"
+    )
+    """For the types whose `LOSSES` entry gives it a range (sigmoid: conservative DPO's flip probability;
+    robust: the flip probability; exo_pair: the labels' epsilon); 0 for the others."""
+    nll_weight: float = key(0.0, minimum=0, maximum=1000)
+    """Weight of the NLL on chosen completions (RPO), per supervised chosen token over the whole step; the
+    same term as `sft` in a list (with its weight there), so one of the two is 0."""
+    average_log_prob: bool = False
+    """Use per-token mean log-probs instead of sums (always on for the types whose `LOSSES` entry says
+    per_token_means)."""
+    target_margin: float = key(0.5, minimum=-1000, maximum=1000)
+    """simpo, alphapo: the target reward margin gamma (TRL's `simpo_gamma`)."""
+    alpha: float = key(0.0, minimum=-1000, maximum=1000, description="alphapo's reward shape (TRL's alpha)")
+    """alphapo, cpo, cpo_hinge, cpo_ipo: the reward shape alpha of u(x) = (1 - exp(-alpha x)) / alpha (TRL's
+    CPOTrainer `alpha`, its default 0: u(x) = x; alphapo with 0 is SimPO)."""
+    discopop_tau: float = key(0.05, exclusiveMinimum=0, maximum=1000)
+    """discopop: the temperature tau of its log-ratio modulation (TRL's default, the paper's)."""
+    f_divergence_type: str = key(
+        "reverse_kl", enum=tuple(F_DIVERGENCES), description="the names of F_DIVERGENCES in dpo_train/step/loss.py"
+    )
+    """A name of `F_DIVERGENCES` (f-DPO): the score f each log-ratio goes through for the types that read
+    scores (`LossType.f_divergence`); reverse_kl is DPO's f(x) = x."""
+    f_alpha_divergence_coef: float = key(0.5, minimum=-1000, maximum=1000)
+    """alpha_divergence: TRL's coefficient a of f(x) = (exp((a - 1) x) - 1) / (a - 1)."""
+    ld_alpha: float | None = key(None, minimum=0, maximum=1, description="LD-DPO (TRL's ld_alpha); docs/objective.md")
+    """LD-DPO (Liu et al. 2024, "Length Desensitization in Direct Preference Optimization"), TRL's `ld_alpha`: per
+    pair, the first min(|c|, |r|) tokens of each completion count fully in its summed log-prob (policy and
+    reference alike), the rest times ld_alpha, in [0, 1]; null: plain sums (1.0 is the same number)."""
+    use_weighting: bool = key(False, description="WPO pair weights (TRL's use_weighting); docs/objective.md")
+    """WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"), TRL's `use_weighting`:
+    each pair's loss times w_c w_r, w = exp(mean over the completion's tokens of log p(token) - log sum_v
+    p(v)^2) under the policy, without gradient (dpo_train/logps/pairs.py `wpo_weights`)."""
+    router_aux_coef: float | None = key(None, minimum=0, maximum=1000)
+    """Mixture-of-experts models (their config has `output_router_logits`): weight of the router
+    load-balancing loss the model returns, added per micro-batch and weighted by its share of the step's
+    pairs (docs/objective.md, "MoE"). null: the model config's `router_aux_loss_coef` (0 without one),
+    as TRL does; 0 disables it."""
+
+    @property
+    def types(self) -> list[str]:
+        """`type` as a list of names (one, or the listed ones); an empty list is a ConfigError."""
+        if not isinstance(self.type, str) and not self.type:
+            raise ConfigError(
+                'loss.type is an empty list; name one loss type or more (docs/objective.md, "The loss family")'
+            )
+        return [self.type] if isinstance(self.type, str) else list(self.type)
+
+    @property
+    def type_text(self) -> str:
+        """`type` as a message names it: sigmoid, or [sigmoid, bco_pair]."""
+        return self.type if isinstance(self.type, str) else f"[{', '.join(map(str, self.type))}]"
+
+    @property
+    def members(self) -> list[tuple[str, float]]:
+        """(name, weight) of each listed type; 1.0 each without `weights`."""
+        weights = [1.0] * len(self.types) if self.weights is None else self.weights
+        return list(zip(self.types, weights, strict=True))  # config_problems names a length mismatch first
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(loss_type(name).needs_reference for name in self.types)
+
+    @property
+    def sft_weight(self) -> float:
+        """The weight of the step's NLL term on chosen completions (objective.py `microbatch_loss`): the
+        listed NLL type's weight (sft), else `nll_weight`; config_problems refuses both at once."""
+        listed = [weight for name, weight in self.members if loss_type(name).nll_term]
+        return float(listed[0]) if listed else self.nll_weight
 
 
 def _score(config: LossConfig, ratio: torch.Tensor) -> torch.Tensor:

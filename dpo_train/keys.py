@@ -17,5 +17,8 @@ def key(default: Any = MISSING, *, factory: Any = MISSING, **schema: Any) -> Any
     return field(default=default, default_factory=factory, metadata={SCHEMA: schema})
 
 
+WEIGHTS = {"items": {"type": "number", "minimum": 0, "maximum": 1000}}
+"""A list of weights >= 0 (data.weights, loss.weights)."""
+
 INT64_MAX = 2**63 - 1
 """The largest seed: torch and numpy take 64-bit seeds (numpy refuses negative ones)."""
