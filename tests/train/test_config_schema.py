@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from dpo_train.config import schema
-from dpo_train.config.keys import key
+from dpo_train.keys import key
 from dpo_train.config.sections import SECTIONS, OptimConfig, ReferenceConfig, TrainSection
 
 
