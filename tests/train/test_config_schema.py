@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from dpo_train.config import schema
-from dpo_train.keys import key
 from dpo_train.config.sections import SECTIONS, OptimConfig, ReferenceConfig, TrainSection
+from dpo_train.keys import key
 
 
 def test_the_committed_schema_is_the_one_the_sections_generate():
