@@ -188,6 +188,32 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+# -- the tiny model -------------------------------------------------------------------------------
+
+
+def tiny_llama(**changes: Any) -> dict:
+    """tests/tiny.py's tiny random Llama spec with `changes`: the one the tests build theirs from."""
+    return _tiny().tiny_llama(**changes)
+
+
+def tiny_llama_model(**changes: Any) -> Any:
+    """tests/tiny.py's random `LlamaForCausalLM` of `tiny_llama(**changes)`; the caller seeds torch."""
+    return _tiny().tiny_llama_model(**changes)
+
+
+def _tiny() -> Any:
+    """tests/tiny.py loaded from this checkout by its path: a --baseline checkout first on PYTHONPATH (whose tests/
+    may predate it) does not shadow it, and nothing else of tests/ is imported."""
+    import importlib.util
+
+    if "dpo_tiny_model" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("dpo_tiny_model", ROOT / "tests" / "tiny.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dpo_tiny_model"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["dpo_tiny_model"]
+
+
 # -- generated conversational pairs ---------------------------------------------------------------
 
 _WORDS = """

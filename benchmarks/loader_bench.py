@@ -359,20 +359,10 @@ def typical_microbatch(ds: Path, budget: int, size: int) -> dict:
 
 def trainer_step_time(batch: dict, repeat: int) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-    )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
+    spec = {"hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 8192}
+    model = harness.tiny_llama_model(**spec, attn_implementation="sdpa")
     model.train()
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     mask = labels != -100

@@ -29,15 +29,7 @@ import harness
 
 from dpo_train.logps.scoring import Scoring
 
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-}
+MODEL = harness.tiny_llama(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4)
 MESHES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)]  # (ulysses, context)
 COLLECTIVES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")
 

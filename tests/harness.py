@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.tiny import TINY_LLAMA
+
 
 class LiveTensors:
     """While open, every CPU tensor allocation and free, through the profiler's memory events (the one record of
@@ -43,18 +45,6 @@ class LiveTensors:
                 live += e.nbytes()  # negative for a free
                 peak = max(peak, live)
         self.peak_mib = peak / (1 << 20)
-
-
-TINY_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
-"""A random Llama with SmolLM2's vocabulary (the real tokenizer's ids embed), two small layers."""
 
 
 def tiny_config(dataset: Path, tokenizer: Path, output_dir: Path, **train: Any) -> dict:

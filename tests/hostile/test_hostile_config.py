@@ -18,6 +18,7 @@ from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, train_cli, train_here
 from tests.hostile.test_hostile_run import small_tmpfs
 from tests.state.test_checkpoint import config
+from tests.tiny import tiny_llama, tiny_llama_model
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 ANYWHERE = {"data": {"path": "x"}}  # load_config alone never opens the dataset
@@ -236,7 +237,7 @@ def test_a_model_init_config_that_transformers_refuses_is_named(field, value):
 
     named = field.replace("_", ".")  # 'initializer_range', or 'The hidden size (-5) is not a multiple ...'
     with pytest.raises(ConfigError, match=rf"^model.init.config: transformers cannot build .*{named}.*{value}"):
-        load_policy(ModelConfig(init={"config": {**TINY_LLAMA, field: value}}))
+        load_policy(ModelConfig(init={"config": tiny_llama(**{field: value})}))
 
 
 def test_the_cli_names_a_missing_model_path_before_writing_the_run(small_dataset, smollm2_dir, tmp_path, run_cli):
@@ -262,11 +263,8 @@ def test_the_cli_names_a_missing_model_path_before_writing_the_run(small_dataset
 
 
 def _tiny(tied: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     torch.manual_seed(0)
-    spec = {**TINY_LLAMA, "vocab_size": 100, "num_hidden_layers": 1, "tie_word_embeddings": tied}
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec))
+    return tiny_llama_model(vocab_size=100, num_hidden_layers=1, tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize(

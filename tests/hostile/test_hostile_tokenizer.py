@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tests.harness import TINY_LLAMA, tiny_config, train_here, write_yaml
+from tests.harness import tiny_config, train_here, write_yaml
+from tests.tiny import tiny_llama
 
 
 def _config(sample_dataset, smollm2_dir, out):
@@ -25,7 +26,7 @@ def test_a_run_tokenizer_that_differs_from_the_datasets_is_refused(sample_datase
 
 
 def test_a_model_that_cannot_embed_every_token_id_is_refused(sample_dataset, smollm2_dir, tmp_path, run_cli):
-    small = {**TINY_LLAMA, "vocab_size": 1000}
+    small = tiny_llama(vocab_size=1000)
     config = _config(sample_dataset, smollm2_dir, tmp_path / "fresh")
     proc = train_here(run_cli, config, "--set", f"model.init={{config: {small}, seed: 0}}", code=2)
     assert "but the model embeds only 1000 ids" in proc.stderr and "Traceback" not in proc.stderr

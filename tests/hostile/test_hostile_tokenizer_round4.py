@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import chat, write_jsonl
-from tests.harness import TINY_LLAMA, data_cli, tiny_config, train_here, write_yaml
+from tests.harness import data_cli, tiny_config, train_here, write_yaml
+from tests.tiny import tiny_llama_model
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja")
 NESTED = "[" * 100_000 + "]" * 100_000
@@ -155,10 +156,7 @@ def test_a_whole_tokenizer_json_of_another_model_type_builds(smollm2_dir, tmp_pa
 
 def _model(directory: Path, vocab_size: int) -> Path:
     """A tiny random Llama of `vocab_size` embedding rows saved at `directory` (no tokenizer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(**{**TINY_LLAMA, "vocab_size": vocab_size})
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tiny_llama_model(vocab_size=vocab_size).save_pretrained(directory)
     return directory
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA, state_here, tiny_config, train_here, write_yaml
+from tests.harness import state_here, tiny_config, train_here, write_yaml
+from tests.tiny import tiny_llama
 
 LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}
 
@@ -15,7 +16,7 @@ LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}
 def _config(tmp_path, dataset, tokenizer, name, lora=None, **train):
     out = tmp_path / name
     config = tiny_config(dataset, tokenizer, out, **{"max_steps": 1, **train})
-    untied = {**TINY_LLAMA, "tie_word_embeddings": False}  # a head of its own: a save may drop it
+    untied = tiny_llama(tie_word_embeddings=False)  # a head of its own: a save may drop it
     config["model"]["init"]["config"] = untied
     if lora:
         config["model"]["lora"] = lora

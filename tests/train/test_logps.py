@@ -10,23 +10,14 @@ from dpo_data.dataset.store import PairIds
 from dpo_data.loading.microbatch import pack_microbatch, pair_sums
 from dpo_train.logps.pairs import pair_logps
 from dpo_train.logps.scoring import Scoring
+from tests.tiny import tiny_llama_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).eval()
+    spec = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    return tiny_llama_model(**spec, attn_implementation="sdpa").eval()
 
 
 def random_pairs(n, seed=0):

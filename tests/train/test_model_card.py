@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from dpo_train.config.sections import ModelConfig
 from dpo_train.export.model_card import base_model
 from tests.harness import TINY_LLAMA, state_here, tiny_config, train_here, write_yaml
+from tests.tiny import tiny_llama_model
 
 LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}
 
@@ -33,11 +34,8 @@ def tiny_base(tmp_path_factory) -> Path:
     """TINY_LLAMA saved where a download of Hub repo me/tiny-base leaves it (huggingface_hub's cache:
     models--me--tiny-base/snapshots/REVISION), with the repo's card stating its licence, so that model.path (an
     absolute path) is a Hub model's local copy."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     directory = tmp_path_factory.mktemp("hub") / "models--me--tiny-base" / "snapshots" / REVISION
-    spec = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
-    AutoModelForCausalLM.from_config(LlamaConfig(**spec)).save_pretrained(directory)
+    tiny_llama_model().save_pretrained(directory)
     (directory / "README.md").write_text("---\nlicense: mit\ntags: [tiny]\n---\n\n# tiny-base\n")
     return directory
 

@@ -15,16 +15,10 @@ import torch
 from dpo_train.logps.scoring import Scoring
 from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
 from tests.state.test_checkpoint import config, metrics, train
+from tests.tiny import tiny_llama
 
-MODEL = {  # 4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+MODEL = tiny_llama(vocab_size=512, num_attention_heads=4)
+"""4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised."""
 MESHES = [(2, 1), (1, 2), (2, 2), (1, 4)]  # (ulysses, context), built in this order on 4 ranks
 TOL = 1e-5  # fp32: the same sums, added in another order
 

@@ -12,6 +12,7 @@ from dpo_data.dataset.store import PairStore
 from dpo_train.errors import SidecarError
 from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
 from tests.harness import train_here, write_yaml
+from tests.tiny import tiny_llama
 
 WEIGHTS = "sha256:" + "0" * 64
 
@@ -45,8 +46,7 @@ def _precomputed_config(tmp_path, small_dataset, smollm2_dir, sidecar=None, **mo
     config = {
         "model": {
             "init": {
-                "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 16, "intermediate_size": 32}
-                | {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2},
+                "config": tiny_llama(hidden_size=16, intermediate_size=32, num_hidden_layers=1),
                 "seed": 0,
             },
             "tokenizer": str(smollm2_dir),

@@ -23,6 +23,7 @@ from dpo_train.step.loss import LOSSES, LossConfig, pair_losses
 from dpo_train.step.metrics import add_pairs, new_sums, step_record
 from dpo_train.step.objective import microbatch_loss
 from dpo_train.step.sort import SortScores, sorted_types, step_partners
+from tests.tiny import tiny_llama_model
 
 CHOSEN = torch.tensor([-10.0, -4.0, -7.5, -3.0])
 REJECTED = torch.tensor([-12.0, -3.0, -7.5, -9.0])
@@ -36,20 +37,11 @@ LENGTH = 9  # sequence length of TRL's padded batch
 @pytest.fixture(scope="module")
 def trl_trainer(tmp_path_factory, smollm2_dir):
     import datasets
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     def tiny():
-        return LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                vocab_size=49152,
-            )
-        )
+        return tiny_llama_model(num_hidden_layers=1)
 
     row = {"prompt": "Q:", "chosen": " a", "rejected": " b"}
     with warnings.catch_warnings():

@@ -319,19 +319,13 @@ def trl_prepare(tokenizer_dir, sets: dict[str, list[dict]], output_dir) -> dict[
     import datasets
     import torch
     import transformers
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    from tests.tiny import tiny_llama_model
+
     def tiny_model():
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=49152,
-        )
-        return LlamaForCausalLM(config)
+        return tiny_llama_model(hidden_size=64, intermediate_size=128)
 
     (first, train_rows), *rest = sets.items()
     progress_was_enabled = datasets.is_progress_bar_enabled()

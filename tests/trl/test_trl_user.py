@@ -7,7 +7,8 @@ import json
 import yaml
 
 from tests.conftest import write_jsonl
-from tests.harness import TINY_LLAMA, train_here
+from tests.harness import train_here
+from tests.tiny import tiny_llama_model
 
 
 def _ultrafeedback_rows(n: int) -> list[dict]:
@@ -34,11 +35,10 @@ def _ultrafeedback_rows(n: int) -> list[dict]:
 
 def _model_dir(tmp_path, smollm2_dir):
     """A model directory as a user has one: a (tiny, random) causal LM saved beside its tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    config = AutoConfig.for_model(**TINY_LLAMA)
     model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tiny_llama_model().save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(model_dir)
     return model_dir
 
