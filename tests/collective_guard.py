@@ -1,6 +1,6 @@
 """Run `dpo-train` with every torch.distributed collective wrapped: the project may issue one only through
 `dpo_train.parallel.collectives`, with tensors on that module's device; collectives issued inside torch (DDP,
-FSDP2, DCP) place their own. Used by tests/train/test_devices.py under torchrun; it writes what it saw to
+FSDP2, DCP) place their own. Used by tests/train/parallel/test_devices.py under torchrun; it writes what it saw to
 $COLLECTIVE_GUARD_OUT/rank-R.json and fails the rank on the first violation.
 """
 

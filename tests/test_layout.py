@@ -153,6 +153,20 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+ROOM_TESTS = {**{room: f"tests/train/{room}" for room in ROOMS}, "vision": "tests/vision"}
+"""Where each room's tests live: tests/train/ROOM, save the vision room's, which sit with the vision data path in
+tests/vision (the attention room's zoo is tests/architectures too). tests/train's own files test the top floor."""
+
+
+def test_the_tests_mirror_the_rooms():
+    """Every room has its folder of tests, and tests/train holds no folder that is not a room: a test file sits
+    with the room it tests, so the tests of a room are found where the room is."""
+    missing = sorted(room for room, folder in ROOM_TESTS.items() if not any((ROOT / folder).glob("test_*.py")))
+    assert missing == [], f"rooms without a folder of tests: {missing}"
+    folders = {p.name for p in (ROOT / "tests" / "train").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - set(ROOMS) == set(), f"folders of tests/train that are not rooms: {sorted(folders - set(ROOMS))}"
+
+
 def test_every_module_of_dpo_train_sits_in_a_room_or_on_the_top_floor():
     folders = {p.name for p in (ROOT / "dpo_train").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     flat = {p.stem for p in (ROOT / "dpo_train").glob("*.py")}

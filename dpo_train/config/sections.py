@@ -127,7 +127,7 @@ _LOADER = LoaderConfig()
 @dataclass(frozen=True)
 class DataConfig:
     """The `data:` section: dataset directories, how their shards are checked before use, and the loader's
-    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/train/test_config.py checks the two agree)."""
+    keys (`LOADER_KEYS`, documented on `LoaderConfig`; tests/train/config/test_config.py checks the two agree)."""
 
     path: str | list[str] = key(
         "", oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]

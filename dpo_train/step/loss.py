@@ -13,9 +13,9 @@ token counts, the log-ratios x_c = c - c0 and x_r = r - r0, f the score of `loss
 `LOSSES` is the family: one `LossType` per `loss.type` name, and the only list of them. The per-pair
 computation, `LossConfig.needs_reference` and the config's rules (dpo_train/config/rules.py) all read it.
 Adding a loss type is one entry here (its closed form in the function's docstring) plus its row in the
-docs/objective.md table (tests/train/test_loss.py checks the table's facts against the entries); the schema's
+docs/objective.md table (tests/train/step/test_loss.py checks the table's facts against the entries); the schema's
 `loss_type` enum is generated from `LOSSES` (`python -m dpo_train.config.schema --write`, checked by
-tests/train/test_config_schema.py). `loss.type` may also be a list of names,
+tests/train/config/test_config_schema.py). `loss.type` may also be a list of names,
 combined per pair as sum_k w_k L_k with `loss.weights`, as TRL 1.16 combines its `loss_type` list.
 """
 

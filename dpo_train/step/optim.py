@@ -15,7 +15,7 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
 }
 """optim.scheduler -> the learning rate's factor at `progress` (0 to 1) through the steps after the warm-up: the one
 table of schedules (the config schema's enum and the TRL translation's targets are checked against it,
-tests/train/test_config.py)."""
+tests/train/config/test_config.py)."""
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim: Any) -> torch.optim.Optimizer:

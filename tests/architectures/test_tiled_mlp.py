@@ -374,7 +374,7 @@ def test_a_precomputed_reference_tiles_the_mlps_its_run_tiles(
     from dpo_train.logps.tiled_mlp import AUTO
     from dpo_train.precompute import precompute_reference
     from dpo_train.run import initial_policy
-    from tests.train.test_sidecar_guards import _precomputed_config
+    from tests.train.reference.test_sidecar_guards import _precomputed_config
 
     tiles, apply = [], initial_policy.apply_setting
 

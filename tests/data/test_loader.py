@@ -16,7 +16,7 @@ from dpo_data.dataset.store import PairIds, PairStore
 from dpo_data.errors import DataError
 from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.loader import DPOLoader
-from dpo_data.loading.microbatch import IGNORE_INDEX, MicroBatch, pack_microbatch
+from dpo_data.loading.microbatch import IGNORE_INDEX, MicroBatch, is_last, pack_microbatch
 from dpo_data.loading.order import epoch_order, permutation
 from dpo_data.loading.steps import PlannerState, StepPlanner
 from tests.harness import run_process
@@ -238,7 +238,7 @@ def test_pairs_mode_resumes_on_another_world_size_budget_and_workers_at_the_same
     loader = DPOLoader([sample_dataset], config, max_epochs=1)
     it = iter(loader)
     batch = next(it)
-    while batch["microbatch"] + 1 < batch["microbatches_in_step"] or batch["step"] < 4:
+    while not is_last(batch) or batch["step"] < 4:
         batch = next(it)
     state = loader.state_dict()
     rest = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import cli_argv, free_port, run_process, state_here, train_cli, train_here
-from tests.state.test_checkpoint import config
+from tests.train.checkpoint.test_checkpoint import config
 
 
 def committed(out: Path) -> list[str]:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.harness import state_here
-from tests.state.test_checkpoint import config, train
+from tests.train.checkpoint.test_checkpoint import config, train
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def test_the_wall_time_of_a_precomputed_run_adds_the_precompute_its_sidecar_reco
     from dpo_report.charts import _summary_rows
     from dpo_report.summary import run_report
     from tests.harness import train_here
-    from tests.train.test_sidecar_guards import _precomputed_config
+    from tests.train.reference.test_sidecar_guards import _precomputed_config
 
     path, sidecar = _precomputed_config(tmp_path, small_dataset, smollm2_dir)
     train_here(run_cli, path, "--precompute-reference")

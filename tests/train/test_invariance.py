@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from dpo_data.loading.microbatch import is_last
 from tests.harness import TINY_LLAMA, free_port, join_gloo, spawn, tiny_trainer
 
 RTOL = 2e-6  # ||a - b|| / ||a|| per tensor, for gradients and parameters, fp32 on CPU (measured: up to 1.25e-6)
@@ -111,7 +112,7 @@ def _job(rank: int, world: int, config: dict, steps, use_loader: bool, reduction
                 batch = next(batches)
                 _mean_of_means.microbatches = batch["microbatches_in_step"]
                 trainer.microbatch(batch)
-                if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+                if is_last(batch):
                     break
             grads.append(_step_gradient(trainer.policy))
             losses.append(trainer.step()["loss"])

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.harness import state_here, train_here
-from tests.state.test_checkpoint import config, metrics, train
+from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 
 @pytest.mark.slow

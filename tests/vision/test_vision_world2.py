@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from dpo_data.loading.microbatch import is_last
 from tests.train.test_invariance import RTOL, _train_all, _worst
 
 FAMILIES = ("idefics3", "qwen2_5_vl")
@@ -52,7 +53,7 @@ def _images_per_step(config: dict, rank: int, world: int) -> list[int]:
     loader = DPOLoader([cfg.data.path], cfg.data.loader_config(rank, world), processor=cfg.model.processor)
     found = [0, 0]
     for batch in loader:
-        if batch["step"] == 1 and batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if batch["step"] == 1 and is_last(batch):
             found[1] += int(batch["segment_images"].sum())
             return found
         found[batch["step"]] += int(batch["segment_images"].sum())

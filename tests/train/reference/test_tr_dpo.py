@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from dpo_data.loading.microbatch import is_last
 from tests.harness import (
     TINY_LLAMA,
     free_port,
@@ -55,7 +56,7 @@ def _step(trainer, batches) -> dict:
     while True:
         batch = next(batches)
         trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):
             return trainer.step()
 
 

@@ -610,7 +610,7 @@ def test_each_per_token_rule_refuses_its_case_by_name(overrides, message):
 def test_the_edges_of_each_per_token_rule_load(overrides):
     """A reference-free type reads no sidecar, so ld_alpha passes with one configured; WPO's weights are the
     policy's alone, so a sidecar is fine with them; both run under sequence parallelism
-    (tests/train/test_logps.py checks them on a 2-rank mesh)."""
+    (tests/train/logps/test_logps.py checks them on a 2-rank mesh)."""
     load_config({}, overrides)
 
 
@@ -689,7 +689,7 @@ def test_each_sorted_rule_refuses_its_case_by_name(overrides, message):
 )
 def test_the_edges_of_each_sorted_rule_load(overrides):
     """AOT reads the reference's plain (or LD) sums like any type, from a sidecar too, and its partners are
-    found over sequence-parallel groups (tests/train/test_step_sort.py)."""
+    found over sequence-parallel groups (tests/train/step/test_step_sort.py)."""
     load_config({}, overrides)
 
 
@@ -838,7 +838,7 @@ def test_one_table_of_schedules_for_the_schema_the_trl_translation_and_the_docs(
     from dpo_train.config.trl_convert import SCHEDULERS
     from dpo_train.step.optim import SCHEDULES
 
-    schema = json.loads((Path(__file__).parents[2] / "schemas" / "train-config.schema.json").read_text())
+    schema = json.loads((Path(__file__).parents[3] / "schemas" / "train-config.schema.json").read_text())
     assert schema["properties"]["optim"]["properties"]["scheduler"]["enum"] == list(SCHEDULES)
     assert set(SCHEDULERS.values()) <= set(SCHEDULES)
     assert OptimConfig().scheduler in SCHEDULES

@@ -281,7 +281,7 @@ def test_every_pairs_loss_is_a_function_of_that_pair_alone(config):
     """The step divides the sum of pair losses by the step's pairs (docs/objective.md), so a pair's loss may
     not depend on the other pairs of its micro-batch (no batch mean, no sort): each pair alone, and the pairs
     in reverse order, give the same per-pair values. A sorted type (AOT) reads the step's sorts through its
-    partners, constants given with the pair (tests/train/test_step_sort.py): with them, the same holds."""
+    partners, constants given with the pair (tests/train/step/test_step_sort.py): with them, the same holds."""
     partners = torch.linspace(-1.0, 2.0, 2 * len(C), dtype=C.dtype).reshape(len(C), 2)
 
     def losses(index):
@@ -301,7 +301,7 @@ def test_every_pairs_loss_is_a_function_of_that_pair_alone(config):
 def test_a_loss_type_is_one_registry_entry(monkeypatch):
     """The per-pair computation and `needs_reference` read `LOSSES` alone: an entry added there is computed,
     its form given the token counts because it asks for per-token means, and no reference because it
-    needs none (the config's checks read the same entry: tests/train/test_config.py)."""
+    needs none (the config's checks read the same entry: tests/train/config/test_config.py)."""
     given = []
 
     def form(config, chosen, rejected, counts):
@@ -329,7 +329,7 @@ def test_reference_losses_refuse_a_missing_reference():
 
 def test_the_docs_loss_table_is_the_registry():
     """docs/objective.md's table states each type's facts; they must be its `LOSSES` entry's, row for row."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "objective.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "objective.md").read_text()
     table = text.split("| `loss.type` | per-pair loss | reference |")[1].split("\n\n")[0].splitlines()[2:]
     rows = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
     documented = {row[0].strip("`"): tuple(row[2:7]) for row in rows}

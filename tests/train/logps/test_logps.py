@@ -206,7 +206,7 @@ def _per_token_split_worker(rank: int, world: int, port: int, result: str) -> No
     from dpo_train.attention.sequence_parallel import sequence_mesh
     from dpo_train.parallel.device import placement
     from tests.harness import join_gloo
-    from tests.train.test_sequence_parallel import ROWS, _model
+    from tests.train.attention.test_sequence_parallel import ROWS, _model
 
     join_gloo(rank, world, port)
     meshes = {(u, c): sequence_mesh(rank, world, u, c) for u, c in PER_TOKEN_MESHES}
@@ -229,7 +229,7 @@ def test_ld_sums_and_wpo_weights_under_sequence_parallelism_are_one_process(tmp_
     (each rank weighs its own targets by their index in the whole completion)."""
     from dpo_data.loading.microbatch import pack_microbatch, pack_shared_prompt
     from tests.harness import spawn
-    from tests.train.test_sequence_parallel import ROWS, _model, _worst
+    from tests.train.attention.test_sequence_parallel import ROWS, _model, _worst
 
     single = _model()
     result = tmp_path / "per-token.pt"

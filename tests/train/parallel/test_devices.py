@@ -15,7 +15,7 @@ from dpo_train.parallel import collectives
 from tests.harness import join_gloo, spawn, tiny_trainer
 from tests.train.test_trainer import write_config
 
-GUARD = Path(__file__).parents[1] / "collective_guard.py"
+GUARD = Path(__file__).parents[2] / "collective_guard.py"
 
 
 _HCCL = """
@@ -68,7 +68,7 @@ def _to_meta_and_back(self, where, *args, **kwargs):
 
 def test_no_module_calls_a_collective_directly():
     """The static half of the guard below: only dpo_train/parallel/collectives.py names dist.<collective>."""
-    root = Path(__file__).parents[2]
+    root = Path(__file__).parents[3]
     offenders = []
     for package in ("dpo_train", "dpo_data", "dpo_state", "cli"):
         for path in (root / package).rglob("*.py"):

@@ -14,7 +14,7 @@ import pytest
 from dpo_train.run.environment import HUB_KERNELS, HUGE_PAGES, set_run_environment
 from tests.harness import tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # Trains (or not) in a fresh process, then allocates 64 MiB and says how much of the process is in huge pages

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from dpo_data.loading.microbatch import is_last
 from dpo_train.logps.scoring import Scoring
 from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
-from tests.state.test_checkpoint import config, metrics, train
 from tests.tiny import tiny_llama
+from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 MODEL = tiny_llama(vocab_size=512, num_attention_heads=4)
 """4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised."""
@@ -237,7 +238,7 @@ def _train_job(rank: int, world: int, config: dict, result: str, mutant: bool) -
     records = []
     for batch in loader:
         trainer.microbatch(batch)
-        if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+        if is_last(batch):
             records.append(trainer.step())
             if len(records) == 2:
                 break
@@ -301,7 +302,7 @@ def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elas
     ends bitwise equal to an uninterrupted one; the step-3 checkpoint resumed with ulysses 1 on one
     process is reported elastic and trains the same pairs. 5 steps, not the checkpoint suite's 8: two steps
     after the resume carry the restored optimizer, scheduler and loader on (epoch boundaries and later kills
-    are tests/state/test_checkpoint.py's), and each step is a checkpoint save on every rank."""
+    are tests/train/checkpoint/test_checkpoint.py's), and each step is a checkpoint save on every rank."""
     steps = {"train__max_steps": 5}
     sp = {"distributed__sequence_parallel": {"ulysses": 2}, **steps}
     full_path, full = config(tmp_path, small_dataset, smollm2_dir, "full", **sp)

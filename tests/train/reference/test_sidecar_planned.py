@@ -13,10 +13,11 @@ import torch
 from dpo_data.dataset.store import PairStore
 from dpo_data.loading.config import LoaderConfig
 from dpo_data.loading.loader import DPOLoader
+from dpo_data.loading.microbatch import is_last
 from dpo_train.errors import SidecarError
 from dpo_train.reference.sidecar import SIDECAR_DOCUMENT, SIDECAR_TABLE, load_sidecar, write_sidecar
 from tests.harness import train_here
-from tests.train.test_sidecar_guards import _precomputed_config
+from tests.train.reference.test_sidecar_guards import _precomputed_config
 
 WEIGHTS = "sha256:" + "0" * 64
 
@@ -43,7 +44,7 @@ def test_the_planned_pairs_are_those_the_loader_hands_out(small_dataset, geometr
         taken = 0
         for batch in DPOLoader(dirs, rank_config, pad_to_multiple_of=8):
             read.update(int(i) for i in batch["pair_index"])
-            if batch["microbatch"] + 1 == batch["microbatches_in_step"]:
+            if is_last(batch):
                 taken += 1
                 if taken == steps:
                     break

@@ -12,7 +12,7 @@ from dpo_train.errors import ConfigError
 from dpo_train.logps import compiled, head
 from dpo_train.logps.compiled import Checked
 from dpo_train.logps.scoring import Scoring
-from tests.train.test_head import _errors, _head
+from tests.train.logps.test_head import _errors, _head
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import state_here, tiny_trainer, train_here
-from tests.state.test_checkpoint import config, metrics, train
+from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
