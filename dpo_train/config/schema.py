@@ -19,8 +19,8 @@ from dpo_train.keys import SCHEMA
 from dpo_train.step.loss import Interval
 
 COMMITTED = Path(__file__).resolve().parents[2] / "schemas" / "train-config.schema.json"
-"""The committed schema, which `load_config` validates against (tests/train/config/test_config_schema.py keeps it equal to
-`generate()`)."""
+"""The committed schema, which `load_config` validates against (tests/train/config/test_config_schema.py keeps it
+equal to `generate()`)."""
 
 _HEAD = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -37,6 +37,8 @@ LORA = {
     },
 }
 """model.lora's keys (a mapping handed to PEFT, not a section of its own)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None

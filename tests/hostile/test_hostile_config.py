@@ -17,8 +17,8 @@ from dpo_train.config.sections import ModelConfig
 from dpo_train.errors import ConfigError
 from tests.harness import TINY_LLAMA, train_cli, train_here
 from tests.hostile.test_hostile_run import small_tmpfs
-from tests.train.checkpoint.test_checkpoint import config
 from tests.tiny import tiny_llama, tiny_llama_model
+from tests.train.checkpoint.test_checkpoint import config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "train-config.md"
 ANYWHERE = {"data": {"path": "x"}}  # load_config alone never opens the dataset
