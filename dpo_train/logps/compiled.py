@@ -20,7 +20,7 @@ dynamic sizes when a second comes (a run's last chunk is shorter), and reuses th
 
 
 def compiles_on(mode: bool | str, device_type: str) -> bool:
-    """Whether train.compiled_head `mode` (`scoring.COMPILED_MODES`) compiles on this device type."""
+    """Whether train.compiled_head `mode` (auto, true or false) compiles on this device type."""
     return mode is True or (mode == "auto" and device_type == "cuda")
 
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPILED_MODES = ("auto", True, False)
-"""train.compiled_head: auto compiles on CUDA only (on the CPU inductor's C++ build costs more than it saves);
-true compiles on any device (the tests, and the device check's CPU mode); false never compiles."""
-
 
 @dataclass(frozen=True)
 class Scoring:
@@ -23,7 +19,8 @@ class Scoring:
     (train.logits_budget_mib, once `check_head` found the chunked head equal to the model's own; None: the
     model's own head always)."""
     compiled_head: bool | str = "auto"
-    """train.compiled_head: where the chunked head's bodies run compiled (`COMPILED_MODES`, `compiled.compiles_on`)."""
+    """train.compiled_head (its values: the field in dpo_train/config/sections.py): where the chunked head's bodies
+    run compiled; auto on CUDA only, true on any device, false never (`compiled.compiles_on`)."""
     tiles: tuple[tuple[str, int], ...] = ()
     """(module name, tile in positions) of each MLP that runs tiled (`tiled_mlp`), as the policy's were tiled at
     start-up: a reference built apart from the policy (FSDP2's) tiles the same modules."""
