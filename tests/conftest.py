@@ -127,9 +127,9 @@ HEAVIEST_FIRST = (
     "tests/train/test_shared_prompt.py",
     "tests/train/logps/test_precision.py",
 )
-"""The files whose tests take longest (scripts/test.sh's --durations), dealt out first: under `--dist loadfile` a
-worker takes the next file in collection order, so a heavy file collected last runs alone at the end while the
-other worker idles (the suite spent its last 7 of 16 minutes so)."""
+"""The files whose tests take longest (scripts/test.sh's --durations), dealt out first: under `--dist loadfile
+--no-loadscope-reorder` a worker takes the next file in collection order, so a heavy file collected last runs
+alone at the end while the other worker idles (the suite spent its last 7 of 16 minutes so)."""
 
 
 def pytest_collection_modifyitems(config, items):
