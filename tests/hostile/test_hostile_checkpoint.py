@@ -11,7 +11,7 @@ import pytest
 
 from dpo_state.commit import write_commit
 from dpo_state.export_record import write_export_record
-from tests.harness import state_here, tiny_config, train_cli, train_here, write_yaml
+from tests.harness import state_here, tiny_config, train_here, write_yaml
 
 
 class _CreatesFile:
@@ -24,12 +24,21 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
+def _invoke(main, *args):
+    """What the function-scoped `run_cli` fixture does, for the module fixture (which cannot use it)."""
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
 @pytest.fixture(scope="module")
 def trained(sample_dataset, smollm2_dir, tmp_path_factory):
-    """A run with committed checkpoints at steps 1 and 2 and its export (final/), and its config."""
+    """A run with committed checkpoints at steps 1 and 2 and its export (final/), and its config. Trained
+    in-process, as are the runs of the tests below: what they check is what a run reads, says and leaves on disk,
+    the same in a process of its own (no test here is about a process, a signal or the installed command)."""
     tmp = tmp_path_factory.mktemp("hostile")
     config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=2, save_every=1)
-    train_cli(write_yaml(tmp / "c.yaml", config))
+    train_here(_invoke, write_yaml(tmp / "c.yaml", config))
     return tmp, config
 
 
@@ -48,8 +57,8 @@ def _step(run, k):
 
 
 def _every_reader_refuses(run_cli, run, step, marker, named):
-    """verify, diff --values, resume (auto, strict, PATH) and weights_from refuse by name; no file appears. The
-    refusals run in-process (the same code path, seconds cheaper); the resume that trains runs as a user's."""
+    """verify, diff --values, resume (auto, strict, PATH) and weights_from refuse by name; no file appears. All
+    in-process (the same code path, seconds cheaper): a payload that ran would create the marker from here too."""
     proc = state_here(run_cli, "verify", step, code=1)
     assert named in proc.stderr
     proc = state_here(run_cli, "diff", _step(run, 1), step, "--values", code=2)
@@ -61,7 +70,7 @@ def _every_reader_refuses(run_cli, run, step, marker, named):
     elsewhere = ("--set", f"train.output_dir={run / 'new'}", "--set", f"train.weights_from={step}")
     fresh = train_here(run_cli, run / "c.yaml", *elsewhere, code=2)
     assert named in fresh.stderr
-    auto = train_cli(run / "c.yaml")  # skips the hostile checkpoint, naming it, and resumes from the one before
+    auto = train_here(run_cli, run / "c.yaml")  # skips the hostile checkpoint, naming it, and resumes from step 1
     assert f"skipping checkpoint {step}" in auto.stderr and named in auto.stderr
     assert "resumed from" in auto.stderr and "step-000001" in auto.stderr
     assert not marker.exists()
@@ -146,7 +155,7 @@ def _resumes_from(run, run_cli, step, written: bytes, original) -> None:
     write_commit(step, 2)
     assert read_dcp_metadata(step / "dcp") == original
     state_here(run_cli, "verify", step)
-    resumed = train_cli(run / "c.yaml")
+    resumed = train_here(run_cli, run / "c.yaml")
     assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr, resumed.stderr
 
 
@@ -229,13 +238,13 @@ def test_resuming_an_older_step_moves_the_later_ones_aside_and_keeps_one_lineage
     """Before: save() deleted the committed step directory of the abandoned branch, or auto-resume later
     picked the abandoned branch's newest checkpoint."""
     first, second = _step(run, 1), _step(run, 2)
-    proc = train_cli(run / "c.yaml", "--set", f"train.resume={first}", "--set", "train.max_steps=2")
+    proc = train_here(run_cli, run / "c.yaml", "--set", f"train.resume={first}", "--set", "train.max_steps=2")
     assert "the later checkpoints step-000002 are moved aside to" in proc.stderr
     (aside,) = (run / "run" / "checkpoints" / "abandoned").iterdir()
     assert (aside / "step-000002" / "commit.json").is_file()
     state_here(run_cli, "verify", aside / "step-000002")
     state_here(run_cli, "verify", second)  # the new branch's own step 2
-    auto = train_cli(run / "c.yaml")  # max_steps 3: continues the new branch
+    auto = train_here(run_cli, run / "c.yaml")  # max_steps 3: continues the new branch
     assert f"resumed from {second}" in auto.stderr
 
 
@@ -307,7 +316,7 @@ def test_logs_and_rank_files_match_their_schemas_and_resume_reads_them_back(run,
     assert rank["format_version"] == 1 and rank["loader"]["format_version"] == 2
     log = run / "run" / "metrics.jsonl"
     log.write_text(log.read_text() + '{"step": 9, "lo')  # a crash in the middle of a write
-    train_cli(run / "c.yaml")  # the torn line is dropped with the steps after step 2
+    train_here(run_cli, run / "c.yaml")  # the torn line is dropped with the steps after step 2
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert steps == [0, 1, 2]
     lines = log.read_text().splitlines()

@@ -33,10 +33,12 @@ def small_tmpfs(where: Path, megabytes: int):
 
 @pytest.mark.slow
 def test_a_failing_commit_removes_its_directory_and_keeps_the_previous_checkpoint(
-    small_dataset, smollm2_dir, tmp_path, run_cli
+    small_dataset, smollm2_dir, tmp_path, run_cli, monkeypatch
 ):
+    """In-process (the fault is an OSError raised in the commit, no signal nor process is involved)."""
     path, out = config(tmp_path, small_dataset, smollm2_dir, "commit", train__max_steps=2)
-    failed = train_cli(path, env={"DPO_TRAIN_SAVE_FAULT": "commit:2"}, code=1)
+    monkeypatch.setenv("DPO_TRAIN_SAVE_FAULT", "commit:2")
+    failed = train_here(run_cli, path, code=1)
     assert "saving step 2 failed, nothing was committed" in failed.stderr, failed.stderr
     assert "Traceback" not in failed.stderr
     assert committed(out) == ["step-000001"]
@@ -47,10 +49,12 @@ def test_a_failing_commit_removes_its_directory_and_keeps_the_previous_checkpoin
 def test_a_full_disk_during_a_save_is_a_named_error_and_leaves_no_partial_checkpoint(
     small_dataset, smollm2_dir, tmp_path, run_cli
 ):
-    # one checkpoint of the tiny model (weights + Adam moments) is about 37 MB: the first fits, the second cannot
+    # one checkpoint of the tiny model (weights + Adam moments) is about 37 MB: the first fits, the second cannot.
+    # In-process: the save joins DCP's writer threads before it returns, so a thread's traceback would be printed
+    # while the command's stderr is captured, and seen below
     with small_tmpfs(tmp_path / "disk", 60) as disk:
         path, out = config(disk, small_dataset, smollm2_dir, "full", train__max_steps=3)
-        failed = train_cli(path, code=1)
+        failed = train_here(run_cli, path, code=1)
         assert "saving step 2 failed, nothing was committed" in failed.stderr, failed.stderr[-3000:]
         assert "OSError: [Errno 28] No space left on device" in failed.stderr
         assert "Traceback" not in failed.stderr and "Exception in thread" not in failed.stderr
@@ -110,8 +114,10 @@ def test_a_second_run_into_a_run_directory_in_use_is_refused_naming_the_holder(
         held.flush()
         stderr = refused(run_cli, path)
         assert f"is in use by another run (pid {os.getpid()} on this host" in stderr
-    train_cli(path)  # released: the run goes ahead, and releases it in turn
-    train_cli(path, "--set", "train.max_steps=2")
+    # released: the run goes ahead, and releases it in turn. In-process, so the release is the run's own doing: a
+    # lock this process still held would refuse the next run as another run's (flock locks of two opens conflict)
+    train_here(run_cli, path)
+    train_here(run_cli, path, "--set", "train.max_steps=2")
 
 
 def test_an_unwritable_output_dir_is_a_named_error(small_dataset, smollm2_dir, tmp_path, run_cli):
@@ -211,20 +217,23 @@ def test_sigkill_during_the_export_leaves_no_final_and_the_rerun_writes_it_whole
     assert not (out / "final").exists() and list(out.glob("final.incomplete-*"))
     report = state_here(run_cli, "report", out, "--json")
     assert json.loads(report.stdout)["summary"]["finished"] is False
-    train_cli(path)  # resumes at step 2 (nothing left to train) and exports again
+    train_here(run_cli, path)  # resumes at step 2 (nothing left to train) and exports again; in-process
     assert (out / "final" / "config.json").stat().st_size > 0 and not list(out.glob("final.*"))
 
 
 @pytest.mark.slow
-def test_max_steps_wins_over_epochs_and_says_so_and_null_trains_the_epochs(small_dataset, smollm2_dir, tmp_path):
-    # 24 pairs, 12 per step: an epoch is 2 steps
+def test_max_steps_wins_over_epochs_and_says_so_and_null_trains_the_epochs(
+    small_dataset, smollm2_dir, tmp_path, run_cli
+):
+    # 24 pairs, 12 per step: an epoch is 2 steps, so 3 steps go on into epoch 2. Both runs in-process: what is read
+    # is their note and their log
     short = ("--set", "train.save_every=0", "--set", "data.pairs_per_step=12")
-    path, out = config(tmp_path, small_dataset, smollm2_dir, "steps", train__max_steps=4, train__epochs=1)
-    ran = train_cli(path, *short)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
-    assert "note: train.max_steps 4 goes on into epoch 2 of the data, past train.epochs 1" in ran.stderr
+    path, out = config(tmp_path, small_dataset, smollm2_dir, "steps", train__max_steps=3, train__epochs=1)
+    ran = train_here(run_cli, path, *short)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "note: train.max_steps 3 goes on into epoch 2 of the data, past train.epochs 1" in ran.stderr
     path, out = config(tmp_path, small_dataset, smollm2_dir, "epochs", train__max_steps=None, train__epochs=2)
-    ran = train_cli(path, *short)
+    ran = train_here(run_cli, path, *short)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4 and "note:" not in ran.stderr
 
 
@@ -232,7 +241,7 @@ def test_max_steps_wins_over_epochs_and_says_so_and_null_trains_the_epochs(small
 def test_weights_from_a_lora_checkpoint_names_what_it_is_and_what_to_do(small_dataset, smollm2_dir, tmp_path, run_cli):
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     path, out = config(tmp_path, small_dataset, smollm2_dir, "lora", train__max_steps=1, model__lora=lora)
-    train_cli(path)
+    train_here(run_cli, path)  # in-process: the run only makes the checkpoint the refusal reads
     path, _ = config(tmp_path, small_dataset, smollm2_dir, "new", train__max_steps=1, train__weights_from=str(out))
     stderr = refused(run_cli, path)
     assert "is a LoRA run's checkpoint" in stderr and "resume that run instead" in stderr

@@ -11,14 +11,22 @@ import pytest
 import yaml
 
 from dpo_state.commit import write_commit
-from tests.harness import state_cli, tiny_config, train_cli, write_yaml
+from tests.harness import state_cli, state_here, tiny_config, train_here, write_yaml
+
+
+def _invoke(main, *args):
+    """What the function-scoped `run_cli` fixture does, for the module fixture (which cannot use it)."""
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")
 def run_dir(sample_dataset, smollm2_dir, tmp_path_factory):
+    """A 3-step run, checkpoints at every step, trained in-process (what is read is its files, not its process)."""
     tmp = tmp_path_factory.mktemp("state")
     config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=3, save_every=1)
-    train_cli(write_yaml(tmp / "c.yaml", config))
+    train_here(_invoke, write_yaml(tmp / "c.yaml", config))
     return tmp / "run"
 
 
@@ -30,14 +38,15 @@ def copy(run_dir, tmp_path):
     return target
 
 
-def test_inspect_reads_json_only_and_names_what_the_checkpoint_holds(run_dir):
+def test_inspect_reads_json_only_and_names_what_the_checkpoint_holds(run_dir, run_cli):
+    """`inspect --json` as the installed command; the text form in-process (the same code path)."""
     info = json.loads(state_cli("inspect", run_dir, "--json").stdout)
     assert info["step"] == 3 and info["committed"] and info["consumed"]["pairs"] == 12
     assert info["tensors"]["model"]["count"] == 21 and info["tensors"]["optim"]["count"] == 63
     assert sorted(info["tensors"]) == ["model", "optim"]  # no reference group: it only moves under TR-DPO
     assert info["ranks"][0]["loader_position"] == {"epoch": 0, "step": 3, "microbatch": 0}
     assert info["lineage"]["parent"] == "step-000002"
-    text = state_cli("inspect", run_dir).stdout
+    text = state_here(run_cli, "inspect", run_dir).stdout
     assert "step 3, epoch 0" in text and "AdamW, 21 parameters" in text and "tensors     optim: 63 tensors" in text
 
 
@@ -45,15 +54,16 @@ def test_verify_passes_a_sound_checkpoint(run_dir):
     assert state_cli("verify", run_dir).stdout.startswith("ok:")
 
 
-def test_diff_exit_codes_and_values(run_dir, copy):
-    same = state_cli("diff", run_dir, copy, "--values")
+def test_diff_exit_codes_and_values(run_dir, copy, run_cli):
+    """The exit code of a difference (1) from the installed command; equal (0) and unreadable (2) in-process."""
+    same = state_here(run_cli, "diff", run_dir, copy, "--values")
     assert "tensors: 0 of 84 differ" in same.stdout
     older = state_cli("diff", run_dir / "checkpoints" / "step-000002", run_dir, "--values", "--json", code=1)
     result = json.loads(older.stdout)
     assert not result["equal"]
     assert any(row["path"] == "step" for row in result["sections"]["positions"])
     assert result["tensors"]["differ"] > 0
-    state_cli("diff", run_dir, copy.parent / "nowhere", code=2)
+    state_here(run_cli, "diff", run_dir, copy.parent / "nowhere", code=2)
 
 
 def _corrupt(path, fn):
@@ -79,9 +89,9 @@ def _corrupt(path, fn):
         (lambda c: (c / "extra.bin").write_bytes(b"x"), "extra.bin: present but not in the commit record"),
     ],
 )
-def test_verify_names_every_damage(copy, damage, expected):
+def test_verify_names_every_damage(copy, damage, expected, run_cli):
     damage(copy)
-    proc = state_cli("verify", copy, code=1)
+    proc = state_here(run_cli, "verify", copy, code=1)
     assert expected in proc.stderr, proc.stderr
 
 
@@ -94,7 +104,8 @@ class _Payload:
 
 
 @pytest.mark.parametrize("kind", ["pickle", "oversized", "malformed", "format_version"])
-def test_hostile_state_files_are_named_and_never_executed(copy, tmp_path, kind):
+def test_hostile_state_files_are_named_and_never_executed(copy, tmp_path, kind, run_cli):
+    """In-process: a payload that ran would create the marker from this process as from any other."""
     marker = tmp_path / "pwned"
     state = copy / "state.json"
     if kind == "pickle":
@@ -115,21 +126,22 @@ def test_hostile_state_files_are_named_and_never_executed(copy, tmp_path, kind):
         "format_version": "format_version 99",
     }[kind]
     for args in (("verify", copy), ("inspect", copy), ("diff", copy, copy)):
-        proc = state_cli(*args, code=None)
-        assert proc.returncode in (1, 2) and expected in proc.stderr, (args, proc.stderr)
+        proc = state_here(run_cli, *args, code=None)
+        assert proc.exit_code in (1, 2) and expected in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert not marker.exists()
 
 
-def test_resume_reports_a_damaged_latest_and_takes_the_previous(run_dir, sample_dataset, smollm2_dir, tmp_path):
+def test_resume_reports_a_damaged_latest_and_takes_the_previous(run_dir, tmp_path, run_cli):
+    """Both runs in-process: what is checked is what they say and what they leave, not their process."""
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     config = yaml.safe_load((run_dir.parent / "c.yaml").read_text())
     config["train"].update(output_dir=str(run), max_steps=4)
     write_yaml(tmp_path / "c.yaml", config)
     _corrupt(run / "checkpoints" / "step-000003" / "rank-00000.json", lambda d: d.__setitem__(10, ord("#")))
-    proc = train_cli(tmp_path / "c.yaml")
+    proc = train_here(run_cli, tmp_path / "c.yaml")
     assert "skipping checkpoint" in proc.stderr and "rank-00000.json: sha256 differs" in proc.stderr
     assert f"resumed from {run / 'checkpoints' / 'step-000002'}" in proc.stderr
     strict = ("--set", "train.resume_strict=true", "--set", "train.max_steps=5")
-    train_cli(tmp_path / "c.yaml", *strict)  # exit 0: the resumed run replaced the damaged step 3; step 4 verifies
+    train_here(run_cli, tmp_path / "c.yaml", *strict)  # exit 0: the resumed run replaced damaged step 3; 4 verifies
