@@ -16,7 +16,7 @@ from dpo_data.loading.microbatch import is_last
 from dpo_train.logps.scoring import Scoring
 from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
 from tests.tiny import tiny_llama
-from tests.train.checkpoint.test_checkpoint import config, metrics, train
+from tests.train.checkpoint.test_checkpoint import config, metrics, rank_worker, train
 
 MODEL = tiny_llama(vocab_size=512, num_attention_heads=4)
 """4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised."""
@@ -302,11 +302,13 @@ def test_sigkill_and_resume_under_ulysses_is_bitwise_and_another_ulysses_is_elas
     ends bitwise equal to an uninterrupted one; the step-3 checkpoint resumed with ulysses 1 on one
     process is reported elastic and trains the same pairs. 5 steps, not the checkpoint suite's 8: two steps
     after the resume carry the restored optimizer, scheduler and loader on (epoch boundaries and later kills
-    are tests/train/checkpoint/test_checkpoint.py's), and each step is a checkpoint save on every rank."""
+    are tests/train/checkpoint/test_checkpoint.py's), and each step is a checkpoint save on every rank.
+    The uninterrupted run's 2 ranks are spawned (`rank_worker`: dpo-train's rank code, no torchrun launch): it
+    is only the reference; the killed run and the resume are real `dpo-train --nproc-per-node 2` launches."""
     steps = {"train__max_steps": 5}
     sp = {"distributed__sequence_parallel": {"ulysses": 2}, **steps}
     full_path, full = config(tmp_path, small_dataset, smollm2_dir, "full", **sp)
-    train(full_path, nproc=2)
+    spawn(rank_worker, 2, [(str(full_path), False)])
     path, out = config(tmp_path, small_dataset, smollm2_dir, "cut", **sp)
     assert train(path, nproc=2, env={"DPO_TRAIN_KILL": "after-save:3"}, check=None).returncode != 0
     shutil.copytree(out, tmp_path / "elastic")
@@ -368,24 +370,32 @@ def test_mesh_and_head_errors_name_the_sizes_and_the_fix(small_dataset, smollm2_
 def test_precompute_and_eval_under_ulysses_and_context_equal_one_process(small_dataset, smollm2_dir, tmp_path, run_cli):
     """The precomputed reference sidecar and the held-out evaluation (before and after one step) under
     U2 x C1 and U1 x C2 on 2 processes equal one process's: each pair scored once, by its group. The one
-    process is this one (train_here)."""
+    process is this one (train_here). Of the four 2-process runs, U2's --precompute-reference is a launched
+    `dpo-train --nproc-per-node 2` (the one launch of that flag on ranks in the suite); the other three (U2's
+    training run, C2's --precompute-reference and training run) are one spawn of 2 ranks (`rank_worker`:
+    dpo-train's rank code in turn, without a torchrun agent and interpreter starts per run)."""
     from safetensors.numpy import load_file
 
-    def run(name: str, nproc: int, sp: dict | None):
+    def setup(name: str, sp: dict | None) -> tuple:
         sidecar = tmp_path / f"{name}-sidecar"
         over = {"reference__path": str(sidecar), "eval__path": str(small_dataset), "train__max_steps": 1}
         path, out = config(tmp_path, small_dataset, smollm2_dir, name, distributed__sequence_parallel=sp, **over)
-        for args in (["--precompute-reference"], []):  # then a live reference: the sidecar is only compared
-            if nproc > 1:
-                train(path, *args, nproc=nproc)
-            else:
-                train_here(run_cli, path, *args)
+        return path, out, sidecar
+
+    def results(out, sidecar) -> tuple:
         records = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
         return load_file(str(sidecar / "logps.safetensors")), records
 
-    base_table, base_eval = run("one", 1, None)
-    for name, sp in (("ulysses", {"ulysses": 2}), ("context", {"context": 2})):
-        table, records = run(name, 2, sp)
+    one_path, *one = setup("one", None)
+    for args in (["--precompute-reference"], []):  # then a live reference: the sidecar is only compared
+        train_here(run_cli, one_path, *args)
+    base_table, base_eval = results(*one)
+    meshes = {name: setup(name, sp) for name, sp in (("ulysses", {"ulysses": 2}), ("context", {"context": 2}))}
+    train(meshes["ulysses"][0], "--precompute-reference", nproc=2)
+    jobs = [(meshes["ulysses"][0], False), (meshes["context"][0], True), (meshes["context"][0], False)]
+    spawn(rank_worker, 2, [(str(path), precompute) for path, precompute in jobs])
+    for name, (_, *run) in meshes.items():
+        table, records = results(*run)
         assert table.keys() == base_table.keys()
         for key in base_table:
             np.testing.assert_allclose(table[key], base_table[key], rtol=1e-5, atol=1e-4, err_msg=f"{name} {key}")

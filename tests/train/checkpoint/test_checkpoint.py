@@ -1,5 +1,8 @@
 """Checkpoints end to end through the real CLI: exact resume after a real SIGKILL, crash safety during saves,
-fail-closed identity checks, retention, and a failing save on one rank committing nothing."""
+fail-closed identity checks, retention, and a failing save on one rank committing nothing. Every killed run is a
+launched `dpo-train`; a run that is not killed and whose process is not what is checked (the uninterrupted
+references, a last resume of one process, the elastic resume) runs dpo-train's code in this process or in
+spawned ranks, without an interpreter start and torch's import each."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import yaml
 
 from dpo_state.commit import write_commit
 from dpo_state.installed import environment
-from tests.harness import TINY_LLAMA, state_here, train_here
+from tests.harness import TINY_LLAMA, join_gloo, spawn, state_here, train_here
 
 MODEL = TINY_LLAMA
 TIMING = ("pairs/s", "tokens/s", "time")
@@ -54,6 +57,46 @@ def train(path, *extra, nproc=1, env=None, check=0):
     return proc
 
 
+def train_in_process(path) -> str:
+    """`dpo-train PATH --quiet` in this process, where no `run_cli` fixture is (a module fixture); must exit 0.
+    Its stderr. For a one-process run that is not killed: the same code as a launch, no interpreter start."""
+    from click.testing import CliRunner
+
+    from dpo_cli.train import main
+
+    result = CliRunner().invoke(main, [str(path), "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def rank_worker(rank: int, world: int, port: int, jobs: list, stderr: str | None = None) -> None:
+    """One rank of `dpo-train --nproc-per-node WORLD` jobs, (config path, precompute) in turn, as torchrun starts
+    a rank: the rank variables set (LOCAL_WORLD_SIZE too) and the call `dpo-train`'s rank makes,
+    `precompute_reference` (--precompute-reference) or `train`, minus its exit. For `spawn` (tests/harness.py):
+    ranks forked from the fork server (torch and transformers preloaded), not launched, where a launch's
+    torchrun agent and interpreter starts are not what a test checks. One process group serves the jobs; each
+    run builds its own mesh in it. `stderr`: where each rank's stderr goes (STDERR.RANK)."""
+    from dpo_train.config.loading import load_config
+    from dpo_train.parallel import collectives
+
+    if stderr is not None:
+        os.dup2(os.open(f"{stderr}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    join_gloo(rank, world, port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    for path, precompute in jobs:
+        config = load_config(path)
+        if precompute:
+            from dpo_train.precompute import precompute_reference
+
+            precompute_reference(config, progress=False)
+        else:
+            from dpo_train.trainer import train as run
+
+            run(config, progress=False)
+    collectives.shutdown()
+    sys.stderr.flush()
+
+
 def metrics(out):
     return [
         {k: v for k, v in json.loads(x).items() if k not in TIMING}
@@ -86,7 +129,9 @@ def _run_config(tmp, dataset, tokenizer, name, world, workers, batching) -> tupl
 
 @pytest.fixture(scope="module")
 def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
-    """One uninterrupted run per (world, workers, batching), computed on first use."""
+    """One uninterrupted run per (world, workers, batching), computed on first use: one process in this one
+    (`train_in_process`), 2 ranks spawned (`rank_worker`). Each is the reference the tests compare launched
+    runs to; its own process boundary is not what they check."""
     runs = {}
 
     def get(world, workers, batching):
@@ -94,7 +139,10 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
         if key not in runs:
             tmp = tmp_path_factory.mktemp("full")
             path, out = _run_config(tmp, small_dataset, smollm2_dir, "full", world, workers, batching)
-            train(path, nproc=world)
+            if world == 1:
+                train_in_process(path)
+            else:
+                spawn(rank_worker, world, [(str(path), False)])
             runs[key] = out
         return runs[key]
 
@@ -151,7 +199,8 @@ def test_sigkill_after_step_k_then_resume_is_bitwise_identical(
         again = train(path, nproc=world, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None)
         assert again.returncode != 0 and f"resumed from {_step_dir(out, before)}" in again.stderr
         assert json.loads(state_here(run_cli, "inspect", out, "--json").stdout)["step"] == k
-    resumed = train(path, nproc=world)
+    # the last resume is not killed: one process runs in this one (train_here), 2 ranks are launched
+    resumed = train_here(run_cli, path) if world == 1 else train(path, nproc=world)
     assert f"resumed from {_step_dir(out, kills[-1])}" in resumed.stderr
     assert metrics(out) == metrics(full)  # every step's metrics, timing aside
     # dpo-state in this process (state_here): it reads files only, and torch's import would be most of a diff
@@ -175,7 +224,7 @@ def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(
     reported = 0
     for trial, kill in enumerate([*kills, None]):
         if kill is None:
-            stderr = train(path).stderr  # the last attempt runs to the end
+            stderr = train_here(run_cli, path).stderr  # the last attempt runs to the end: not killed, in-process
         elif kill == "random":
             stderr = _kill_at_random(path, rng, tmp_path / f"attempt-{trial}.err")
         else:
@@ -312,12 +361,14 @@ def test_retention_keeps_the_newest_and_a_failing_save_on_one_rank_commits_nothi
 def test_pairs_mode_resumes_elastically_on_another_world_size(
     small_dataset, smollm2_dir, tmp_path, uninterrupted, killed
 ):
-    """Saved by 1 process, resumed by 2: the same pairs per step (data-exact), reported as elastic."""
+    """Saved by 1 process, resumed by 2: the same pairs per step (data-exact), reported as elastic. The 2 ranks
+    are spawned (`rank_worker`: dpo-train's rank code, no torchrun launch; the launches are the other tests')."""
     full = uninterrupted(1, 0, "pairs")
     path, out = _run_config(tmp_path, small_dataset, smollm2_dir, "elastic", 1, 0, "pairs")
     shutil.copytree(killed(1, 0, "pairs", 3), out)  # saved by 1 process after step 3
-    resumed = train(path, nproc=2)
-    assert "elastic resume (layout.world_size: checkpoint 1, this run 2)" in resumed.stderr
+    spawn(rank_worker, 2, [(str(path), False)], str(tmp_path / "stderr"))
+    resumed = (tmp_path / "stderr.0").read_text()
+    assert "elastic resume (layout.world_size: checkpoint 1, this run 2)" in resumed, resumed[-3000:]
     for a, b in zip(metrics(full), metrics(out)):
         assert (a["step"], a["pairs"], a["input_tokens"], a["sources"].keys()) == (
             b["step"],
