@@ -87,11 +87,24 @@ def retain(run_dir: str | Path, keep_last: int, run_id: str, writing: Path | Non
 
 
 def move_aside(run_dir: str | Path, paths: list[Path], why: str) -> Path | None:
-    """Move committed checkpoints out of the way into checkpoints/abandoned/<time>-<why>/, keeping them."""
+    """Move committed checkpoints out of the way into a new checkpoints/abandoned/<time>-<why>[-N]/, keeping them."""
     if not paths:
         return None
-    target = Path(run_dir) / CHECKPOINTS / ABANDONED / f"{time.strftime('%Y%m%dT%H%M%S')}-{why}"
-    target.mkdir(parents=True, exist_ok=True)
+    target = _fresh(Path(run_dir) / CHECKPOINTS / ABANDONED, f"{time.strftime('%Y%m%dT%H%M%S')}-{why}")
     for path in paths:
         os.rename(path, target / path.name)
     return target
+
+
+def _fresh(parent: Path, name: str) -> Path:
+    """A new directory `parent/name`, or `name-2`, `name-3`, ... when taken: two moves within one second (two
+    resumes from one step) must not put a step's directory where the first move already put one of that name."""
+    parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        target = parent / (name if n == 1 else f"{name}-{n}")
+        try:
+            target.mkdir()
+            return target
+        except FileExistsError:
+            n += 1
