@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA, state_here, train_here
+from tests.harness import TINY_LLAMA, join_gloo, spawn, state_here, train_here
 
 CHUNK_SOME = 100
 """train.logits_budget_mib of the 2-process runs: this model's micro-batches of more than 106 scored positions go
@@ -59,12 +59,26 @@ def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def invoke(main, *args):
+    """The `run_cli` fixture's call, for a module fixture (which cannot use a function-scoped fixture)."""
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
 @pytest.fixture(scope="module")
 def single(sample_dataset, smollm2_dir, tmp_path_factory):
+    """The run of one process, not --quiet (its stderr kept), in this process: what the tests read of it (its
+    lines on stderr, files and numbers) does not depend on a process of its own, and an interpreter start would
+    be most of its cost. A progress line is printed to sys.stderr when it is written, which click's runner
+    captures, so the lines are those a process of its own prints."""
+    from dpo_cli.train import main
+
     tmp = tmp_path_factory.mktemp("train")
     out = tmp / "single"
-    proc = run(write_config(tmp, sample_dataset, smollm2_dir, out))
-    (out / "stderr.txt").write_text(proc.stderr)
+    result = invoke(main, write_config(tmp, sample_dataset, smollm2_dir, out))
+    assert result.exit_code == 0, result.stderr[-3000:]
+    (out / "stderr.txt").write_text(result.stderr)
     return out
 
 
@@ -129,12 +143,34 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
     assert (single / "config.resolved.yaml").is_file()
 
 
+def rank_worker(rank: int, world: int, port: int, path: str) -> None:
+    """One rank of `dpo-train PATH --nproc-per-node WORLD`, as torchrun starts it: the rank variables set
+    (LOCAL_WORLD_SIZE too), one intra-op thread (torchrun's OMP_NUM_THREADS=1 for several processes a node), and
+    the call the CLI's rank makes, `train`, minus its exit. For `spawn`: ranks forked from the fork server, torch
+    and transformers preloaded, where a launch's torchrun agent and interpreter starts are not what is tested."""
+    from dpo_train.config.loading import load_config
+    from dpo_train.parallel import collectives
+    from dpo_train.trainer import train
+
+    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    train(load_config(path), progress=False)
+    collectives.shutdown()
+
+
+def two_ranks(config):
+    """The run of `config` on 2 ranks, spawned (`rank_worker`): a reference the tests compare to, not a launch
+    they check (the moved run below launches `--nproc-per-node 2` and ends bitwise equal to `two_ddp`)."""
+    spawn(rank_worker, 2, str(config))
+
+
 @pytest.fixture(scope="module")
 def two_ddp(sample_dataset, smollm2_dir, tmp_path_factory):
-    """The `single` run on 2 processes of one launcher (DDP)."""
+    """The `single` run on 2 processes (DDP), spawned (`two_ranks`)."""
     tmp = tmp_path_factory.mktemp("two")
     out = tmp / "two-ddp"
-    run(write_config(tmp, sample_dataset, smollm2_dir, out, "ddp", CHUNK_SOME), "--nproc-per-node", "2")
+    two_ranks(write_config(tmp, sample_dataset, smollm2_dir, out, "ddp", CHUNK_SOME))
     return out
 
 
@@ -145,7 +181,7 @@ def test_two_processes_train_the_same_as_one(single, two_ddp, sample_dataset, sm
     if strategy == "fsdp":  # and its MLPs in tiles (the reference rebuilt sharded, tiled alike): the same numbers
         out = tmp_path / "two-fsdp"
         config = write_config(tmp_path, sample_dataset, smollm2_dir, out, strategy, CHUNK_SOME, mlp_tile_tokens=64)
-        run(config, "--nproc-per-node", "2")
+        two_ranks(config)
     assert {r["world_size"] for r in metrics(out)} == {2} and {r["world_size"] for r in metrics(single)} == {1}
     for a, b in zip(metrics(single), metrics(out)):
         assert a["pairs"] == b["pairs"] and a["input_tokens"] == b["input_tokens"]
@@ -210,34 +246,34 @@ def committed_step(run_cli, out):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_localhost_train_what_one_node_with_two_processes_trains(
-    two_ddp, sample_dataset, smollm2_dir, tmp_path
-):
-    """Two launchers, `--nnodes 2 --nproc-per-node 1`: the same world of 2, the same metrics and the same
-    weights, bit for bit, as one launcher's `--nproc-per-node 2`."""
-    out = tmp_path / "two-nodes"
-    finished = two_nodes(write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp", CHUNK_SOME))
-    assert [code for code, _ in finished] == [0, 0], [err[-2000:] for _, err in finished]
-    assert {r["world_size"] for r in metrics(out)} == {2}
-    assert_trained_alike(out, two_ddp)
-
-
-@pytest.mark.slow
-def test_killed_on_two_nodes_then_resumed_by_one_launcher_of_two_processes_trains_the_uninterrupted_run(
+def test_a_run_moved_between_two_nodes_and_one_launcher_of_two_processes_trains_the_uninterrupted_run(
     two_ddp, sample_dataset, smollm2_dir, tmp_path, run_cli
 ):
-    """2 nodes x 1 process killed right after committing step 1, resumed by 1 node x 2 processes: the world
-    size is unchanged (2), so the resume is exact, not elastic. The same checkpoint resumed by 1 process is
-    an elastic resume (world size 2 to 1), as docs/checkpoints.md says: the same pairs each step."""
+    """One run, world 2 throughout, moved twice: started by two launchers, `--nnodes 2 --nproc-per-node 1`, and
+    killed right after committing step 1; resumed by one launcher of two processes (`--nproc-per-node 2`) and
+    killed right after committing step 2; resumed on 2 nodes again to the end. The world size never changes, so
+    each resume is exact, not elastic, and the run ends with the metrics (timing aside) and bitwise the weights
+    of `two_ddp`, the uninterrupted run of 2 ranks on one node. So two nodes on localhost train what one node of
+    two processes trains, from the start (steps 0 and 1) to the end and the export (step 2), and each layout
+    resumes what the other committed. (These were three tests: two nodes start to end, then each move alone,
+    killed and resumed: 5 launches for what these 3 prove.) The step-1 checkpoint resumed by 1 process is an
+    elastic resume (world size 2 to 1), as docs/checkpoints.md says: the same pairs each step."""
     out = tmp_path / "cut"
     config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp", CHUNK_SOME)
     killed = two_nodes(config, *SAVE_EVERY_STEP, env=KILL_AFTER_STEP_1)
     assert all(code != 0 for code, _ in killed) and committed_step(run_cli, out) == 1
     elastic = tmp_path / "elastic"
     shutil.copytree(out, elastic)
-    resumed = run(config, *SAVE_EVERY_STEP, "--quiet", "--nproc-per-node", "2")
-    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in resumed.stderr
-    assert "elastic resume" not in resumed.stderr
+    kill = {**os.environ, "DPO_TRAIN_KILL": "after-save:2"}
+    moved = run(config, *SAVE_EVERY_STEP, "--quiet", "--nproc-per-node", "2", code=None, env=kill)
+    assert moved.returncode != 0 and committed_step(run_cli, out) == 2
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in moved.stderr
+    assert "elastic resume" not in moved.stderr
+    resumed = two_nodes(config, *SAVE_EVERY_STEP)
+    assert [code for code, _ in resumed] == [0, 0], [err[-2000:] for _, err in resumed]
+    stderr = "".join(err for _, err in resumed)  # rank 0 is on either launcher: c10d orders the nodes itself
+    assert f"resumed from {out / 'checkpoints' / 'step-000002'} at step 2" in stderr and "elastic resume" not in stderr
+    assert {r["world_size"] for r in metrics(out)} == {2}
     assert_trained_alike(out, two_ddp)
     one = write_config(tmp_path, sample_dataset, smollm2_dir, elastic, "ddp", CHUNK_SOME)
     alone = train_here(run_cli, one, *SAVE_EVERY_STEP).stderr
@@ -246,24 +282,6 @@ def test_killed_on_two_nodes_then_resumed_by_one_launcher_of_two_processes_train
     for a, b in zip(metrics(two_ddp), metrics(elastic)):
         assert (a["step"], a["pairs"], a["input_tokens"]) == (b["step"], b["pairs"], b["input_tokens"])
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-
-
-@pytest.mark.slow
-def test_killed_on_one_launcher_of_two_processes_then_resumed_on_two_nodes_trains_the_uninterrupted_run(
-    two_ddp, sample_dataset, smollm2_dir, tmp_path, run_cli
-):
-    """The reverse: 1 node x 2 processes killed right after committing step 1, resumed by 2 nodes x 1
-    process: an exact resume, bitwise the uninterrupted run."""
-    out = tmp_path / "cut"
-    config = write_config(tmp_path, sample_dataset, smollm2_dir, out, "ddp", CHUNK_SOME)
-    kill = {**os.environ, **KILL_AFTER_STEP_1}
-    killed = run(config, *SAVE_EVERY_STEP, "--quiet", "--nproc-per-node", "2", code=None, env=kill)
-    assert killed.returncode != 0 and committed_step(run_cli, out) == 1
-    resumed = two_nodes(config, *SAVE_EVERY_STEP)
-    assert [code for code, _ in resumed] == [0, 0], [err[-2000:] for _, err in resumed]
-    stderr = "".join(err for _, err in resumed)  # rank 0 is on either launcher: c10d orders the nodes itself
-    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in stderr and "elastic resume" not in stderr
-    assert_trained_alike(out, two_ddp)
 
 
 @pytest.mark.parametrize(
@@ -284,12 +302,14 @@ def test_a_bad_node_layout_is_refused_before_torchrun_starts(args, message, tmp_
     assert result.exit_code == 2 and f"error: {message}" in result.stderr
 
 
-def test_a_config_error_exits_2_naming_the_key(tmp_path):
+def test_a_config_error_exits_2_naming_the_key(tmp_path, run_cli):
+    """In this process (run_cli): the exit code is the one `main` exits with, as in a process of its own."""
+    from dpo_cli.train import main
+
     path = tmp_path / "bad.yaml"
     path.write_text("optim: {lrr: 1.0e-5}\n")
-    args = [sys.executable, "-m", "dpo_cli.train", str(path)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown key optim.lrr (did you mean 'lr'?)" in proc.stderr
+    result = run_cli(main, path)
+    assert result.exit_code == 2 and "unknown key optim.lrr (did you mean 'lr'?)" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -300,12 +320,14 @@ def test_a_config_error_exits_2_naming_the_key(tmp_path):
         ("reference.mode=none", "needs a reference"),
     ],
 )
-def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, override, message):
+def test_settings_that_cannot_work_fail_before_anything_starts(tmp_path, override, message, run_cli):
+    """In this process (run_cli), as the bad node layouts above: a refusal needs no process of its own."""
+    from dpo_cli.train import main
+
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: /nowhere}\n")
-    args = [sys.executable, "-m", "dpo_cli.train", str(path), "--set", override]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr
+    result = run_cli(main, path, "--set", override)
+    assert result.exit_code == 2 and message in result.stderr
 
 
 @pytest.mark.slow
@@ -322,25 +344,27 @@ def test_a_failing_rank_stops_every_rank_with_its_error_named(sample_dataset, sm
 
 @pytest.fixture(scope="module")
 def sidecar(sample_dataset, smollm2_dir, tmp_path_factory):
-    """The initial policy's reference sidecar for the sample, precomputed once; a test that alters it copies it."""
+    """The initial policy's reference sidecar for the sample, precomputed once, in this process (no process
+    boundary in it); a test that alters it copies it."""
     tmp = tmp_path_factory.mktemp("sidecar")
     config = write_config(tmp, sample_dataset, smollm2_dir, tmp / "pre")
     path = tmp / "sidecar"
-    proc = run(
-        config, "--precompute-reference", "--set", "reference.mode=precomputed", "--set", f"reference.path={path}"
-    )
-    assert "reference sidecar written" in proc.stdout
+    ref = ("--set", "reference.mode=precomputed", "--set", f"reference.path={path}")
+    assert "reference sidecar written" in train_here(invoke, config, "--precompute-reference", *ref).stdout
     return path
 
 
 @pytest.mark.slow
-def test_a_precomputed_reference_trains_like_the_live_one(single, sidecar, sample_dataset, smollm2_dir, tmp_path):
+def test_a_precomputed_reference_trains_like_the_live_one(
+    single, sidecar, sample_dataset, smollm2_dir, tmp_path, run_cli
+):
+    """Both runs and the sidecar in this process: no process boundary in what is compared."""
     out = tmp_path / "pre"
     config = write_config(tmp_path, sample_dataset, smollm2_dir, out)
     ref = ["--set", "reference.mode=precomputed", "--set", f"reference.path={sidecar}"]
     document = json.loads((sidecar / "reference.json").read_text())
     assert document["dataset"]["num_pairs"] == 342 and document["reference"]["precision"] == "fp32"
-    run(config, *ref)
+    train_here(run_cli, config, *ref)
     for a, b in zip(metrics(single), metrics(out)):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=1e-5)

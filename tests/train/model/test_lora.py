@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import state_here, tiny_trainer, train_here
+from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
 from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -25,12 +27,21 @@ def lora_config(tmp_path, dataset, tokenizer, name, lora=LORA, **over):
     return config(tmp_path, dataset, tokenizer, name, model__lora=lora, **over)
 
 
+def invoke(main, *args):
+    """The `run_cli` fixture's call, for a module fixture (which cannot use a function-scoped fixture)."""
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
 @pytest.fixture(scope="module")
 def single(small_dataset, smollm2_dir, tmp_path_factory):
-    """One LoRA run in one process: 8 steps, a checkpoint per step, adapter and merged model exported."""
+    """One LoRA run of one process: 8 steps, a checkpoint per step, adapter and merged model exported. In this
+    process (train_here): what the tests read of it does not depend on a process of its own, and an interpreter
+    start would be most of its cost."""
     tmp = tmp_path_factory.mktemp("lora")
     path, out = lora_config(tmp, small_dataset, smollm2_dir, "single", train__export="both")
-    train(path)
+    train_here(invoke, path)
     return out
 
 
@@ -100,10 +111,31 @@ def test_final_holds_an_adapter_peft_loads_and_a_merged_model(single, smollm2_di
     assert (single / "final-merged" / "tokenizer.json").is_file() and (single / "final" / "tokenizer.json").is_file()
 
 
+def rank_worker(rank: int, world: int, port: int, path: str, stderr: str | None = None) -> None:
+    """One rank of `dpo-train PATH --quiet --nproc-per-node WORLD`, as torchrun starts it: the rank variables
+    set (LOCAL_WORLD_SIZE too), one intra-op thread (torchrun's OMP_NUM_THREADS=1 for several processes a node),
+    and the call the CLI's rank makes, `train`, minus its exit. For `spawn`: ranks forked from the fork server,
+    torch and transformers preloaded, where a launch's torchrun agent and interpreter starts are not what is
+    tested. `stderr`: where each rank's stderr goes (STDERR.RANK)."""
+    from dpo_train.config.loading import load_config
+    from dpo_train.parallel import collectives
+    from dpo_train.trainer import train as run
+
+    if stderr is not None:
+        os.dup2(os.open(f"{stderr}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    run(load_config(path), progress=False)
+    collectives.shutdown()
+    sys.stderr.flush()
+
+
 @pytest.fixture(scope="module")
 def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
     """One LoRA run per strategy on 2 processes, as `single` but for the world (adapter and merged model
-    exported), computed on first use."""
+    exported), computed on first use. Its 2 ranks are spawned (`rank_worker`), not launched: each run is a
+    reference the tests compare to, not a launch they check."""
     runs = {}
 
     def get(strategy):
@@ -112,7 +144,7 @@ def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
             path, runs[strategy] = lora_config(
                 tmp, small_dataset, smollm2_dir, strategy, distributed__strategy=strategy, train__export="both"
             )
-            train(path, nproc=2)
+            spawn(rank_worker, 2, str(path))
         return runs[strategy]
 
     return get
@@ -122,13 +154,17 @@ def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
 def test_sigkill_then_resume_is_bitwise_identical_under_lora(
     two_processes, small_dataset, smollm2_dir, tmp_path, run_cli
 ):
-    """Two FSDP2 ranks, killed after step 5, resume against the uninterrupted FSDP2 run; one process is the
-    dropout test's below (bitwise too, and with a random draw in every step)."""
+    """Two FSDP2 ranks of `dpo-train --nproc-per-node 2`, killed after step 5, resumed on 2 ranks: the run ends
+    bitwise the uninterrupted FSDP2 run; one process is the dropout test's below (bitwise too, and with a random
+    draw in every step). The resume's 2 ranks are spawned (`rank_worker`), as the dropout test resumes in this
+    process: what is resumed is what the killed launch left on disk, and a launch's torchrun agent and
+    interpreter starts are not what is checked (a launched resume: tests/train/test_trainer.py's moved run)."""
     k, full = 5, two_processes("fsdp")
     path, out = lora_config(tmp_path, small_dataset, smollm2_dir, "cut", train__export="both")  # FSDP2: config's
     assert train(path, nproc=2, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None).returncode != 0
-    resumed = train(path, nproc=2)
-    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed.stderr
+    spawn(rank_worker, 2, str(path), str(tmp_path / "stderr"))
+    resumed = (tmp_path / "stderr.0").read_text()
+    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed
     assert metrics(out) == metrics(full)
     same = state_here(run_cli, "diff", full, out, "--values", code=None)
     assert same.exit_code == 0, same.stdout[-3000:]
@@ -142,13 +178,17 @@ def test_sigkill_then_resume_restores_the_rng_that_lora_dropout_draws(small_data
     its model, optimizer state and adapter. LoRA dropout is the one random draw in a step (model dropout is off,
     the loader has its own seed): with dropout 0.5, a resume that did not restore the RNG states would draw
     other masks from step k + 1 on. (This is also world 1's bitwise resume under LoRA, which once ran apart
-    with dropout 0 against `single` for two launches more, proving a subset of this.)"""
+    with dropout 0 against `single` for two launches more, proving a subset of this.) Only the killed run has a
+    process of its own, as the SIGKILL needs: the uninterrupted run and the resume run in this process
+    (train_here), whose RNG was drawn from by every test before, so the resume's draws are the checkpoint's only
+    if it restores them."""
     k, lora = 2, {**LORA, "dropout": 0.5}
     full_path, full = lora_config(tmp_path, small_dataset, smollm2_dir, "full", lora, train__max_steps=5)
-    train(full_path)
+    train_here(run_cli, full_path)
     path, out = lora_config(tmp_path, small_dataset, smollm2_dir, "cut", lora, train__max_steps=5)
     assert train(path, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None).returncode != 0
-    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in train(path).stderr
+    torch.rand(7)  # a draw of this process's own: the resume starts from an RNG state no run had
+    assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in train_here(run_cli, path).stderr
     assert metrics(out) == metrics(full)
     same = state_here(run_cli, "diff", full, out, "--values", code=None)
     assert same.exit_code == 0, same.stdout[-3000:]  # model and optimizer state bitwise equal (atol 0)
