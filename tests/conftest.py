@@ -53,12 +53,9 @@ def chat(prompt: str, chosen: str, rejected: str, system: str | None = None) -> 
 @pytest.fixture
 def run_cli():
     """Invoke a click entry point in-process; returns the click Result (exit_code, output, stderr)."""
-    from click.testing import CliRunner
+    from tests.harness import invoke
 
-    def run(main, *args):
-        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-    return run
+    return invoke
 
 
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample"

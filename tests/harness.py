@@ -150,6 +150,40 @@ def train_cli(config: Path, *args: Any, nproc: int = 1, **run: Any) -> subproces
     return run_process(cli_argv("train", config, "--quiet", *args, *launch), **run)
 
 
+def invoke(main: Any, *args: Any) -> Any:
+    """Click entry point `main` with ARGS in this process: the click Result. What the `run_cli` fixture calls;
+    a module fixture, which cannot take a function-scoped fixture, passes `invoke` where `run_cli` goes."""
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def rank_worker(rank: int, world: int, port: int, jobs: list, stderr: str | None = None) -> None:
+    """One rank of `dpo-train --nproc-per-node WORLD` for `spawn`, as torchrun starts a rank: the rank variables
+    set (LOCAL_WORLD_SIZE too), one intra-op thread (torchrun's OMP_NUM_THREADS=1 for several processes a
+    node), and the call the CLI's rank makes, minus its exit, for each job (config path, precompute) in turn:
+    `precompute_reference` (--precompute-reference) or `train`. Ranks forked from the fork server (torch and
+    transformers preloaded), not launched: for runs whose torchrun agent and interpreter starts are not what a
+    test checks (a reference run, a resume of a launched kill). One process group serves every job; each run
+    builds its own mesh in it. `stderr`: where each rank's stderr goes (STDERR.RANK)."""
+    import torch
+
+    from dpo_train.config.loading import load_config
+    from dpo_train.parallel import collectives
+    from dpo_train.precompute import precompute_reference
+    from dpo_train.trainer import train
+
+    if stderr is not None:
+        os.dup2(os.open(f"{stderr}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    for path, precompute in jobs:
+        (precompute_reference if precompute else train)(load_config(path), progress=False)
+    collectives.shutdown()
+    sys.stderr.flush()
+
+
 def train_here(run_cli: Any, config: Path, *args: Any, code: int | None = 0) -> Any:
     """`dpo-train CONFIG --quiet ARGS` in this process through the `run_cli` fixture: for a refusal or a short
     run, whose code path is the same in-process, no interpreter start nor imports (seconds each). The click

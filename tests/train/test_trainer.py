@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import TINY_LLAMA, join_gloo, spawn, state_here, train_here
+from tests.harness import TINY_LLAMA, invoke, rank_worker, spawn, state_here, train_here
 
 CHUNK_SOME = 100
 """train.logits_budget_mib of the 2-process runs: this model's micro-batches of more than 106 scored positions go
@@ -57,13 +57,6 @@ def run(config, *extra, code=0, env=None):
 
 def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def invoke(main, *args):
-    """The `run_cli` fixture's call, for a module fixture (which cannot use a function-scoped fixture)."""
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")
@@ -143,26 +136,10 @@ def test_a_run_writes_pair_weighted_metrics_and_a_loadable_policy(single):
     assert (single / "config.resolved.yaml").is_file()
 
 
-def rank_worker(rank: int, world: int, port: int, path: str) -> None:
-    """One rank of `dpo-train PATH --nproc-per-node WORLD`, as torchrun starts it: the rank variables set
-    (LOCAL_WORLD_SIZE too), one intra-op thread (torchrun's OMP_NUM_THREADS=1 for several processes a node), and
-    the call the CLI's rank makes, `train`, minus its exit. For `spawn`: ranks forked from the fork server, torch
-    and transformers preloaded, where a launch's torchrun agent and interpreter starts are not what is tested."""
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel import collectives
-    from dpo_train.trainer import train
-
-    torch.set_num_threads(1)
-    join_gloo(rank, world, port)
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    train(load_config(path), progress=False)
-    collectives.shutdown()
-
-
 def two_ranks(config):
     """The run of `config` on 2 ranks, spawned (`rank_worker`): a reference the tests compare to, not a launch
     they check (the moved run below launches `--nproc-per-node 2` and ends bitwise equal to `two_ddp`)."""
-    spawn(rank_worker, 2, str(config))
+    spawn(rank_worker, 2, [(str(config), False)])
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import torch
 
 from dpo_data.loading.microbatch import is_last
 from dpo_train.logps.scoring import Scoring
-from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
+from tests.harness import join_gloo, rank_worker, spawn, state_here, tiny_trainer, train_here
 from tests.tiny import tiny_llama
-from tests.train.checkpoint.test_checkpoint import config, metrics, rank_worker, train
+from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 MODEL = tiny_llama(vocab_size=512, num_attention_heads=4)
 """4 heads, 2 key/value heads: Ulysses 2 splits both; grouped-query attention is exercised."""

@@ -22,7 +22,7 @@ import yaml
 
 from dpo_state.commit import write_commit
 from dpo_state.installed import environment
-from tests.harness import TINY_LLAMA, join_gloo, spawn, state_here, train_here
+from tests.harness import TINY_LLAMA, invoke, rank_worker, spawn, state_here, train_here
 
 MODEL = TINY_LLAMA
 TIMING = ("pairs/s", "tokens/s", "time")
@@ -55,46 +55,6 @@ def train(path, *extra, nproc=1, env=None, check=0):
     if check is not None:
         assert proc.returncode == check, proc.stderr[-4000:]
     return proc
-
-
-def train_in_process(path) -> str:
-    """`dpo-train PATH --quiet` in this process, where no `run_cli` fixture is (a module fixture); must exit 0.
-    Its stderr. For a one-process run that is not killed: the same code as a launch, no interpreter start."""
-    from click.testing import CliRunner
-
-    from dpo_cli.train import main
-
-    result = CliRunner().invoke(main, [str(path), "--quiet"], catch_exceptions=False)
-    assert result.exit_code == 0, result.stderr[-4000:]
-    return result.stderr
-
-
-def rank_worker(rank: int, world: int, port: int, jobs: list, stderr: str | None = None) -> None:
-    """One rank of `dpo-train --nproc-per-node WORLD` jobs, (config path, precompute) in turn, as torchrun starts
-    a rank: the rank variables set (LOCAL_WORLD_SIZE too) and the call `dpo-train`'s rank makes,
-    `precompute_reference` (--precompute-reference) or `train`, minus its exit. For `spawn` (tests/harness.py):
-    ranks forked from the fork server (torch and transformers preloaded), not launched, where a launch's
-    torchrun agent and interpreter starts are not what a test checks. One process group serves the jobs; each
-    run builds its own mesh in it. `stderr`: where each rank's stderr goes (STDERR.RANK)."""
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel import collectives
-
-    if stderr is not None:
-        os.dup2(os.open(f"{stderr}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-    join_gloo(rank, world, port)
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    for path, precompute in jobs:
-        config = load_config(path)
-        if precompute:
-            from dpo_train.precompute import precompute_reference
-
-            precompute_reference(config, progress=False)
-        else:
-            from dpo_train.trainer import train as run
-
-            run(config, progress=False)
-    collectives.shutdown()
-    sys.stderr.flush()
 
 
 def metrics(out):
@@ -130,7 +90,7 @@ def _run_config(tmp, dataset, tokenizer, name, world, workers, batching) -> tupl
 @pytest.fixture(scope="module")
 def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
     """One uninterrupted run per (world, workers, batching), computed on first use: one process in this one
-    (`train_in_process`), 2 ranks spawned (`rank_worker`). Each is the reference the tests compare launched
+    (`train_here` with `invoke`), 2 ranks spawned (`rank_worker`). Each is the reference the tests compare launched
     runs to; its own process boundary is not what they check."""
     runs = {}
 
@@ -140,7 +100,7 @@ def uninterrupted(small_dataset, smollm2_dir, tmp_path_factory):
             tmp = tmp_path_factory.mktemp("full")
             path, out = _run_config(tmp, small_dataset, smollm2_dir, "full", world, workers, batching)
             if world == 1:
-                train_in_process(path)
+                train_here(invoke, path)
             else:
                 spawn(rank_worker, world, [(str(path), False)])
             runs[key] = out
@@ -170,15 +130,9 @@ def killed(small_dataset, smollm2_dir, tmp_path_factory):
 
 
 def _inspect_step(out: Path) -> int:
-    """The step `dpo-state inspect --json` reports, run in this process (a module fixture has no `run_cli`):
-    it reads JSON only, and an interpreter start would be most of it."""
-    from click.testing import CliRunner
-
-    from dpo_cli.state import main
-
-    result = CliRunner().invoke(main, ["inspect", str(out), "--json"], catch_exceptions=False)
-    assert result.exit_code == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)["step"]
+    """The step `dpo-state inspect --json` reports, run in this process: it reads JSON only, and an interpreter
+    start would be most of it."""
+    return json.loads(state_here(invoke, "inspect", out, "--json").stdout)["step"]
 
 
 def _step_dir(out: Path, k: int) -> Path:

@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from dpo_train.config.sections import ModelConfig
 from dpo_train.export.model_card import base_model
-from tests.harness import TINY_LLAMA, state_here, tiny_config, train_here, write_yaml
+from tests.harness import TINY_LLAMA, invoke, state_here, tiny_config, train_here, write_yaml
 from tests.tiny import tiny_llama_model
 
 LORA = {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}
-
-
-def _runner(main, *args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -47,7 +42,7 @@ def lora_run(small_dataset, smollm2_dir, tiny_base, tmp_path_factory) -> Path:
     config = tiny_config(small_dataset, smollm2_dir, tmp / "out", max_steps=2, save_every=2, export="both")
     config["model"] = {"path": str(tiny_base), "tokenizer": str(smollm2_dir), "lora": LORA}
     config["eval"] = {"path": str(small_dataset)}
-    train_here(_runner, write_yaml(tmp / "card.yaml", config))
+    train_here(invoke, write_yaml(tmp / "card.yaml", config))
     return tmp / "out"
 
 

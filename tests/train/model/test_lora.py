@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import join_gloo, spawn, state_here, tiny_trainer, train_here
+from tests.harness import invoke, rank_worker, spawn, state_here, tiny_trainer, train_here
 from tests.train.checkpoint.test_checkpoint import config, metrics, train
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -25,13 +23,6 @@ def adapter(out):
 
 def lora_config(tmp_path, dataset, tokenizer, name, lora=LORA, **over):
     return config(tmp_path, dataset, tokenizer, name, model__lora=lora, **over)
-
-
-def invoke(main, *args):
-    """The `run_cli` fixture's call, for a module fixture (which cannot use a function-scoped fixture)."""
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")
@@ -111,26 +102,6 @@ def test_final_holds_an_adapter_peft_loads_and_a_merged_model(single, smollm2_di
     assert (single / "final-merged" / "tokenizer.json").is_file() and (single / "final" / "tokenizer.json").is_file()
 
 
-def rank_worker(rank: int, world: int, port: int, path: str, stderr: str | None = None) -> None:
-    """One rank of `dpo-train PATH --quiet --nproc-per-node WORLD`, as torchrun starts it: the rank variables
-    set (LOCAL_WORLD_SIZE too), one intra-op thread (torchrun's OMP_NUM_THREADS=1 for several processes a node),
-    and the call the CLI's rank makes, `train`, minus its exit. For `spawn`: ranks forked from the fork server,
-    torch and transformers preloaded, where a launch's torchrun agent and interpreter starts are not what is
-    tested. `stderr`: where each rank's stderr goes (STDERR.RANK)."""
-    from dpo_train.config.loading import load_config
-    from dpo_train.parallel import collectives
-    from dpo_train.trainer import train as run
-
-    if stderr is not None:
-        os.dup2(os.open(f"{stderr}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-    torch.set_num_threads(1)
-    join_gloo(rank, world, port)
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    run(load_config(path), progress=False)
-    collectives.shutdown()
-    sys.stderr.flush()
-
-
 @pytest.fixture(scope="module")
 def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
     """One LoRA run per strategy on 2 processes, as `single` but for the world (adapter and merged model
@@ -144,7 +115,7 @@ def two_processes(small_dataset, smollm2_dir, tmp_path_factory):
             path, runs[strategy] = lora_config(
                 tmp, small_dataset, smollm2_dir, strategy, distributed__strategy=strategy, train__export="both"
             )
-            spawn(rank_worker, 2, str(path))
+            spawn(rank_worker, 2, [(str(path), False)])
         return runs[strategy]
 
     return get
@@ -162,7 +133,7 @@ def test_sigkill_then_resume_is_bitwise_identical_under_lora(
     k, full = 5, two_processes("fsdp")
     path, out = lora_config(tmp_path, small_dataset, smollm2_dir, "cut", train__export="both")  # FSDP2: config's
     assert train(path, nproc=2, env={"DPO_TRAIN_KILL": f"after-save:{k}"}, check=None).returncode != 0
-    spawn(rank_worker, 2, str(path), str(tmp_path / "stderr"))
+    spawn(rank_worker, 2, [(str(path), False)], str(tmp_path / "stderr"))
     resumed = (tmp_path / "stderr.0").read_text()
     assert f"resumed from {out / 'checkpoints' / f'step-{k:06d}'}" in resumed
     assert metrics(out) == metrics(full)

@@ -17,6 +17,7 @@ from dpo_data.loading.microbatch import is_last
 from tests.harness import (
     TINY_LLAMA,
     free_port,
+    invoke,
     join_gloo,
     spawn,
     state_here,
@@ -186,11 +187,7 @@ def _run_config(tmp_path, dataset, tokenizer, name: str, max_steps: int, **refer
 def resumed(small_dataset, smollm2_dir, tmp_path_factory):
     """An uninterrupted 5-step run, and the same run stopped after step 3 (one step after the move at step 2)
     and resumed to step 5; a copy of the stopped run is kept for the broken variant."""
-    from click.testing import CliRunner
-
-    def run_cli(main, *args):  # the run_cli fixture's, for a module fixture
-        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
+    run_cli = invoke  # the run_cli fixture's, for a module fixture
     tmp = tmp_path_factory.mktemp("trdpo")
     full, full_out = _run_config(tmp, small_dataset, smollm2_dir, "full", 5)
     train_here(run_cli, full)
