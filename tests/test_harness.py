@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,12 @@ def test_an_in_process_run_that_exits_otherwise_fails_the_test_showing_its_stder
     )
     assert train_here(run_cli, missing, code=2).exit_code == 2
     assert "holds no committed checkpoint" in state_here(run_cli, "verify", tmp_path, code=1).stderr
+
+
+def test_every_file_dealt_out_first_exists():
+    """A file of tests/conftest.py's HEAVIEST_FIRST renamed or moved would silently go back to its collected
+    place (and the suite's long files to its end)."""
+    from tests.conftest import HEAVIEST_FIRST
+
+    root = Path(__file__).resolve().parents[1]
+    assert [name for name in HEAVIEST_FIRST if not (root / name).is_file()] == []
