@@ -11,7 +11,7 @@ import pytest
 
 from dpo_state.commit import write_commit
 from dpo_state.export_record import write_export_record
-from tests.harness import state_here, tiny_config, train_here, write_yaml
+from tests.harness import invoke, state_here, tiny_config, train_here, write_yaml
 
 
 class _CreatesFile:
@@ -24,13 +24,6 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
-def _invoke(main, *args):
-    """What the function-scoped `run_cli` fixture does, for the module fixture (which cannot use it)."""
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
 @pytest.fixture(scope="module")
 def trained(sample_dataset, smollm2_dir, tmp_path_factory):
     """A run with committed checkpoints at steps 1 and 2 and its export (final/), and its config. Trained
@@ -38,7 +31,7 @@ def trained(sample_dataset, smollm2_dir, tmp_path_factory):
     the same in a process of its own (no test here is about a process, a signal or the installed command)."""
     tmp = tmp_path_factory.mktemp("hostile")
     config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=2, save_every=1)
-    train_here(_invoke, write_yaml(tmp / "c.yaml", config))
+    train_here(invoke, write_yaml(tmp / "c.yaml", config))
     return tmp, config
 
 

@@ -11,14 +11,7 @@ import pytest
 import yaml
 
 from dpo_state.commit import write_commit
-from tests.harness import state_cli, state_here, tiny_config, train_here, write_yaml
-
-
-def _invoke(main, *args):
-    """What the function-scoped `run_cli` fixture does, for the module fixture (which cannot use it)."""
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+from tests.harness import invoke, state_cli, state_here, tiny_config, train_here, write_yaml
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +19,7 @@ def run_dir(sample_dataset, smollm2_dir, tmp_path_factory):
     """A 3-step run, checkpoints at every step, trained in-process (what is read is its files, not its process)."""
     tmp = tmp_path_factory.mktemp("state")
     config = tiny_config(sample_dataset, smollm2_dir, tmp / "run", max_steps=3, save_every=1)
-    train_here(_invoke, write_yaml(tmp / "c.yaml", config))
+    train_here(invoke, write_yaml(tmp / "c.yaml", config))
     return tmp / "run"
 
 
